@@ -1,0 +1,75 @@
+"""The default fixed battery: a few dozen small cases that together cover every feature
+(each mask, layout, dtype, uneven split, GQA/MQA, value distribution, world sizes 1-4 and 8,
+a ring inside a subgroup)."""
+
+from __future__ import annotations
+
+from harness.case import Case, make_case
+from ring_impl.masks import MaskSpec
+
+MASKS = {
+    "none": MaskSpec("none"),
+    "causal": MaskSpec("causal"),
+    "window": MaskSpec("window", window=5),
+}
+
+
+def _docs(total: int) -> MaskSpec:
+    """Documents of uneven sizes whose boundaries straddle rank and chunk boundaries."""
+    starts = [0, max(1, total // 5), max(2, total // 2 + 1), max(3, total - 3)]
+    return MaskSpec("document", doc_starts=tuple(sorted(set(s for s in starts if s < total))))
+
+
+def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "reference") -> list[Case]:
+    """The fixed battery around `world_size`; `dtype` restricts it to one dtype."""
+    w = world_size
+    total = 6 * w + 3  # not divisible by W or 2W: every layout gets uneven shards
+    cases: list[Case] = []
+
+    def add(**kw) -> None:
+        kw.setdefault("world_size", w)
+        kw.setdefault("impl", impl)
+        kw.setdefault("seed", len(cases) + 1)
+        if "seq_lens" not in kw:
+            kw.setdefault("total_len", total)
+        cases.append(make_case(**kw))
+
+    for layout in ("contiguous", "zigzag", "striped"):
+        for name, mask in MASKS.items():
+            add(layout=layout, mask=mask, heads_q=2, heads_kv=2, head_dim=16)
+        add(layout=layout, mask=_docs(total), heads_q=2, heads_kv=2, head_dim=16)
+    add(layout="zigzag", mask=MaskSpec("document", doc_starts=_docs(total).doc_starts, causal=False))
+    for dt in ("fp16", "bf16"):
+        for layout, mask in (("zigzag", MASKS["causal"]), ("striped", MASKS["window"]),
+                             ("contiguous", _docs(total))):
+            add(layout=layout, mask=mask, dtype=dt, heads_q=4, heads_kv=2, head_dim=32)
+        add(layout="contiguous", mask=MASKS["causal"], dtype=dt, values="large", head_dim=32)
+    add(layout="zigzag", mask=MASKS["causal"], values="near-tie")
+    add(layout="contiguous", mask=MASKS["causal"], values="large")
+    # GQA / MQA, batch > 1, odd head_dim, custom scale
+    add(layout="zigzag", mask=MASKS["causal"], heads_q=4, heads_kv=2, batch=2)
+    add(layout="striped", mask=MASKS["none"], heads_q=6, heads_kv=1, head_dim=24)
+    add(layout="contiguous", mask=MASKS["causal"], head_dim=13, softmax_scale=0.3)
+    # arbitrary per-rank lengths, including a one-token shard
+    if w >= 2:
+        lens = tuple([5, 1, 17, 3][i % 4] + (i // 4) for i in range(w))
+        for layout in ("contiguous", "zigzag", "striped"):
+            add(layout=layout, mask=MASKS["causal"], seq_lens=lens, heads_q=4, heads_kv=2)
+        add(layout="contiguous", mask=MASKS["window"], seq_lens=lens)
+    # other world sizes, and a ring inside a subgroup of a larger pool
+    for other in sorted({1, 2, 3, 8} - {w}):
+        add(world_size=other, total_len=6 * other + 1, layout="zigzag", mask=MASKS["causal"], heads_q=4, heads_kv=2)
+        add(world_size=other, total_len=5 * other + 2, layout="striped", mask=_docs(5 * other + 2))
+    add(world_size=max(2, min(w, 3)), group_offset=1, layout="zigzag", mask=MASKS["causal"],
+        total_len=6 * max(2, min(w, 3)) + 1)
+    if dtype is not None:
+        cases = [c.replace(dtype=dtype) for c in cases]
+    return cases
+
+
+def battery_pool_size(cases: list[Case]) -> int:
+    """Ranks a pool needs to run every case without restarting."""
+    return max(c.pool_size for c in cases)
+
+
+__all__ = ["Case", "default_battery", "battery_pool_size"]

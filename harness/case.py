@@ -1,0 +1,305 @@
+"""Case: everything one run depends on, and its YAML form (safe_load, validated schema).
+
+Tensors are never stored: every rank rebuilds its shard of Q, K, V and dout from the seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.errors import HarnessError
+from ring_impl.layouts import LAYOUTS, split_lengths
+from ring_impl.masks import MASK_KINDS, MaskSpec
+
+FORMAT = 1
+DTYPES = ("fp32", "fp16", "bf16")
+VALUE_KINDS = ("normal", "large", "near-tie")
+TENSORS = ("out", "dq", "dk", "dv", "lse")
+MAX_WORLD = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: shapes, split, layout, mask, dtype, seed, implementation, faults, tolerances."""
+
+    world_size: int = 4
+    batch: int = 1
+    heads_q: int = 2
+    heads_kv: int = 2
+    head_dim: int = 16
+    seq_lens: tuple[int, ...] = (8, 8, 8, 8)
+    layout: str = "contiguous"
+    mask: MaskSpec = field(default_factory=MaskSpec)
+    dtype: str = "fp32"
+    softmax_scale: float | None = None
+    values: str = "normal"
+    seed: int = 0
+    impl: str = "reference"
+    group_offset: int = 0
+    faults: tuple[dict, ...] = ()
+    tolerance: dict = field(default_factory=dict)
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # -- derived ----------------------------------------------------------------------------
+    @property
+    def total_len(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def pool_size(self) -> int:
+        """Ranks the pool needs: the ring group is global ranks [offset, offset + world_size)."""
+        return self.group_offset + self.world_size
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def summary(self) -> str:
+        """A short one-line description for tables."""
+        heads = f"h{self.heads_q}" if self.heads_q == self.heads_kv else f"h{self.heads_q}/{self.heads_kv}"
+        m = self.mask
+        mask = {"window": f"window{m.window}", "document": f"doc{len(m.doc_starts)}{'' if m.causal else 'nc'}"}.get(
+            m.kind, m.kind
+        )
+        lens = "x".join(str(n) for n in self.seq_lens) if len(set(self.seq_lens)) > 1 else f"{self.seq_lens[0]}"
+        extra = f" vals={self.values}" if self.values != "normal" else ""
+        extra += f" off{self.group_offset}" if self.group_offset else ""
+        extra += f" scale={self.softmax_scale:g}" if self.softmax_scale is not None else ""
+        extra += f" faults={len(self.faults)}" if self.faults else ""
+        return (
+            f"W{self.world_size} {self.layout} {mask} {self.dtype} b{self.batch} {heads} d{self.head_dim} "
+            f"L[{lens}]{extra}"
+        )
+
+    def key(self) -> str:
+        """A stable short hash of the case (used in file names)."""
+        blob = json.dumps(to_dict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def replace(self, **changes: Any) -> Case:
+        return dataclasses.replace(self, **changes)
+
+
+def make_case(total_len: int | None = None, **fields: Any) -> Case:
+    """Case with `seq_lens` from an even split of `total_len` when per-rank lengths aren't given."""
+    if total_len is not None:
+        if "seq_lens" in fields:
+            raise HarnessError("give either total_len or seq_lens, not both")
+        fields["seq_lens"] = tuple(split_lengths(int(total_len), int(fields.get("world_size", 4))))
+    if isinstance(fields.get("mask"), dict):
+        fields["mask"] = _mask_from_dict(fields["mask"])
+    if "seq_lens" in fields:
+        fields["seq_lens"] = tuple(fields["seq_lens"])
+    return Case(**fields)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise HarnessError(f"case field '{name}': {msg}")
+
+
+def validate(c: Case) -> None:
+    """Check every field; raise HarnessError naming the first bad one."""
+    for name in ("world_size", "batch", "heads_q", "heads_kv", "head_dim"):
+        v = getattr(c, name)
+        _need(_is_int(v) and v >= 1, name, f"must be a positive integer, got {v!r}")
+    _need(c.world_size <= MAX_WORLD, "world_size", f"must be <= {MAX_WORLD}, got {c.world_size}")
+    _need(_is_int(c.group_offset) and c.group_offset >= 0, "group_offset", f"must be an integer >= 0, got {c.group_offset!r}")
+    _need(c.heads_q % c.heads_kv == 0, "heads_kv", f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})")
+    _need(isinstance(c.seq_lens, tuple) and all(_is_int(n) and n >= 0 for n in c.seq_lens), "seq_lens",
+          f"must be a list of integers >= 0, got {c.seq_lens!r}")
+    _need(len(c.seq_lens) == c.world_size, "seq_lens",
+          f"has {len(c.seq_lens)} entries but world_size is {c.world_size}")
+    _need(c.total_len >= 1, "seq_lens", "the total sequence length must be at least 1")
+    _need(c.layout in LAYOUTS, "layout", f"unknown layout {c.layout!r}; expected one of {', '.join(LAYOUTS)}")
+    _need(isinstance(c.mask, MaskSpec), "mask", f"must be a mask mapping, got {c.mask!r}")
+    if c.mask.kind == "document":
+        _need(c.mask.doc_starts[-1] < c.total_len, "mask",
+              f"document start {c.mask.doc_starts[-1]} is beyond the sequence (length {c.total_len})")
+    _need(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}")
+    _need(c.softmax_scale is None or (isinstance(c.softmax_scale, (int, float)) and not isinstance(c.softmax_scale, bool)
+                                      and math.isfinite(c.softmax_scale) and c.softmax_scale > 0),
+          "softmax_scale", f"must be a positive number or null, got {c.softmax_scale!r}")
+    _need(c.values in VALUE_KINDS, "values", f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}")
+    _need(_is_int(c.seed) and 0 <= c.seed < 2**63, "seed", f"must be an integer in [0, 2**63), got {c.seed!r}")
+    _need(isinstance(c.impl, str) and c.impl != "", "impl", f"must be a non-empty string, got {c.impl!r}")
+    _need(isinstance(c.faults, tuple) and all(isinstance(f, dict) for f in c.faults), "faults",
+          f"must be a list of mappings, got {c.faults!r}")
+    _need(isinstance(c.tolerance, dict), "tolerance", f"must be a mapping, got {c.tolerance!r}")
+    for k, v in c.tolerance.items():
+        _need(k in TENSORS, "tolerance", f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}")
+        _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "tolerance",
+              f"factor for {k} must be a positive number, got {v!r}")
+    _need(isinstance(c.deadline_s, (int, float)) and not isinstance(c.deadline_s, bool) and 0 < c.deadline_s <= 3600,
+          "deadline_s", f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}")
+
+
+# -- dict / YAML -----------------------------------------------------------------------------
+
+CASE_KEYS = {f.name for f in dataclasses.fields(Case)}
+FILE_KEYS = CASE_KEYS | {"format", "total_len", "result", "note"}
+
+
+def to_dict(c: Case) -> dict:
+    """Plain-data form (YAML/JSON friendly); the inverse of `from_dict`."""
+    return {
+        "format": FORMAT,
+        "impl": c.impl,
+        "world_size": c.world_size,
+        "group_offset": c.group_offset,
+        "batch": c.batch,
+        "heads_q": c.heads_q,
+        "heads_kv": c.heads_kv,
+        "head_dim": c.head_dim,
+        "seq_lens": list(c.seq_lens),
+        "layout": c.layout,
+        "mask": c.mask.to_dict(),
+        "dtype": c.dtype,
+        "softmax_scale": c.softmax_scale,
+        "values": c.values,
+        "seed": c.seed,
+        "faults": [dict(f) for f in c.faults],
+        "tolerance": dict(c.tolerance),
+        "deadline_s": c.deadline_s,
+    }
+
+
+def _mask_from_dict(d: Any) -> MaskSpec:
+    if not isinstance(d, dict):
+        raise HarnessError(f"case field 'mask': must be a mapping like {{kind: causal}}, got {d!r}")
+    unknown = set(d) - {"kind", "window", "doc_starts", "causal"}
+    if unknown:
+        raise HarnessError(f"case field 'mask': unknown key(s) {', '.join(sorted(map(str, unknown)))}")
+    kind = d.get("kind", "none")
+    if kind not in MASK_KINDS:
+        raise HarnessError(f"case field 'mask': unknown kind {kind!r}; expected one of {', '.join(MASK_KINDS)}")
+    window = d.get("window")
+    if kind == "window" and not (_is_int(window) and window >= 0):
+        raise HarnessError(f"case field 'mask': window must be an integer >= 0, got {window!r}")
+    starts = d.get("doc_starts", [])
+    if kind == "document" and not (isinstance(starts, list) and all(_is_int(s) for s in starts)):
+        raise HarnessError(f"case field 'mask': doc_starts must be a list of integers, got {starts!r}")
+    causal = d.get("causal", True)
+    if not isinstance(causal, bool):
+        raise HarnessError(f"case field 'mask': causal must be true or false, got {causal!r}")
+    try:
+        return MaskSpec(kind=kind, window=window if kind == "window" else None,
+                        doc_starts=tuple(starts) if kind == "document" else (), causal=causal)
+    except ValueError as e:
+        raise HarnessError(f"case field 'mask': {e}") from None
+
+
+def from_dict(d: Any) -> Case:
+    """Validated Case from plain data; raises HarnessError naming the bad field."""
+    if not isinstance(d, dict):
+        raise HarnessError(f"a case must be a mapping of fields, got {type(d).__name__}")
+    unknown = set(d) - FILE_KEYS
+    if unknown:
+        raise HarnessError(f"unknown case field(s): {', '.join(sorted(map(str, unknown)))}")
+    fmt = d.get("format", FORMAT)
+    if fmt != FORMAT:
+        raise HarnessError(f"case field 'format': unsupported case format {fmt!r} (this version reads {FORMAT})")
+    fields = {k: v for k, v in d.items() if k in CASE_KEYS}
+    if "mask" in fields:
+        fields["mask"] = _mask_from_dict(fields["mask"])
+    if "seq_lens" in fields:
+        if not isinstance(fields["seq_lens"], list):
+            raise HarnessError(f"case field 'seq_lens': must be a list of integers, got {fields['seq_lens']!r}")
+        fields["seq_lens"] = tuple(fields["seq_lens"])
+    if "faults" in fields:
+        if not isinstance(fields["faults"], list):
+            raise HarnessError(f"case field 'faults': must be a list, got {fields['faults']!r}")
+        fields["faults"] = tuple(fields["faults"])
+    if "tolerance" in fields and fields["tolerance"] is None:
+        fields["tolerance"] = {}
+    total = d.get("total_len")
+    if total is not None:
+        if "seq_lens" in d:
+            raise HarnessError("case fields 'total_len' and 'seq_lens' are exclusive: give one")
+        w = fields.get("world_size", 4)
+        if not (_is_int(total) and total >= 1):
+            raise HarnessError(f"case field 'total_len': must be a positive integer, got {total!r}")
+        if not (_is_int(w) and 1 <= w <= MAX_WORLD):
+            raise HarnessError(f"case field 'world_size': must be a positive integer <= {MAX_WORLD}, got {w!r}")
+        fields["seq_lens"] = tuple(split_lengths(total, w))
+    elif "world_size" in fields and "seq_lens" not in fields:
+        raise HarnessError("case needs 'seq_lens' (per-rank lengths) or 'total_len'")
+    try:
+        return Case(**fields)
+    except TypeError as e:  # a wrongly typed field that dataclass construction rejects
+        raise HarnessError(f"bad case: {e}") from None
+
+
+def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
+    """Parse YAML text into (Case, the whole mapping). Only safe_load: a case file is data."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise HarnessError(f"{source}:{where} malformed YAML ({getattr(e, 'problem', None) or e})") from None
+    if data is None:
+        raise HarnessError(f"{source}: empty case file")
+    try:
+        return from_dict(data), data
+    except HarnessError as e:
+        raise HarnessError(f"{source}: {e}") from None
+
+
+def load(path: str | os.PathLike) -> tuple[Case, dict]:
+    """Read a case file: (Case, the whole mapping including any recorded `result`)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise HarnessError(f"cannot read case file {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise HarnessError(f"{p}: not a UTF-8 text file") from None
+    return loads(text, str(p))
+
+
+def dumps(c: Case, *, result: dict | None = None, note: str | None = None) -> str:
+    """YAML text of a case, with an optional recorded result and a leading comment."""
+    d = to_dict(c)
+    if result is not None:
+        d["result"] = result
+    text = yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=100)
+    if note:
+        text = "".join(f"# {line}\n" for line in note.splitlines()) + text
+    return text
+
+
+def save(c: Case, path: str | os.PathLike, *, result: dict | None = None, note: str | None = None) -> Path:
+    """Atomic write (temp file + fsync + rename): a crash never leaves a half-written case."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = dumps(c, result=result, note=note)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return p

@@ -1,0 +1,101 @@
+"""The adapter protocol: what an implementation receives (RunContext) and declares (Capabilities).
+
+An implementation is an `Impl`: a plain function `run(q, k, v, ctx)` returning the local output
+shard, or `(out, lse)`, plus its declared capabilities. The harness calls backward through
+autograd with the local dout and reads q/k/v `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ring_impl.masks import MASK_KINDS, MaskSpec
+from ring_impl.layouts import LAYOUTS
+
+DTYPES = ("fp32", "fp16", "bf16")
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Everything an adapter may need to know about one run on one rank.
+
+    q/k/v shards are (batch, seq_local, heads, head_dim). `rank`/`world_size` are ranks in `group`;
+    `global_ranks[r]` is the global rank of group rank r (use it for P2P peers).
+    `all_positions[r]` are the global token positions held by group rank r, in local order.
+    """
+
+    group: Any  # torch.distributed.ProcessGroup (None only in single-process unit tests)
+    rank: int
+    world_size: int
+    global_ranks: tuple[int, ...]
+    layout: str
+    lengths: tuple[int, ...]
+    all_positions: tuple[torch.Tensor, ...]
+    mask: MaskSpec
+    softmax_scale: float
+    dtype: torch.dtype
+    device: torch.device
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Global positions of this rank's tokens."""
+        return self.all_positions[self.rank]
+
+    @property
+    def total_len(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an implementation declares it supports; property-based runs draw only from this."""
+
+    layouts: frozenset[str] = frozenset(LAYOUTS)
+    masks: frozenset[str] = frozenset(MASK_KINDS)
+    dtypes: frozenset[str] = frozenset(DTYPES)
+    gqa: bool = True
+    uneven: bool = True
+    world_sizes: tuple[int, int] = (1, 8)  # inclusive range
+    backward: bool = True
+    backends: frozenset[str] = frozenset({"gloo", "nccl"})
+    returns_lse: bool = False
+    head_dims: tuple[int, ...] | None = None  # None: any head_dim
+
+    def to_dict(self) -> dict:
+        return {
+            "layouts": sorted(self.layouts),
+            "masks": sorted(self.masks),
+            "dtypes": sorted(self.dtypes),
+            "gqa": self.gqa,
+            "uneven": self.uneven,
+            "world_sizes": list(self.world_sizes),
+            "backward": self.backward,
+            "backends": sorted(self.backends),
+            "returns_lse": self.returns_lse,
+            "head_dims": None if self.head_dims is None else list(self.head_dims),
+        }
+
+
+RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RunContext], Any]
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A named implementation: `run(q, k, v, ctx) -> out | (out, lse)` and its capabilities.
+
+    lse, when returned, is float32 (batch, heads_q, seq_local) in natural log.
+    `deterministic` means bit-identical outputs for identical inputs (replay compares hashes).
+    """
+
+    name: str
+    run: RunFn
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    version: str = "unknown"
+    deterministic: bool = True

@@ -1,0 +1,74 @@
+"""Deterministic tensors from a case's seed, built per token so a rank makes only its own shard.
+
+Values for token block b of tensor `name` come from a generator seeded by (seed, name, b), so the
+parent's global tensors and each rank's shard agree bit for bit, and no rank ever materialises
+the global Q, K, V or dout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harness.case import Case
+
+TOKEN_BLOCK = 64
+NAMES = ("q", "k", "v", "dout")
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# "large": q and k scaled so that scaled scores have magnitudes of roughly 50-200, stressing the
+# log-sum-exp merge; "near-tie": keys nearly identical so softmax rows are close to uniform.
+LARGE_GAIN = 10.0
+NEAR_TIE_NOISE = 1e-3
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    ss = np.random.SeedSequence([seed & (2**63 - 1), NAMES.index(name) + 1, block])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] & (2**63 - 1))
+
+
+def _raw(case: Case, name: str, positions: torch.Tensor, heads: int) -> torch.Tensor:
+    """float32 (batch, len(positions), heads, head_dim) standard normal values for those tokens."""
+    out = torch.empty(case.batch, positions.numel(), heads, case.head_dim, dtype=torch.float32)
+    if positions.numel() == 0:
+        return out
+    blocks = torch.div(positions, TOKEN_BLOCK, rounding_mode="floor")
+    for b in torch.unique(blocks).tolist():
+        gen = torch.Generator().manual_seed(_block_seed(case.seed, name, b))
+        block = torch.randn(case.batch, TOKEN_BLOCK, heads, case.head_dim, generator=gen)
+        sel = (blocks == b).nonzero().view(-1)
+        out[:, sel] = block[:, positions[sel] - b * TOKEN_BLOCK]
+    return out
+
+
+def make(case: Case, name: str, positions: torch.Tensor) -> torch.Tensor:
+    """Tensor `name` (q, k, v or dout) for the given global positions, in the case's dtype."""
+    heads = case.heads_kv if name in ("k", "v") else case.heads_q
+    x = _raw(case, name, positions, heads)
+    if case.values == "large" and name in ("q", "k"):
+        x = x * LARGE_GAIN
+    elif case.values == "near-tie" and name == "k":
+        # one shared key per (batch, head) plus tiny per-token noise
+        shared = _raw(case, name, torch.zeros(1, dtype=torch.long), heads)
+        x = shared.expand_as(x) + NEAR_TIE_NOISE * x
+    return x.to(TORCH_DTYPES[case.dtype])
+
+
+def make_global(case: Case) -> dict[str, torch.Tensor]:
+    """All four global tensors (used by the parent's oracle)."""
+    pos = torch.arange(case.total_len, dtype=torch.long)
+    return {n: make(case, n, pos) for n in NAMES}
+
+
+def leak_queries(case: Case) -> torch.Tensor:
+    """Query positions S for the causality-leak check: one or two short random runs of tokens.
+
+    Short runs make most keys invisible under causal/window/document masks, so a leak shows.
+    """
+    n = case.total_len
+    gen = torch.Generator().manual_seed(_block_seed(case.seed, "dout", 2**31))
+    picks = []
+    for _ in range(2 if n > 4 else 1):
+        start = int(torch.randint(0, n, (1,), generator=gen))
+        length = int(torch.randint(1, 4, (1,), generator=gen))
+        picks.append(torch.arange(start, min(n, start + length)))
+    return torch.unique(torch.cat(picks))

@@ -1,0 +1,140 @@
+"""pytest plugin (entry point `pytest11`): validate a ring attention implementation inside any
+project's test suite.
+
+Options: --ring-impl, --ring-world-size, --ring-max-examples, --ring-faults, --ring-cases DIR.
+Fixtures: `ring_pool` (one rank pool per pytest process, so each xdist worker has its own pool and
+FileStore) and `ring_check` (run cases against the configured implementation and assert).
+Marker: `@pytest.mark.ring_impl("name")` overrides the implementation for one test.
+Case files (*.yaml) under `--ring-cases` dirs (or the `ring_cases` ini option) become test items
+that replay the recorded case.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("ring-harness", "ring attention validation (ring-harness)")
+    g.addoption("--ring-impl", default=None, help="implementation to validate (built-in name or pkg.mod:attr)")
+    g.addoption("--ring-world-size", type=int, default=4, help="ring size for ring_check (default 4)")
+    g.addoption("--ring-max-examples", type=int, default=None, help="property-based examples per ring_check")
+    g.addoption("--ring-faults", default=None, help="comma-separated fault kinds to mix in (or 'all')")
+    g.addoption("--ring-cases", action="append", default=[], metavar="DIR",
+                help="directory of case YAML files to replay as tests (repeatable)")
+    parser.addini("ring_cases", "directories of case YAML files to replay as tests", type="paths", default=[])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "ring_impl(name): run ring_check against this implementation")
+
+
+@pytest.fixture(scope="session")
+def ring_pool(request: pytest.FixtureRequest):
+    """A persistent rank pool for this pytest process; grows on demand, torn down at session end."""
+    return _session_pool(request.session)
+
+
+class RingChecker:
+    """Callable fixture object: `ring_check(case)` or `ring_check.battery()`; asserts on failure."""
+
+    def __init__(self, pool, impl: str, world_size: int, max_examples: int | None, faults: str | None) -> None:
+        self.pool = pool
+        self.impl = impl
+        self.world_size = world_size
+        self.max_examples = max_examples
+        self.faults = faults
+
+    def run(self, case, impl: str | None = None):
+        """Run one case and return its CaseResult (no assertion)."""
+        from harness.runner import run_case
+
+        name = impl or self.impl
+        return run_case(case, self.pool, name, allow_import=":" in name)
+
+    def __call__(self, case, impl: str | None = None):
+        """Run one case and fail the test unless its verdict is `pass`."""
+        from harness.report import details
+
+        r = self.run(case, impl)
+        if not r.passed:
+            pytest.fail(f"{r.verdict}: {r.case.summary()}\n" + "\n".join(details(r)), pytrace=False)
+        return r
+
+    def battery(self, dtype: str | None = None):
+        """Run the default fixed battery; fail listing every failing case."""
+        from harness.battery import default_battery
+        from harness.report import details
+
+        results = [self.run(c) for c in default_battery(self.world_size, dtype, impl=self.impl)]
+        bad = [r for r in results if not r.passed]
+        if bad:
+            pytest.fail("\n".join(f"{r.verdict}: {r.case.summary()}\n" + "\n".join(details(r)) for r in bad),
+                        pytrace=False)
+        return results
+
+
+@pytest.fixture
+def ring_check(request: pytest.FixtureRequest, ring_pool) -> RingChecker:
+    """Run cases against --ring-impl (or the test's ring_impl marker) on the session's rank pool."""
+    marker = request.node.get_closest_marker("ring_impl")
+    impl = marker.args[0] if marker and marker.args else request.config.getoption("--ring-impl") or "reference"
+    return RingChecker(ring_pool, impl, request.config.getoption("--ring-world-size"),
+                       request.config.getoption("--ring-max-examples"), request.config.getoption("--ring-faults"))
+
+
+# -- case files as test items -----------------------------------------------------------------
+
+def _case_dirs(config: pytest.Config) -> list[Path]:
+    dirs = [Path(d) for d in config.getoption("--ring-cases")] + list(config.getini("ring_cases"))
+    return [d.resolve() for d in dirs]
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector):
+    if file_path.suffix not in (".yaml", ".yml"):
+        return None
+    if not any(d == file_path.parent or d in file_path.parents for d in _case_dirs(parent.config)):
+        return None
+    return CaseFile.from_parent(parent, path=file_path)
+
+
+class CaseFile(pytest.File):
+    def collect(self):
+        yield CaseItem.from_parent(self, name=self.path.stem)
+
+
+class CaseItem(pytest.Item):
+    """Replays one saved case: it must reproduce its recorded verdict (see harness.replay)."""
+
+    def runtest(self) -> None:
+        from harness.replay import replay_expectations
+
+        problems = replay_expectations(self.path, _session_pool(self.session))
+        if problems:
+            raise CaseReplayFailed("\n".join(problems))
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, CaseReplayFailed):
+            return f"{self.path.name}: {excinfo.value}"
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, 0, f"case {self.path.name}"
+
+
+class CaseReplayFailed(AssertionError):
+    pass
+
+
+def _session_pool(session: pytest.Session):
+    """Case items share one pool per pytest process, closed when the session ends."""
+    pool = getattr(session, "_ring_harness_pool", None)
+    if pool is None:
+        from harness.pool import RankPool
+
+        pool = RankPool(size=1)
+        session._ring_harness_pool = pool
+        session.config.add_cleanup(pool.close)
+    return pool

@@ -1,0 +1,74 @@
+"""Human-readable output: one row per case, a summary line, failure details, JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+from harness.runner import CaseResult
+
+TENSOR_COLS = ("out", "dq", "dk", "dv")
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "   -  "
+    if x == float("inf"):
+        return "  NaN "
+    return f"{x:6.3f}" if x < 100 else f"{x:6.0f}"
+
+
+def header() -> str:
+    cols = " ".join(f"{t:>6}" for t in TENSOR_COLS)
+    return f"{'#':>5}  {'case':<58} {cols}  {'leak':>4}  {'verdict':<17} {'secs':>6}"
+
+
+def row(i: int, n: int, r: CaseResult) -> str:
+    """One line: case summary, worst error ratio per tensor (error / allowed), leak, verdict."""
+    cols = " ".join(_ratio(r.worst(t)) for t in TENSOR_COLS)
+    leak = "-" if r.leak is None else ("ok" if r.leak.passed else "LEAK")
+    summary = r.case.summary()
+    if len(summary) > 58:
+        summary = summary[:55] + "..."
+    return f"{i:>2}/{n:<2}  {summary:<58} {cols}  {leak:>4}  {r.verdict:<17} {r.timings.get('wall_s', 0):6.2f}"
+
+
+def details(r: CaseResult) -> list[str]:
+    """Indented lines explaining a non-pass verdict: where the errors are, which rank raised."""
+    if r.passed:
+        return []
+    lines = [f"        -> {r.detail}"] if r.detail else []
+    for c in sorted(r.failed_checks(), key=lambda c: -c.ratio)[:6]:
+        p = c.position
+        lines.append(f"        {c.tensor:>3} rank {c.rank}: max err {c.error:.3g} > allowed {c.allowed:.3g} "
+                     f"(x{c.ratio:.3g}) at batch {p.get('batch')} token {p.get('token')} head {p.get('head')}")
+    for g, s in sorted(r.hung.items()):
+        lines.append(f"        rank {g} stack:")
+        lines.extend("          " + ln for ln in s.splitlines()[:12])
+    return lines
+
+
+def summary(results: Iterable[CaseResult], seconds: float) -> str:
+    results = list(results)
+    counts = Counter(r.verdict for r in results)
+    parts = ", ".join(f"{counts[v]} {v}" for v in sorted(counts))
+    return f"{len(results)} cases: {parts} in {seconds:.1f} s"
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> None:
+    """Atomic JSON write."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    os.replace(tmp, p)
+
+
+def out(line: str = "") -> None:
+    """Print and flush (so progress shows when piped to a log)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

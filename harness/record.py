@@ -26,7 +26,7 @@ def result_record(r: CaseResult, impl_version: str = "unknown", backend: str = "
     return {
         "verdict": r.verdict,
         "detail": r.detail,
-        "versions": {"torch": torch.__version__, "ring-harness": harness_version(), "impl": impl_version,
+        "versions": {"torch": str(torch.__version__), "ring-harness": harness_version(), "impl": impl_version,
                      "python": platform.python_version()},
         "backend": backend,
         "checks": [{"tensor": c.tensor, "rank": c.rank, "error": float(c.error), "allowed": float(c.allowed),

@@ -49,7 +49,7 @@ def replay(path: str | os.PathLike, pool: RankPool, impl: str | None = None, *, 
     res = run_case(case, pool, name, allow_import=allow_import)
     out = Replay(result=res, recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None)
     if out.recorded_verdict is not None and recorded.get("hashes"):
-        same_torch = recorded.get("versions", {}).get("torch") == torch.__version__
+        same_torch = recorded.get("versions", {}).get("torch") == str(torch.__version__)
         out.hashes_compared, out.hash_mismatches = compare_hashes(recorded["hashes"], res)
         if not same_torch:
             out.hash_note = (f"recorded on torch {recorded.get('versions', {}).get('torch')}, "

@@ -80,9 +80,11 @@ def test_nan_is_a_failure():
 
 
 def test_bound_scales_with_base_error():
-    assert tolerance.bound("out", "fp32", 0.0, 1.0) == torch.finfo(torch.float32).eps
-    assert tolerance.bound("dq", "bf16", 0.01, 1.0) == 3 * 0.01 + torch.finfo(torch.bfloat16).eps
-    assert tolerance.bound("dq", "bf16", 0.01, 1.0, {"dq": 5}) == 5 * 0.01 + torch.finfo(torch.bfloat16).eps
+    e32, e16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+    assert tolerance.bound("out", "fp32", 0.0, 1.0) == 2 * e32
+    assert tolerance.bound("out", "fp32", 0.0, 2.0, world_size=4) == 2.0 * 5 * e32
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0) == 3 * 0.01 + e16 + e32
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0, {"dq": 5}) == 5 * 0.01 + e16 + e32
 
 
 def test_leak_check_is_exact():

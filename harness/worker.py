@@ -95,16 +95,24 @@ def _split(res):
     return res, None
 
 
-def _forward_backward(impl, q, k, v, dout, ctx):
-    """One forward + backward through the implementation; returns (out, lse, dq, dk, dv, times)."""
+def _no_phase(phase: str) -> None:
+    """Phase marker when no interposer listens."""
+
+
+def _forward_backward(impl, q, k, v, dout, ctx, phase=_no_phase):
+    """One forward + backward through the implementation; returns (out, lse, dq, dk, dv, times).
+    `phase` is told forward / backward / done, so the comm log and fault schedule know which."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     t0 = time.perf_counter()
+    phase("forward")
     out, lse = _split(impl.run(q, k, v, ctx))
     t1 = time.perf_counter()
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ShapeError(f"output shape {got} != expected {tuple(q.shape)}")
+    phase("backward")
     torch.autograd.backward(out, dout)
+    phase("done")
     t2 = time.perf_counter()
     grads = []
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -120,8 +128,9 @@ class ShapeError(RuntimeError):
     """An implementation returned a tensor of the wrong shape (verdict: diverged)."""
 
 
-def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bool) -> dict:
-    """Run one case on this rank: build shards from the seed, forward + backward, leak run."""
+def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bool, phase=_no_phase) -> dict:
+    """Run one case on this rank: build shards from the seed, forward + backward, leak run (not
+    under faults: the fault schedule counts the ops of one forward + backward)."""
     import torch.distributed as dist
 
     grank = dist.get_rank(group) if group is not None else 0
@@ -135,7 +144,7 @@ def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bo
         lengths=tuple(case.seq_lens), all_positions=pos_all, mask=case.mask, softmax_scale=case.scale,
         dtype=q.dtype, device=device, seed=case.seed,
     )
-    out, lse, dq, dk, dv, times = _forward_backward(impl, q, k, v, dout, ctx)
+    out, lse, dq, dk, dv, times = _forward_backward(impl, q, k, v, dout, ctx, phase)
     tensors = {"out": out, "dq": dq, "dk": dk, "dv": dv}
     if lse is not None:
         tensors["lse"] = lse
@@ -144,19 +153,69 @@ def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bo
         "hashes": {n: tensor_hash(t) for n, t in tensors.items()},
         "timings": times,
     }
-    if leak and case.mask.kind != "none":
+    if leak and case.mask.kind != "none" and not case.faults:
         chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
         dout_s = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
-        _, _, _, dk_s, dv_s, _ = _forward_backward(impl, q, k, v, dout_s, ctx)
+        _, _, _, dk_s, dv_s, _ = _forward_backward(impl, q, k, v, dout_s, ctx,
+                                                   lambda p: phase(p if p == "done" else f"leak-{p}"))
         reply["leak"] = {"dk": dk_s.detach().cpu(), "dv": dv_s.detach().cpu()}
+    return reply
+
+
+def comm_budget(case: case_mod.Case) -> float:
+    """Seconds from a case's start by which every communication op must have completed or failed,
+    leaving the rest of the deadline for the error to reach the parent."""
+    return max(0.5, case.deadline_s - max(1.5, 0.2 * case.deadline_s))
+
+
+def _interposer(case: case_mod.Case, rank: int, msg: dict, workdir: str | None):
+    """This rank's torch.distributed interposer for the case: op log, faults, short timeouts."""
+    from harness.faults import interpose, schema
+
+    def path(name: str) -> str | None:
+        return os.path.join(workdir, f"{name}-{rank}") if workdir else None
+
+    return interpose.Interposer(
+        rank - case.group_offset, schema.parse_faults(case.faults, case.world_size), seed=case.seed,
+        timeout_s=pg_timeout(case), budget_s=comm_budget(case), pending_path=path("pending"),
+        crash_path=path("crash"), case_id=msg.get("case_id"),
+    )
+
+
+def handle_case(msg: dict, rank: int, groups: Groups, device: torch.device, impls: dict,
+                workdir: str | None = None) -> dict:
+    """Run one 'run' message on this (global) rank and build the reply; never raises for an
+    implementation's error (that is a result). Shared by the pool worker and the torchrun driver.
+    The case runs inside the fault interposer; the reply carries its op log and fired faults."""
+    from harness import registry
+    from harness.faults import interpose
+
+    case = case_mod.from_dict(msg["case"])
+    reply = {"op": "result", "rank": rank, "case_id": msg["case_id"]}
+    ip = _interposer(case, rank, msg, workdir)
+    try:
+        group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
+        if not (case.group_offset <= rank < case.group_offset + case.world_size):
+            reply["status"] = "idle"
+            return reply
+        spec = msg["impl"]
+        if spec not in impls:
+            impls[spec] = registry.resolve(spec, allow_import=msg.get("allow_import", False))
+        reply["deterministic"] = bool(getattr(impls[spec], "deterministic", True))
+        with interpose.active(ip):
+            reply.update(run_on_rank(case, impls[spec], group, device, msg.get("leak", True), ip.set_phase))
+        reply["status"] = "ok"
+    except ShapeError as e:
+        reply.update(status="diverged", error=_error_text(e))
+    except Exception as e:  # the implementation's error is a result, not a worker crash
+        reply.update(status="error", error=_error_text(e), traceback=traceback.format_exc()[-4000:])
+    reply.update(comm=ip.compact_log(), faults=ip.report())
     return reply
 
 
 def serve(rank: int, size: int, workdir: str, backend: str) -> None:
     """Rendezvous, then loop: receive a case, run it, reply. Exits on 'stop' or parent death."""
     import torch.distributed as dist
-
-    from harness import registry
 
     torch.set_num_threads(1)
     authkey = bytes.fromhex(os.environ["RING_HARNESS_AUTHKEY"])
@@ -183,23 +242,7 @@ def serve(rank: int, size: int, workdir: str, backend: str) -> None:
         if msg["op"] == "ping":
             wire.send(conn, {"op": "pong", "rank": rank})
             continue
-        case = case_mod.from_dict(msg["case"])
-        reply = {"op": "result", "rank": rank, "case_id": msg["case_id"]}
-        try:
-            group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
-            if not (case.group_offset <= rank < case.group_offset + case.world_size):
-                reply["status"] = "idle"
-            else:
-                spec = msg["impl"]
-                if spec not in impls:
-                    impls[spec] = registry.resolve(spec, allow_import=msg.get("allow_import", False))
-                reply.update(run_on_rank(case, impls[spec], group, device, msg.get("leak", True)))
-                reply["status"] = "ok"
-        except ShapeError as e:
-            reply.update(status="diverged", error=_error_text(e))
-        except Exception as e:  # the implementation's error is a result, not a worker crash
-            reply.update(status="error", error=_error_text(e), traceback=traceback.format_exc()[-4000:])
-        wire.send(conn, reply)
+        wire.send(conn, handle_case(msg, rank, groups, device, impls, workdir))
     dist.destroy_process_group()
     conn.close()
 

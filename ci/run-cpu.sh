@@ -4,7 +4,7 @@
 set -euo pipefail
 python -m pip install -q --upgrade pip >/dev/null
 python -m pip install -q -r ci/requirements-cpu.txt
-python -m pip install -q -e '.[dev]'
+python -m pip install -q -e '.[dev,ring-attention-pytorch]'
 ruff check .
 # The README's test command:
 python -m pytest -n 2

@@ -40,6 +40,8 @@ def unsupported(caps: Capabilities, c: Case) -> list[str]:
         missing.append("uneven")
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
         missing.append(f"head_dim:{c.head_dim}")
+    if c.group_offset and not caps.subgroups:
+        missing.append("subgroup")
     return missing
 
 

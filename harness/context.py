@@ -67,6 +67,7 @@ class Capabilities:
     backends: frozenset[str] = frozenset({"gloo", "nccl"})
     returns_lse: bool = False
     head_dims: tuple[int, ...] | None = None  # None: any head_dim
+    subgroups: bool = True  # False: the ring must be the whole world (global ranks 0..W-1)
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +81,7 @@ class Capabilities:
             "backends": sorted(self.backends),
             "returns_lse": self.returns_lse,
             "head_dims": None if self.head_dims is None else list(self.head_dims),
+            "subgroups": self.subgroups,
         }
 
 

@@ -109,8 +109,15 @@ class CaseItem(pytest.Item):
     """Replays one saved case: it must reproduce its recorded verdict (see harness.replay)."""
 
     def runtest(self) -> None:
+        from harness import case as case_mod
+        from harness import registry
         from harness.replay import replay_expectations
 
+        case, _ = case_mod.load(self.path)
+        try:
+            registry.resolve(case.impl, allow_import=False)
+        except registry.MissingDependency as e:
+            pytest.skip(str(e))
         problems = replay_expectations(self.path, _session_pool(self.session))
         if problems:
             raise CaseReplayFailed("\n".join(problems))

@@ -1,0 +1,208 @@
+"""The implementation registry: built-ins, entry points, module paths, refusals, one-line errors."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from harness import registry
+from harness.context import Capabilities
+from harness.errors import HarnessError
+from harness.registry import ImplError, MissingDependency
+
+GPU_ONLY = [
+    n for n in registry.builtin_names() if n.startswith(("ring-flash-attn", "te-cp", "yunchang", "torch-cp"))
+]
+
+
+@pytest.fixture
+def plugin_module(tmp_path, monkeypatch):
+    """A throwaway importable module with an Impl, a factory and a plain run function."""
+    name = "ring_harness_test_plugin"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            from harness.context import Capabilities, Impl
+
+            def run(q, k, v, ctx):
+                return q
+
+            def make():
+                return Impl(name="made", run=run, capabilities=Capabilities(gqa=False), version="9")
+
+            IMPL = Impl(name="plugin-impl", run=run, version="1.2")
+            NOT_CALLABLE = 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_builtins_listed():
+    names = registry.builtin_names()
+    for expected in (
+        "reference",
+        "ring-attention-pytorch",
+        "torch-ring",
+        "torch-ring-alltoall",
+        "ring-flash-attn",
+        "ring-flash-attn-zigzag",
+        "ring-flash-attn-stripe",
+        "ring-flash-attn-llama3",
+        "torch-cp",
+        "te-cp-p2p",
+        "te-cp-a2a",
+        "te-cp-all-gather",
+        "yunchang-ring",
+        "yunchang-ulysses",
+        "yunchang-usp",
+    ):
+        assert expected in names
+    assert len(names) == len(set(names))
+
+
+def test_importing_registry_imports_no_third_party_library():
+    code = (
+        "import sys, harness.registry, harness.adapters._common\n"
+        "libs = ('ring_attention_pytorch', 'ring_flash_attn', 'flash_attn', 'yunchang', 'transformer_engine',"
+        " 'einops')\n"
+        "print([m for m in libs if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_builtin_target_is_a_lazy_adapter_module():
+    for name, target in registry.BUILTINS.items():
+        mod, _, attr = target.partition(":")
+        assert mod.startswith("harness.adapters."), name
+        module = __import__(mod, fromlist=[attr])
+        assert callable(getattr(module, attr)), name
+        assert name in module.CAPABILITIES, name
+
+
+def test_unknown_name_is_one_clear_line():
+    with pytest.raises(ImplError) as e:
+        registry.resolve("foo")
+    msg = str(e.value)
+    assert msg.startswith("unknown implementation 'foo'; built-in: reference, ")
+    assert "torch-ring" in msg and "\n" not in msg
+    assert isinstance(e.value, ValueError) and isinstance(e.value, HarnessError)
+
+
+@pytest.mark.parametrize("bad", ["", "   ", "a:b:c", "pkg.mod:", ":attr", "1pkg:x"])
+def test_malformed_names(bad):
+    with pytest.raises(ImplError):
+        registry.resolve(bad)
+
+
+def test_module_attr_plain_run_gets_defaults(plugin_module):
+    spec = f"{plugin_module}:run"
+    impl = registry.resolve(spec)
+    assert impl.name == spec
+    assert impl.capabilities == Capabilities()
+    assert impl.run(1, 2, 3, None) == 1
+
+
+def test_module_attr_impl_and_factory(plugin_module):
+    impl = registry.resolve(f"{plugin_module}:IMPL")
+    assert (impl.name, impl.version) == ("plugin-impl", "1.2")
+    made = registry.resolve(f"{plugin_module}:make")
+    assert made.name == "made" and made.capabilities.gqa is False
+
+
+def test_module_attr_errors(plugin_module):
+    with pytest.raises(ImplError, match="has no attribute 'nope'"):
+        registry.resolve(f"{plugin_module}:nope")
+    with pytest.raises(ImplError, match="neither an Impl nor a callable"):
+        registry.resolve(f"{plugin_module}:NOT_CALLABLE")
+    with pytest.raises(ImplError, match="cannot import 'no_such_pkg_xyz.mod'.*No module named"):
+        registry.resolve("no_such_pkg_xyz.mod:run")
+
+
+def test_allow_import_false_refuses_module_path_without_importing(plugin_module):
+    with pytest.raises(ImplError, match="is a module path; a case file may only name") as e:
+        registry.resolve(f"{plugin_module}:IMPL", allow_import=False)
+    assert "\n" not in str(e.value)
+    assert plugin_module not in sys.modules
+
+
+def test_allow_import_false_accepts_builtin_and_entry_point(plugin_module, monkeypatch):
+    assert registry.resolve("torch-ring", allow_import=False).name == "torch-ring"
+    ep = md.EntryPoint(name="plugin-ep", value=f"{plugin_module}:IMPL", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "_entry_points", lambda: [ep])
+    assert registry.resolve("plugin-ep", allow_import=False).name == "plugin-impl"
+    assert "plugin-ep" in registry.entry_point_names()
+    with pytest.raises(ImplError, match="installed: plugin-ep"):
+        registry.resolve("not-there", allow_import=False)
+
+
+def test_builtin_wins_over_entry_point_of_same_name(plugin_module, monkeypatch):
+    ep = md.EntryPoint(name="torch-ring", value=f"{plugin_module}:IMPL", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "_entry_points", lambda: [ep])
+    assert registry.resolve("torch-ring").name == "torch-ring"
+    assert "torch-ring" not in registry.entry_point_names()
+
+
+def test_broken_entry_point_is_one_line(monkeypatch):
+    ep = md.EntryPoint(name="broken", value="no_such_pkg_xyz:IMPL", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "_entry_points", lambda: [ep])
+    with pytest.raises(
+        ImplError, match=r"^implementation 'broken' \(entry point no_such_pkg_xyz:IMPL\) failed"
+    ):
+        registry.resolve("broken")
+
+
+def test_missing_optional_dependency_message(monkeypatch):
+    fake = types.ModuleType("harness.adapters._fake_missing")
+    fake.EXTRA = "ring-flash-attn"
+
+    def factory():
+        import no_such_library_xyz  # noqa: F401
+
+    fake.factory = factory
+    fake.CAPABILITIES = {"fake": Capabilities()}
+    monkeypatch.setitem(sys.modules, "harness.adapters._fake_missing", fake)
+    monkeypatch.setitem(registry.BUILTINS, "fake", "harness.adapters._fake_missing:factory")
+    with pytest.raises(MissingDependency) as e:
+        registry.resolve("fake")
+    assert str(e.value) == (
+        "implementation 'fake' needs the optional extra: pip install 'ring-harness[ring-flash-attn]' "
+        "(No module named 'no_such_library_xyz')"
+    )
+
+
+def test_real_missing_dependency_if_absent():
+    try:
+        import ring_flash_attn  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("ring-flash-attn is installed here")
+    with pytest.raises(
+        MissingDependency, match=r"pip install 'ring-harness\[ring-flash-attn\]' \(No module named"
+    ):
+        registry.resolve("ring-flash-attn-zigzag")
+
+
+def test_describe_rows():
+    rows = {r["name"]: r for r in registry.describe()}
+    assert set(registry.builtin_names()) <= set(rows)
+    torch_ring = rows["torch-ring"]
+    assert torch_ring["available"] and torch_ring["version"].startswith("torch ")
+    assert torch_ring["capabilities"]["backends"] == ["gloo"]
+    for name in GPU_ONLY:
+        row = rows[name]
+        assert row["capabilities"] is not None and row["capabilities"]["backends"] == ["nccl"], name
+        if not torch.cuda.is_available():
+            assert not row["available"] and row["why"], name
+            assert "\n" not in row["why"]

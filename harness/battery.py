@@ -35,7 +35,7 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
         cases.append(make_case(**kw))
 
     for layout in ("contiguous", "zigzag", "striped"):
-        for name, mask in MASKS.items():
+        for mask in MASKS.values():
             add(layout=layout, mask=mask, heads_q=2, heads_kv=2, head_dim=16)
         add(layout=layout, mask=_docs(total), heads_q=2, heads_kv=2, head_dim=16)
     add(layout="zigzag", mask=MaskSpec("document", doc_starts=_docs(total).doc_starts, causal=False))

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from harness.errors import HarnessError
+from harness.faults.schema import parse_faults
 from ring_impl.layouts import LAYOUTS, split_lengths
 from ring_impl.masks import MASK_KINDS, MaskSpec
 
@@ -110,6 +111,10 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _need(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise HarnessError(f"case field '{name}': {msg}")
@@ -121,8 +126,10 @@ def validate(c: Case) -> None:
         v = getattr(c, name)
         _need(_is_int(v) and v >= 1, name, f"must be a positive integer, got {v!r}")
     _need(c.world_size <= MAX_WORLD, "world_size", f"must be <= {MAX_WORLD}, got {c.world_size}")
-    _need(_is_int(c.group_offset) and c.group_offset >= 0, "group_offset", f"must be an integer >= 0, got {c.group_offset!r}")
-    _need(c.heads_q % c.heads_kv == 0, "heads_kv", f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})")
+    _need(_is_int(c.group_offset) and c.group_offset >= 0, "group_offset",
+          f"must be an integer >= 0, got {c.group_offset!r}")
+    _need(c.heads_q % c.heads_kv == 0, "heads_kv",
+          f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})")
     _need(isinstance(c.seq_lens, tuple) and all(_is_int(n) and n >= 0 for n in c.seq_lens), "seq_lens",
           f"must be a list of integers >= 0, got {c.seq_lens!r}")
     _need(len(c.seq_lens) == c.world_size, "seq_lens",
@@ -134,20 +141,21 @@ def validate(c: Case) -> None:
         _need(c.mask.doc_starts[-1] < c.total_len, "mask",
               f"document start {c.mask.doc_starts[-1]} is beyond the sequence (length {c.total_len})")
     _need(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}")
-    _need(c.softmax_scale is None or (isinstance(c.softmax_scale, (int, float)) and not isinstance(c.softmax_scale, bool)
-                                      and math.isfinite(c.softmax_scale) and c.softmax_scale > 0),
+    _need(c.softmax_scale is None or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale)
+                                      and c.softmax_scale > 0),
           "softmax_scale", f"must be a positive number or null, got {c.softmax_scale!r}")
-    _need(c.values in VALUE_KINDS, "values", f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}")
+    _need(c.values in VALUE_KINDS, "values",
+          f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}")
     _need(_is_int(c.seed) and 0 <= c.seed < 2**63, "seed", f"must be an integer in [0, 2**63), got {c.seed!r}")
     _need(isinstance(c.impl, str) and c.impl != "", "impl", f"must be a non-empty string, got {c.impl!r}")
-    _need(isinstance(c.faults, tuple) and all(isinstance(f, dict) for f in c.faults), "faults",
-          f"must be a list of mappings, got {c.faults!r}")
+    _need(isinstance(c.faults, tuple), "faults", f"must be a list of fault mappings, got {c.faults!r}")
+    parse_faults(c.faults, c.world_size)  # raises naming the field, e.g. 'faults[1].index'
     _need(isinstance(c.tolerance, dict), "tolerance", f"must be a mapping, got {c.tolerance!r}")
     for k, v in c.tolerance.items():
         _need(k in TENSORS, "tolerance", f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}")
         _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "tolerance",
               f"factor for {k} must be a positive number, got {v!r}")
-    _need(isinstance(c.deadline_s, (int, float)) and not isinstance(c.deadline_s, bool) and 0 < c.deadline_s <= 3600,
+    _need(_is_number(c.deadline_s) and 0 < c.deadline_s <= 3600,
           "deadline_s", f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}")
 
 

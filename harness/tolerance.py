@@ -2,7 +2,8 @@
 
 Per tensor and per rank:
 
-    max|impl - ref64| <= k * max|base - ref64| + (eps(dtype) + (W + max|lse|) * eps(fp32)) * max|ref64|
+    max|impl - ref64| <= k * max|base - ref64|
+                         + (eps(dtype) + (W + max|lse|) * eps(fp32)) * max|ref64|
 
 `ref64` is float64 single-device attention on the same inputs; `base` is the same single-device
 attention computed in the case's dtype, so the bound scales with the error that plain attention
@@ -16,8 +17,9 @@ roundings that a blockwise ring makes and single-device autograd does not:
   |lse| ~ 100-200, make this the dominant term).
 Calibrated on the default battery: without these terms fp32 cases of the correct reference failed at
 ratios up to 1.4 (MQA out, W=4) and 1.16 (dk with scores ~100); with them the fp32 floor is still
-~1e3 times below a bf16-level error, so low-precision bugs stay visible. `base` error is measured over the whole tensor (not per rank): a
-shard of one token gives too few samples for a stable estimate.
+~1e3 times below a bf16-level error, so low-precision bugs stay visible.
+`base` error is measured over the whole tensor (not per rank): a shard of one token gives too few
+samples for a stable estimate.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def test_exact_reference_passes_and_small_error_fails():
         probe = check_tensors(c, _shards(c, ref), ref, base)
         allowed = next(ch.allowed for ch in probe if ch.tensor == "dk")
 
-        def bump(r, t):
+        def bump(r, t, allowed=allowed):
             if r == 1:
                 t["dk"][0, 2, 1, 3] += 2 * allowed
 

@@ -12,6 +12,8 @@ from harness.errors import HarnessError
 
 COMMANDS = {
     "check": ("harness.commands.check", "run the default battery against an implementation"),
+    "replay": ("harness.commands.replay", "re-run a saved case file and compare with its recorded result"),
+    "impls": ("harness.commands.impls", "list the implementations this install knows and their capabilities"),
 }
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ring_impl.masks import MASK_KINDS, MaskSpec
 from ring_impl.layouts import LAYOUTS
+from ring_impl.masks import MASK_KINDS, MaskSpec
 
 DTYPES = ("fp32", "fp16", "bf16")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

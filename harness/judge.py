@@ -54,9 +54,20 @@ def _as_bnhd(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.permute(0, 2, 1).unsqueeze(-1) if name == "lse" else t
 
 
+def _unravel(flat: int, shape: torch.Size) -> tuple[int, int, int]:
+    """(batch, token, head) of a flat index into a (B, L, H, D) tensor."""
+    rest, _ = divmod(flat, shape[3])
+    rest, hi = divmod(rest, shape[2])
+    bi, li = divmod(rest, shape[1])
+    return bi, li, hi
+
+
 def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: Reference, base: Reference,
-                  ) -> list[TensorCheck]:
-    """Compare each rank's shards (group rank -> {tensor: shard}) with the reference."""
+                  maps: dict[str, torch.Tensor] | None = None) -> list[TensorCheck]:
+    """Compare each rank's shards (group rank -> {tensor: shard}) with the reference.
+
+    With `maps`, also fill maps[tensor] with the (batch, global token, head) max-abs error (inf where
+    non-finite), so harness.localise can say where errors concentrate."""
     pos_all = all_positions(case.layout, case.seq_lens)
     checks = []
     lse_max = float(ref.lse.abs().max()) if ref.lse.numel() else 0.0
@@ -66,7 +77,8 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
         b = _as_bnhd(getattr(base, name), name).to(torch.float64)
         base_err = float((b - r64).abs().nan_to_num(nan=float("inf")).max()) if r64.numel() else 0.0
         ref_max = float(r64.abs().max()) if r64.numel() else 0.0
-        allowed = tolerance.bound(name, case.dtype, base_err, ref_max, case.tolerance, case.world_size, lse_max)
+        allowed = tolerance.bound(name, case.dtype, base_err, ref_max, case.tolerance, case.world_size, lse_max,
+                                  ref.term_scale.get(name, 0.0))
         for rank, tensors in sorted(shards.items()):
             if name not in tensors:
                 continue
@@ -78,8 +90,11 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
                 checks.append(TensorCheck(name, rank, 0.0, allowed, 0, {}, True))
                 continue
             diff = diff.nan_to_num(nan=float("inf"))
+            if maps is not None:
+                m = maps.setdefault(name, torch.zeros(r64.shape[:3], dtype=torch.float32))
+                m[:, pos_all[rank]] = diff.amax(dim=3).float()
             flat = int(diff.argmax())
-            bi, li, hi, _ = torch.unravel_index(torch.tensor(flat), diff.shape)
+            bi, li, hi = _unravel(flat, diff.shape)  # torch.unravel_index: same result, 5x the cost
             err = float(diff.max())
             position = {"batch": int(bi), "token": int(pos_all[rank][li]), "head": int(hi)}
             checks.append(TensorCheck(name, rank, err, allowed, nonfinite, position,

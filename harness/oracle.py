@@ -7,7 +7,7 @@ the case's own dtype is the `base` whose error sets the tolerance. Computed in b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,17 @@ class Reference:
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+    term_scale: dict[str, float] = field(default_factory=dict)
+
+
+def term_scales(q, k, v, dout, scale: float) -> dict[str, float]:
+    """The magnitude of the terms each result is summed from (not of the result itself, which can
+    be exactly 0, e.g. dq of a query that sees a single key): out = sum p v; lse ~ scale q.k;
+    dq = scale sum dS k and dk = scale sum dS q with dS ~ p (dout.v); dv = sum p dout."""
+    m = {n: float(t.detach().abs().max()) if t.numel() else 0.0
+         for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    return {"out": m["v"], "lse": scale * m["q"] * m["k"], "dq": scale * m["dout"] * m["v"] * m["k"],
+            "dk": scale * m["dout"] * m["v"] * m["q"], "dv": m["dout"]}
 
 
 def _block(q, k, v, mask, scale, groups):
@@ -39,6 +50,15 @@ def _block(q, k, v, mask, scale, groups):
     p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key (never happens globally)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
     return out, lse
+
+
+def _key_span(m: torch.Tensor | None, n: int) -> tuple[int, int]:
+    """[lo, hi): the keys some query of the block may see (all keys without a mask). Causal, window
+    and document masks leave most keys of early or narrow blocks out: up to 2x less work causal."""
+    if m is None:
+        return 0, n
+    cols = m.any(dim=0).nonzero()
+    return (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 0)
 
 
 def attention(q, k, v, dout, mask: MaskSpec, scale: float, compute: torch.dtype) -> Reference:
@@ -56,11 +76,15 @@ def attention(q, k, v, dout, mask: MaskSpec, scale: float, compute: torch.dtype)
         stop = min(n, start + QUERY_BLOCK)
         qb = q[:, start:stop].clone().requires_grad_(True)
         m = allowed(mask, pos[start:stop], pos)
-        out, lse = _block(qb, k, v, m, scale, groups)
-        gq, gk, gv = torch.autograd.grad(out, (qb, k, v), dout[:, start:stop])
+        lo, hi = _key_span(m, n)  # keys outside it are masked for the whole block: exact zeros, skipped
+        kb = k[:, lo:hi].detach().requires_grad_(True)
+        vb = v[:, lo:hi].detach().requires_grad_(True)
+        out, lse = _block(qb, kb, vb, None if m is None else m[:, lo:hi], scale, groups)
+        gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), dout[:, start:stop])
         outs.append(out.detach())
         lses.append(lse.detach())
         dqs.append(gq)
-        dk += gk
-        dv += gv
-    return Reference(torch.cat(outs, 1), torch.cat(lses, 2), torch.cat(dqs, 1), dk, dv)
+        dk[:, lo:hi] += gk
+        dv[:, lo:hi] += gv
+    return Reference(torch.cat(outs, 1), torch.cat(lses, 2), torch.cat(dqs, 1), dk, dv,
+                     term_scales(q, k, v, dout, scale))

@@ -9,6 +9,7 @@ on the next case. Workers also die with the parent (PDEATHSIG), so nothing is le
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from harness import case as case_mod
 from harness import wire
 
 START_TIMEOUT_S = 120.0
+MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
 STACK_GRACE_S = 1.0
 
 
@@ -35,6 +37,7 @@ class PoolReply:
     replies: dict[int, dict] = field(default_factory=dict)  # global rank -> reply
     hung: dict[int, str] = field(default_factory=dict)  # global rank -> stack dump
     dead: dict[int, str] = field(default_factory=dict)  # global rank -> exit status + log tail
+    notes: dict[int, dict] = field(default_factory=dict)  # dead global rank -> the faults it saw fire (its note)
     wall_s: float = 0.0
     restarted: bool = False
 
@@ -58,6 +61,8 @@ class RankPool:
         self.dir: str | None = None
         self.broken = True
         self.starts = 0
+        self.heals = 0
+        self.fresh_group = False
         self._case_id = 0
         self._finalizer = None
 
@@ -91,6 +96,8 @@ class RankPool:
             raise PoolError(f"rank pool failed to start: {e}") from None
         self.broken = False
         self.starts += 1
+        self.heals = 0
+        self.fresh_group = False
 
     def _connect(self, r: int, authkey: bytes, deadline: float) -> Connection:
         path = os.path.join(self.dir, f"rank{r}.sock")
@@ -132,11 +139,13 @@ class RankPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def ensure(self, size: int) -> bool:
-        """Make sure a healthy pool of at least `size` ranks runs; True when it (re)started."""
-        if not self.broken and self.size >= size and all(p.poll() is None for p in self.procs):
+    def ensure(self, size: int, exact: bool = False) -> bool:
+        """Make sure a healthy pool of at least `size` ranks (exactly `size` when `exact`: for an
+        implementation that needs the ring to be the whole world) runs; True when it (re)started."""
+        fits = self.size == size if exact else self.size >= size
+        if not self.broken and fits and all(p.poll() is None for p in self.procs):
             return False
-        self.size = max(self.size, size)
+        self.size = size if exact else max(self.size, size)
         self.start()
         return True
 
@@ -147,13 +156,16 @@ class RankPool:
         return self.collect(self.submit(case, impl, allow_import=allow_import, leak=leak))
 
     def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
-               leak: bool = True) -> dict:
+               leak: bool = True, whole_world: bool = False) -> dict:
         """Send a case to every rank (restarting the pool if needed); the deadline starts now."""
-        restarted = self.ensure(case.pool_size)
+        restarted = self.ensure(case.pool_size, exact=whole_world)
         self._case_id += 1
         msg = {"op": "run", "case": case_mod.to_dict(case), "impl": impl or case.impl,
-               "allow_import": allow_import, "leak": leak, "case_id": self._case_id}
+               "allow_import": allow_import, "leak": leak, "case_id": self._case_id,
+               "fresh_group": self.fresh_group and not restarted}
+        self.fresh_group = False
         ticket = {"start": time.monotonic(), "deadline_s": case.deadline_s, "pending": {}, "dead": {},
+                  "case_id": self._case_id,
                   "stacks": {r: self._stack_size(r) for r in range(self.size)}, "restarted": restarted}
         for r, c in enumerate(self.conns):
             try:
@@ -179,16 +191,39 @@ class RankPool:
                 except (EOFError, OSError):
                     out.dead[r] = self._death(r)
         out.wall_s = time.monotonic() - ticket["start"]
+        out.notes = {r: n for r in out.dead if (n := self._fault_note(r, ticket.get("case_id"))) is not None}
         if pending or out.dead:
             self.broken = True
         if any(rep.get("status") not in ("ok", "idle") for rep in out.replies.values()):
-            self.broken = True  # a rank raised mid-ring: its group may hold stale messages
+            # a rank raised mid-ring: its group may hold stale messages. Every rank is alive and
+            # idle, so the next case heals by building a fresh group (restart after MAX_HEALS).
+            self.heals += 1
+            self.fresh_group = True
+            if self.heals > MAX_HEALS:
+                self.broken = True
         if pending:
             out.hung = self._stacks(sorted(pending.values()), ticket["stacks"])
             self.close()
         return out
 
     # -- diagnostics -----------------------------------------------------------------------
+    def _fault_note(self, r: int, case_id: int | None) -> dict | None:
+        """The note rank r's fault interposer left (faults fired, a scheduled crash) before it died."""
+        try:
+            with open(os.path.join(self.dir, f"faults-{r}")) as f:
+                note = json.load(f)
+        except (OSError, ValueError, TypeError):
+            return None
+        return note if isinstance(note, dict) and note.get("case_id") == case_id else None
+
+    def _pending_ops(self, r: int) -> str:
+        """The ops rank r had in flight when it last blocked (written by its fault interposer)."""
+        try:
+            with open(os.path.join(self.dir, f"pending-{r}"), errors="replace") as f:
+                return f.read().strip()
+        except (OSError, TypeError):
+            return ""
+
     def _stack_size(self, r: int) -> int:
         try:
             return os.path.getsize(os.path.join(self.dir, f"stack-{r}.txt"))
@@ -211,6 +246,9 @@ class RankPool:
                     stacks[r] = f.read().strip() or "(no stack dumped)"
             except OSError:
                 stacks[r] = "(no stack file)"
+            ops = self._pending_ops(r)
+            if ops:
+                stacks[r] = f"pending ops: {ops}\n{stacks[r]}"
         return stacks
 
     def _death(self, r: int) -> str:

@@ -4,6 +4,9 @@ Built-ins are "module:factory" strings imported only when asked for, so importin
 imports no third-party library. Installed packages add names through the entry-point group
 `ring_harness.impls`. An explicit `package.module:attr` imports arbitrary code, so it is accepted
 only with `allow_import=True` (the command line); a case file may only *name* an implementation.
+`mutant:NAME` names a bug variant of the reference ring (ring_impl.mutants, for `ring-harness
+selftest` and the regression corpus): ours, so no import permission is needed, but never a default
+and never listed among the built-ins.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import inspect
 import re
 from typing import Any
 
+from harness.adapters.reference import MUTANT_PREFIX  # ring_impl.mutants: resolved without an import permission
 from harness.context import Capabilities, Impl
 from harness.errors import HarnessError
 
@@ -51,8 +55,15 @@ class MissingDependency(ImplError):
 
 
 def builtin_names() -> list[str]:
-    """Names of the built-in implementations, in listing order."""
+    """Names of the built-in implementations, in listing order (mutants are never among them)."""
     return list(BUILTINS)
+
+
+def mutant_names() -> list[str]:
+    """`mutant:NAME` of every bug variant of the reference ring (selftest's zoo), in zoo order."""
+    from harness.adapters.reference import mutant_names as names
+
+    return names()
 
 
 def entry_point_names() -> list[str]:
@@ -124,6 +135,16 @@ def _resolve_builtin(name: str) -> Impl:
         ) from None
 
 
+def _resolve_mutant(name: str) -> Impl:
+    from harness.adapters.reference import mutant
+
+    try:
+        return mutant(name)
+    except KeyError:
+        known = ", ".join(n.partition(":")[2] for n in mutant_names())
+        raise ImplError(f"unknown mutant {name!r}; known: {known}") from None
+
+
 def _resolve_entry_point(name: str) -> Impl:
     eps = [ep for ep in _entry_points() if ep.name == name]
     try:
@@ -157,6 +178,8 @@ def resolve(name: str, allow_import: bool = True) -> Impl:
     name = name.strip()
     if name in BUILTINS:
         return _resolve_builtin(name)
+    if name.startswith(MUTANT_PREFIX):
+        return _resolve_mutant(name)
     if any(ep.name == name for ep in _entry_points()):
         return _resolve_entry_point(name)
     if ":" in name:
@@ -170,7 +193,8 @@ def resolve(name: str, allow_import: bool = True) -> Impl:
         return _resolve_module_attr(name)
     installed = entry_point_names()
     known = f"built-in: {', '.join(BUILTINS)}" + (f"; installed: {', '.join(installed)}" if installed else "")
-    raise ImplError(f"unknown implementation {name!r}; {known}; or give package.module:attr")
+    raise ImplError(f"unknown implementation {name!r}; {known}; or give package.module:attr "
+                    "(or mutant:NAME for selftest's bug variants)")
 
 
 def _runnable_backends() -> set[str]:

@@ -3,6 +3,8 @@ judge and give the run exactly one verdict."""
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +35,8 @@ class CaseResult:
     hashes: dict[int, dict[str, str]] = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    maps: dict[str, torch.Tensor] = field(default_factory=dict)  # tensor -> (batch, token, head) abs error
+    shards: dict[int, dict[str, torch.Tensor]] | None = None  # group rank -> outputs, with keep_shards
 
     @property
     def passed(self) -> bool:
@@ -61,6 +65,8 @@ class CaseResult:
         }
 
 
+MAP_LIMIT = 1 << 22  # error maps are kept when batch * tokens * heads is at most this
+
 _ORACLE_CACHE: dict[str, tuple[oracle.Reference, oracle.Reference]] = {}
 _ORACLE_CACHE_MAX = 8
 
@@ -80,8 +86,20 @@ def references(case: Case) -> tuple[oracle.Reference, oracle.Reference]:
     return _ORACLE_CACHE[key]
 
 
-def judge(case: Case, impl: str, reply: PoolReply, oracle_s: float = 0.0) -> CaseResult:
-    """Turn the ranks' replies into a CaseResult with exactly one verdict."""
+def judge(case: Case, impl: str, reply: PoolReply, oracle_s: float = 0.0, keep_shards: bool = False,
+          baseline: dict | None = None) -> CaseResult:
+    """Turn the ranks' replies into a CaseResult with exactly one verdict; a faulted case's verdict
+    then accounts for its faults (unfired: invalid; benign: bit-identical to the `baseline` run)."""
+    res = _judge(case, impl, reply, oracle_s, keep_shards)
+    if case.faults:
+        from harness.faults import verdicts
+
+        verdicts.apply(res, case, reply, baseline)
+    return res
+
+
+def _judge(case: Case, impl: str, reply: PoolReply, oracle_s: float, keep_shards: bool) -> CaseResult:
+    """The fault-unaware verdict: hang, fail-stop, diverged, silent-corruption or pass."""
     off = case.group_offset
     in_group = range(off, off + case.world_size)
     res = CaseResult(case=case, impl=impl, verdict="pass")
@@ -109,6 +127,7 @@ def judge(case: Case, impl: str, reply: PoolReply, oracle_s: float = 0.0) -> Cas
     if res.hung:
         res.verdict = "hang"
         res.detail = f"deadline {case.deadline_s:g} s passed; rank(s) {sorted(res.hung)} still running"
+        res.detail += "".join(f"; {w}" for w in _pending_ops(res.hung))
         return res
     if outside:
         res.verdict = "fail-stop"
@@ -125,7 +144,10 @@ def judge(case: Case, impl: str, reply: PoolReply, oracle_s: float = 0.0) -> Cas
         res.detail = "; ".join(parts)
         return res
     ref, base = references(case)
-    res.checks = check_tensors(case, shards, ref, base)
+    small = case.batch * case.total_len * case.heads_q <= MAP_LIMIT
+    res.checks = check_tensors(case, shards, ref, base, maps=res.maps if small else None)
+    if keep_shards:
+        res.shards = shards
     res.leak = check_leak(case, leak_shards)
     bad = res.failed_checks()
     if bad or (res.leak is not None and not res.leak.passed):
@@ -138,13 +160,61 @@ def judge(case: Case, impl: str, reply: PoolReply, oracle_s: float = 0.0) -> Cas
     return res
 
 
+def _pending_ops(hung: dict[int, str]) -> list[str]:
+    """'rank g last blocked waiting on <op>, pending <op>, ...' from the hung ranks' reports."""
+    head, out = "pending ops: ", []
+    for _, text in sorted(hung.items()):
+        lines = text.splitlines()
+        if lines and lines[0].startswith(head):
+            rest = [ln.strip() for ln in lines[1:] if ln.startswith("  pending ")]
+            out.append(", ".join([lines[0][len(head):], *rest]))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def needs_whole_world(impl: str) -> bool:
+    """True for implementations that declare they cannot run inside a subgroup (their ring must be
+    global ranks 0..W-1, so the pool is sized exactly W). Unresolvable names say False: the worker
+    reports the real error."""
+    from harness import registry
+
+    try:
+        return not registry.resolve(impl, allow_import=False).capabilities.subgroups
+    except Exception:
+        return False
+
+
+def oracle_threads(busy_ranks: int) -> int:
+    """Torch threads for the parent's oracle and judge, whose rank processes (`busy_ranks`) compute
+    or sit ready: the cores they leave, at least 1. More threads than free cores spin-wait (measured
+    on 2 busy cores, 4 ranks: oracle 10x slower at 7x the parent's CPU time, judge 10-30x slower)."""
+    return max(1, (os.cpu_count() or 1) - busy_ranks)
+
+
 def run_case(case: Case, pool: RankPool, impl: str | None = None, *, allow_import: bool = False,
-             leak: bool = True) -> CaseResult:
-    """Run `case` on the pool (implementation `impl` or the case's own) and judge it."""
+             leak: bool = True, keep_shards: bool = False) -> CaseResult:
+    """Run `case` on the pool (implementation `impl` or the case's own) and judge it; with
+    `keep_shards` the result also holds every rank's output tensors (for localisation probes).
+    A case with benign faults first runs fault-free (cached) for the bit-identity comparison."""
     name = impl or case.impl
-    ticket = pool.submit(case, name, allow_import=allow_import, leak=leak)
+    baseline = None
+    if case.faults:
+        from harness.faults.verdicts import baseline_for
+
+        baseline = baseline_for(case, pool, name, allow_import)
+    t_submit = time.perf_counter()
+    ticket = pool.submit(case, name, allow_import=allow_import, leak=leak, whole_world=needs_whole_world(name))
     t0 = time.perf_counter()
-    references(case)  # the oracle overlaps with the ranks' work
-    oracle_s = time.perf_counter() - t0
-    reply = pool.collect(ticket)
-    return judge(case, name, reply, oracle_s)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(oracle_threads(case.world_size))
+    try:
+        references(case)  # the oracle overlaps with the ranks' work
+        oracle_s = time.perf_counter() - t0
+        reply = pool.collect(ticket)
+        t_judge = time.perf_counter()
+        res = judge(case, name, reply, oracle_s, keep_shards, baseline)
+    finally:
+        torch.set_num_threads(threads)
+    res.timings.update(submit_s=t0 - t_submit, collect_s=t_judge - t0 - oracle_s,
+                       judge_s=time.perf_counter() - t_judge)  # parent-side phases, for the benchmarks
+    return res

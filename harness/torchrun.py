@@ -84,16 +84,16 @@ class TorchrunPool:
         dist.gather_object(reply, out, dst=0, group=self.ctrl)
         return out
 
-    def ensure(self, size: int) -> bool:
-        if size > self.size:
+    def ensure(self, size: int, exact: bool = False) -> bool:
+        if size > self.size or (exact and size != self.size):
             from harness.errors import HarnessError
 
-            raise HarnessError(f"case needs {size} ranks but torchrun started {self.size}")
+            raise HarnessError(f"case needs {'exactly ' if exact else ''}{size} ranks but torchrun started {self.size}")
         return False
 
     def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
-               leak: bool = True) -> dict:
-        self.ensure(case.pool_size)
+               leak: bool = True, whole_world: bool = False) -> dict:
+        self.ensure(case.pool_size, exact=whole_world)
         self._case_id += 1
         msg = {"op": "run", "case": case_mod.to_dict(case), "impl": impl or case.impl,
                "allow_import": allow_import, "leak": leak, "case_id": self._case_id}

@@ -22,8 +22,7 @@ from multiprocessing.connection import Listener
 import torch
 
 from harness import case as case_mod
-from harness import wire
-from harness import inputs
+from harness import inputs, wire
 from harness.backend import choose_backend, device_for
 from harness.context import RunContext
 from ring_impl.layouts import all_positions
@@ -67,6 +66,13 @@ class Groups:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self.cache: dict[tuple, object] = {}
+        self.retired: list[object] = []  # groups that may hold stale messages: kept, never used again
+
+    def reset(self) -> None:
+        """Use fresh groups from now on (after a case whose ranks raised mid-ring); the old ones are
+        kept alive rather than destroyed, because destroying a group with ops in flight can block."""
+        self.retired.extend(self.cache.values())
+        self.cache = {}
 
     def get(self, offset: int, size: int, timeout_s: float):
         import torch.distributed as dist
@@ -138,7 +144,9 @@ def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bo
     gl = tuple(dist.get_global_rank(group, r) for r in range(world)) if group is not None else (0,)
     pos_all = tuple(all_positions(case.layout, case.seq_lens))
     pos = pos_all[grank]
+    t_in = time.perf_counter()
     q, k, v, dout = (inputs.make(case, n, pos).to(device) for n in inputs.NAMES)
+    t_in = time.perf_counter() - t_in
     ctx = RunContext(
         group=group, rank=grank, world_size=world, global_ranks=gl, layout=case.layout,
         lengths=tuple(case.seq_lens), all_positions=pos_all, mask=case.mask, softmax_scale=case.scale,
@@ -148,17 +156,20 @@ def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bo
     tensors = {"out": out, "dq": dq, "dk": dk, "dv": dv}
     if lse is not None:
         tensors["lse"] = lse
+    t_pack = time.perf_counter()
     reply = {
         "tensors": {n: t.detach().cpu() for n, t in tensors.items()},
         "hashes": {n: tensor_hash(t) for n, t in tensors.items()},
         "timings": times,
     }
+    times.update(inputs_s=t_in, pack_s=time.perf_counter() - t_pack)  # for the benchmarks' accounting
     if leak and case.mask.kind != "none" and not case.faults:
         chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
         dout_s = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
-        _, _, _, dk_s, dv_s, _ = _forward_backward(impl, q, k, v, dout_s, ctx,
-                                                   lambda p: phase(p if p == "done" else f"leak-{p}"))
+        _, _, _, dk_s, dv_s, leak_times = _forward_backward(impl, q, k, v, dout_s, ctx,
+                                                            lambda p: phase(p if p == "done" else f"leak-{p}"))
         reply["leak"] = {"dk": dk_s.detach().cpu(), "dv": dv_s.detach().cpu()}
+        times["leak_s"] = leak_times["forward_s"] + leak_times["backward_s"]
     return reply
 
 
@@ -178,7 +189,7 @@ def _interposer(case: case_mod.Case, rank: int, msg: dict, workdir: str | None):
     return interpose.Interposer(
         rank - case.group_offset, schema.parse_faults(case.faults, case.world_size), seed=case.seed,
         timeout_s=pg_timeout(case), budget_s=comm_budget(case), pending_path=path("pending"),
-        crash_path=path("crash"), case_id=msg.get("case_id"),
+        note_path=path("faults"), case_id=msg.get("case_id"),
     )
 
 
@@ -194,6 +205,8 @@ def handle_case(msg: dict, rank: int, groups: Groups, device: torch.device, impl
     reply = {"op": "result", "rank": rank, "case_id": msg["case_id"]}
     ip = _interposer(case, rank, msg, workdir)
     try:
+        if msg.get("fresh_group"):
+            groups.reset()
         group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
         if not (case.group_offset <= rank < case.group_offset + case.world_size):
             reply["status"] = "idle"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness import oracle, tolerance
@@ -81,10 +82,13 @@ def test_nan_is_a_failure():
 
 def test_bound_scales_with_base_error():
     e32, e16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
-    assert tolerance.bound("out", "fp32", 0.0, 1.0) == 2 * e32
-    assert tolerance.bound("out", "fp32", 0.0, 2.0, world_size=4) == 2.0 * 5 * e32
-    assert tolerance.bound("dq", "bf16", 0.01, 1.0) == 3 * 0.01 + e16 + e32
-    assert tolerance.bound("dq", "bf16", 0.01, 1.0, {"dq": 5}) == 5 * 0.01 + e16 + e32
+    close = pytest.approx
+    assert tolerance.bound("out", "fp32", 0.0, 1.0) == close(2 * e32)
+    assert tolerance.bound("out", "fp32", 0.0, 2.0, world_size=4) == close(2.0 * 5 * e32)
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0) == close(3 * 0.01 + e16 + e32)
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0, {"dq": 5}) == close(5 * 0.01 + e16 + e32)
+    # a result that is exactly 0 still allows float32 rounding at the scale of its terms
+    assert tolerance.bound("dq", "fp32", 0.0, 0.0, world_size=1, lse_absmax=1.0, term_scale=0.5) == close(e32)
 
 
 def test_leak_check_is_exact():

@@ -1,0 +1,10 @@
+"""Benchmarks of the harness and the reference ring (`ring-harness bench`): one module per figure,
+each a `run(quick) -> Figure` whose targets are ratios measured side by side in one run."""
+
+FIGURES = {
+    "pool_vs_spawn": "harness.bench.pool_vs_spawn",
+    "overhead": "harness.bench.overhead",
+    "memory": "harness.bench.memory",
+    "speed": "harness.bench.speed",
+    "oracle_growth": "harness.bench.oracle_growth",
+}

@@ -1,0 +1,606 @@
+"""Interposition inside one rank: wrap the torch.distributed calls ring implementations use, log every
+op (kind, peer, bytes, order, phase) and apply the faults scheduled on this rank.
+
+`active(ip)` patches the functions on both `torch.distributed` and `torch.distributed.distributed_c10d`
+for one case and restores them afterwards. Every Work handed to the implementation is a `FaultWork`
+whose wait() completes the real op under the case's short timeout and turns a transport error or a
+timeout into a `CommError` naming the op, the peer and the phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from harness.faults import inject
+from harness.faults.schema import FaultSpec
+
+P2P = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
+# collective -> (output argument, input arguments); an output that is also an input is in place
+COLLECTIVE_ARGS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "all_gather": ("tensor_list", ("tensor",)),
+    "all_gather_into_tensor": ("output_tensor", ("input_tensor",)),
+    "all_gather_single": ("output_tensor", ("input_tensor",)),
+    "all_to_all": ("output_tensor_list", ("input_tensor_list",)),
+    "all_to_all_single": ("output", ("input",)),
+    "reduce_scatter": ("output", ("input_list",)),
+    "reduce_scatter_tensor": ("output", ("input",)),
+    "reduce_scatter_single": ("output", ("input",)),
+    "broadcast": ("tensor", ("tensor",)),
+    "all_reduce": ("tensor", ("tensor",)),
+    "barrier": (None, ()),
+}
+COLLECTIVE_ARGS = {k: v for k, v in COLLECTIVE_ARGS.items() if hasattr(c10d, k)}  # names vary across versions
+WRAPPED = P2P + tuple(COLLECTIVE_ARGS)
+
+
+class CommError(RuntimeError):
+    """A communication op failed or timed out on this rank; the message names op, peer and phase."""
+
+
+@dataclass
+class Op:
+    """One logged communication call on this rank."""
+
+    index: int
+    kind: str
+    direction: str  # send / recv / collective
+    peer: int | None  # global rank of the peer (None: a collective, or a receive from any rank)
+    nbytes: int
+    phase: str
+    state: str = "posted"  # posted / deferred / waiting / done / dropped / failed
+
+    def label(self) -> str:
+        """e.g. 'irecv from peer rank 2 (forward, op #3)'."""
+        who = ""
+        if self.direction != "collective":
+            peer = "any" if self.peer is None else self.peer
+            who = f" {'to' if self.direction == 'send' else 'from'} peer rank {peer}"
+        return f"{self.kind}{who} ({self.phase}, op #{self.index})"
+
+    def compact(self) -> list:
+        return [self.kind, self.peer, self.nbytes, self.phase, self.state]
+
+
+@dataclass
+class _Deferred:
+    """A send held back until this rank next blocks (send-reuse): the transport reads the buffer late."""
+
+    work: FaultWork
+    tensor: torch.Tensor
+    post: Callable[[torch.Tensor], Any]
+    corrupt: Callable[[torch.Tensor], None] | None
+
+
+class FaultWork:
+    """The Work the implementation gets: wait() completes the real op, then applies completion faults."""
+
+    def __init__(self, ip: Interposer, op: Op, *, outputs: Sequence[torch.Tensor] = (), hold: float = 0.0) -> None:
+        self._ip = ip
+        self.op = op
+        self.real: Any = None
+        self.done = False
+        self.after: list[Callable[[], None]] = []
+        self.hold = hold
+        self.keep: Any = None  # keeps a private payload/receive buffer alive while the op runs
+        self.outputs = list(outputs)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return self._ip.complete(self, timeout)
+
+    def is_completed(self) -> bool:
+        if not self.done and self.real is None:
+            self._ip.flush()  # polling a held send: hand it to the transport, as a blocking wait would
+        if not self.done and self.real is not None and self.real.is_completed():
+            self._ip.complete(self, None)
+        return self.done
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self) -> Any:
+        return None if self.real is None else self.real.exception()
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self.real._source_rank() if self.real is not None else -1
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(self.outputs)
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.result())
+        return fut
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _nbytes(ts: Sequence[torch.Tensor]) -> int:
+    return int(sum(t.numel() * t.element_size() for t in ts))
+
+
+def _overwrite(path: str, text: str) -> None:
+    """Replace a small file's text in place, padded with spaces (readers strip): written before every
+    wait, and open(path, "w") on ext4 costs ~1 ms there (truncate + flush on close) against ~20 us."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, text.encode().ljust(os.fstat(fd).st_size), 0)
+    finally:
+        os.close(fd)
+
+
+def _shares_storage(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory ranges intersect (both on one device)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    if line.startswith("[") and "] " in line:  # drop gloo's '[/path/to/file.cc:78] ' prefix
+        line = line.split("] ", 1)[1]
+    return line
+
+
+def _global_peer(group: Any, peer: int | None, group_peer: int | None) -> int | None:
+    if peer is not None:
+        return int(peer)
+    if group_peer is None:
+        return None
+    return int(group_peer) if group is None else c10d.get_global_rank(group, group_peer)
+
+
+class Interposer:
+    """Per-rank, per-case state: the op log, the faults scheduled here and which of them fired."""
+
+    def __init__(self, rank: int, faults: Sequence[FaultSpec] = (), *, seed: int = 0, timeout_s: float = 30.0,
+                 budget_s: float | None = None, pending_path: str | None = None, note_path: str | None = None,
+                 exit_fn: Callable[[int], None] | None = None, case_id: Any = None) -> None:
+        self.rank = rank  # group rank
+        self.faults = tuple(f for f in faults if f.rank is None or f.rank == rank)
+        self.straggler = next((f for f in self.faults if f.kind == "straggler"), None)
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.start = time.monotonic()
+        self.end = self.start + (budget_s if budget_s is not None else timeout_s)
+        self.phase = "setup"
+        self.ops: list[Op] = []
+        self.pending: dict[int, Op] = {}
+        self.fired: Counter[int] = Counter()
+        self.seen: Counter[int] = Counter()
+        self.violations: list[str] = []
+        self.deferred: list[_Deferred] = []
+        self.watch: dict[int, tuple[Op, torch.Tensor, torch.Tensor]] = {}
+        self.last_exit = self.start
+        self._nested = False  # inside an original collective that calls another wrapped one
+        self.pending_path = pending_path
+        self.note_path = note_path  # survives this rank's death: which faults fired (read by the pool)
+        self.down: set[tuple] = set()  # (group, peer, tag) channels a drop took down
+        self.exit_fn = exit_fn
+        self.case_id = case_id
+        self.orig = {name: getattr(c10d, name) for name in WRAPPED}
+        self.orig["_check_op"] = c10d._check_op
+        if pending_path and os.path.exists(pending_path):
+            _overwrite(pending_path, "")  # blanked in place: cheaper than unlink + create per case
+        if note_path and os.path.exists(note_path):
+            os.unlink(note_path)
+
+    # -- phases, timing ------------------------------------------------------------------------
+    def set_phase(self, phase: str) -> None:
+        """Enter forward / backward / done (the worker knows which); 'done' flushes held sends."""
+        self._stretch()
+        if phase == "done":
+            self.flush()
+            self._check_watch(final=True)
+        self.phase = phase
+        self.last_exit = time.monotonic()
+
+    def _stretch(self) -> None:
+        """Straggler (compute): the time this rank spent outside communication calls, times k."""
+        s = self.straggler
+        now = time.monotonic()
+        if s is not None and s.slow == "compute" and s.applies_to(self.phase, "any") and now > self.last_exit:
+            inject.sleep((s.factor - 1.0) * (now - self.last_exit))
+            self.fired[s.fid] += 1
+        self.last_exit = time.monotonic()
+
+    def _slow_comm(self, seconds: float) -> None:
+        """Straggler (comm): every communication call on this rank takes k times as long."""
+        s = self.straggler
+        if s is not None and s.slow == "comm" and s.applies_to(self.phase, "any") and seconds > 0:
+            inject.sleep((s.factor - 1.0) * seconds)
+            self.fired[s.fid] += 1
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _open(self, kind: str, direction: str, peer: int | None,
+              tensors: Sequence[torch.Tensor]) -> tuple[Op, dict[str, list[FaultSpec]], float]:
+        """Log the op and find the faults scheduled on it; crash and post-delays happen here."""
+        self._stretch()
+        self._check_watch()
+        op = Op(len(self.ops), kind, direction, peer, _nbytes(tensors), self.phase)
+        self.ops.append(op)
+        matched: list[FaultSpec] = []
+        for f in self.faults:
+            if f.kind == "straggler" or not f.applies_to(op.phase, direction):
+                continue
+            n = self.seen[f.fid]
+            self.seen[f.fid] += 1
+            if f.index is None or f.index == n:
+                matched.append(f)
+        hits: dict[str, list[FaultSpec]] = {}
+        for f in matched:
+            hits.setdefault(f.kind, []).append(f)
+        if "crash" in hits:
+            self._crash(hits["crash"][0], op)
+        hold = 0.0
+        for f in matched:
+            if f.kind == "delay":
+                secs = inject.delay_seconds(f, inject.rng_for(self.seed, f, self.rank, op.index))
+                self.fired[f.fid] += 1
+                if f.where == "post":
+                    inject.sleep(secs)
+                else:
+                    hold += secs
+        return op, hits, hold
+
+    def _close(self, t_open: float) -> None:
+        self._slow_comm(time.monotonic() - t_open)
+        self.last_exit = time.monotonic()
+
+    def _note(self, crash: dict | None = None) -> dict:
+        """What fired so far; left on disk after a one-shot fault so it is known even if this rank dies."""
+        note = {"rank": self.rank, "case_id": self.case_id, "fired": dict(self.fired)}
+        if crash is not None:
+            note["crash"] = crash
+        if self.note_path and crash is None:
+            inject.write_note(self.note_path, note)
+        return note
+
+    def _crash(self, f: FaultSpec, op: Op) -> None:
+        self.fired[f.fid] += 1
+        note = self._note({"fault": f.fid, "how": f.how, "op": op.label()})
+        inject.crash(f.how, note, self.note_path, self.exit_fn)
+
+    def _fire(self, specs: Sequence[FaultSpec]) -> None:
+        """Count every fault of one kind that selected this op (two identical faults both fire)."""
+        for f in specs:
+            self.fired[f.fid] += 1
+
+    def _corrupter(self, specs: Sequence[FaultSpec], op: Op) -> Callable[[torch.Tensor], None]:
+        f = specs[0]
+        rng = inject.rng_for(self.seed, f, self.rank, op.index)
+
+        def corrupt(t: torch.Tensor) -> None:
+            if inject.flip_bits(t, rng, f.bit, f.count):
+                self._fire(specs)
+                self._note()
+
+        return corrupt
+
+    # -- point to point --------------------------------------------------------------------------
+    def post_send(self, kind: str, tensor: torch.Tensor, peer: int | None,
+                  post: Callable[[torch.Tensor], Any], channel: tuple = ()) -> FaultWork:
+        """A send: maybe dropped, corrupted, or held back with its buffer watched (send-reuse).
+        A drop takes its channel (group, peer, tag) down: this and every later message on it is
+        never delivered, so the receiver waits until its timeout (no message is matched out of order)."""
+        t_open = time.monotonic()
+        op, hits, hold = self._open(kind, "send", peer, [tensor])
+        fw = FaultWork(self, op, outputs=[tensor], hold=hold)
+        if "drop" in hits or (channel and channel in self.down):
+            if "drop" in hits:
+                self._fire(hits["drop"])
+                self.down.add(channel)
+                self._note()
+            op.state = "dropped"
+            fw.done = True
+            self._close(t_open)
+            return fw
+        corrupt = self._corrupter(hits["corrupt"], op) if "corrupt" in hits else None
+        self.pending[op.index] = op
+        if "send-reuse" in hits or self.deferred:  # later sends queue behind a held one: order is kept
+            if "send-reuse" in hits:
+                self._fire(hits["send-reuse"])
+                self.watch[op.index] = (op, tensor, tensor.clone())
+                fw.after.append(lambda: self._unwatch(op.index))
+            op.state = "deferred"
+            self.deferred.append(_Deferred(fw, tensor, post, corrupt))
+        else:
+            payload = tensor
+            if corrupt is not None:
+                payload = tensor.clone()
+                corrupt(payload)
+            fw.real, fw.keep = post(payload), payload
+            if fw.real is None:  # not a member of the group: nothing to wait for
+                fw.done = True
+                self.pending.pop(op.index, None)
+        self._close(t_open)
+        return fw
+
+    def post_recv(self, kind: str, tensor: torch.Tensor, peer: int | None,
+                  post: Callable[[torch.Tensor], Any]) -> FaultWork:
+        """A receive: maybe into a private buffer (early-read: the user's buffer holds NaN until wait)."""
+        t_open = time.monotonic()
+        op, hits, hold = self._open(kind, "recv", peer, [tensor])
+        self._check_overlap([tensor], op)
+        fw = FaultWork(self, op, outputs=[tensor], hold=hold)
+        target = tensor
+        if "early-read" in hits:
+            target = torch.empty_like(tensor)
+            fw.after.append(lambda: tensor.copy_(target))
+            inject.poison(tensor)
+            self._fire(hits["early-read"])
+        if "corrupt" in hits:
+            corrupt = self._corrupter(hits["corrupt"], op)
+            fw.after.append(lambda: corrupt(tensor))
+        self.pending[op.index] = op
+        fw.real, fw.keep = post(target), target
+        if fw.real is None:
+            fw.done = True
+            self.pending.pop(op.index, None)
+        self._close(t_open)
+        return fw
+
+    def flush(self) -> None:
+        """Hand every held send to the transport with its buffer as it is now (this rank is about to block)."""
+        items, self.deferred = self.deferred, []
+        for d in items:
+            payload = d.tensor.clone()
+            if d.corrupt is not None:
+                d.corrupt(payload)
+            d.work.op.state = "posted"
+            d.work.real, d.work.keep = d.post(payload), payload
+            if d.work.real is None:
+                d.work.done = True
+                self.pending.pop(d.work.op.index, None)
+
+    def _violation(self, op: Op, when: str) -> None:
+        self.violations.append(f"rank {self.rank}: {op.label()}: send buffer modified {when}")
+
+    def _check_watch(self, final: bool = False) -> None:
+        """send-reuse: a watched send buffer that changed before its send completed is a violation."""
+        for idx, (op, t, snap) in list(self.watch.items()):
+            if not inject.same_bits(t, snap):
+                self._violation(op, "before the send completed (the transport may read it late)")
+                del self.watch[idx]
+            elif final:
+                del self.watch[idx]  # never waited, but never modified either
+
+    def _check_overlap(self, outs: Sequence[torch.Tensor], op: Op) -> None:
+        """send-reuse: an op that will write into a buffer still being sent is a violation, whether or
+        not its data has landed by the next content check (that would be a race)."""
+        for idx, (sop, t, _snap) in list(self.watch.items()):
+            if any(_overlaps(o, t) for o in outs):
+                self._violation(sop, f"before the send completed: {op.label()} writes into it")
+                del self.watch[idx]
+
+    def _unwatch(self, idx: int) -> None:
+        entry = self.watch.pop(idx, None)
+        if entry is not None and not inject.same_bits(entry[1], entry[2]):
+            self._violation(entry[0], "before the send completed (the transport may read it late)")
+
+    # -- collectives -------------------------------------------------------------------------------
+    def collective(self, kind: str, args: dict) -> FaultWork | None:
+        """Any collective: run it async, give early-read a private output, wait here if it was blocking."""
+        if self._nested:  # e.g. all_gather_into_tensor calling all_gather_single: log the outer call only
+            return self.orig[kind](**args)
+        out_name, in_names = COLLECTIVE_ARGS[kind]
+        outs = _tensors(args.get(out_name)) if out_name else []
+        ins = [t for n in in_names for t in _tensors(args.get(n))]
+        blocking = not args.get("async_op", False)
+        self.flush()  # a collective may block: held sends must be on the wire first
+        t_open = time.monotonic()
+        op, hits, hold = self._open(kind, "collective", None, ins or outs)
+        self._check_overlap(outs, op)
+        fw = FaultWork(self, op, outputs=outs, hold=hold)
+        call = dict(args, async_op=True)
+        poisoned: list[torch.Tensor] = []
+        if "early-read" in hits and not blocking and outs:
+            inplace = out_name in in_names
+            privates = [o.clone() if inplace else (o if _shares_storage(o, ins) else torch.empty_like(o))
+                        for o in outs]
+            pairs = [(o, p) for o, p in zip(outs, privates, strict=True) if p is not o]
+            if pairs:
+                call[out_name] = privates[0] if isinstance(args[out_name], torch.Tensor) else list(privates)
+                fw.after.append(lambda: [o.copy_(p) for o, p in pairs])
+                fw.keep = privates
+                poisoned = [o for o, _ in pairs]
+                self._fire(hits["early-read"])
+        if "corrupt" in hits and outs:
+            corrupt = self._corrupter(hits["corrupt"], op)
+            fw.after.append(lambda: corrupt(outs[0]))
+        self.pending[op.index] = op
+        self._nested = True
+        try:
+            fw.real = self.orig[kind](**call)
+        finally:
+            self._nested = False
+        for o in poisoned:
+            inject.poison(o)
+        if fw.real is None:
+            fw.done = True
+            self.pending.pop(op.index, None)
+        self._close(t_open)
+        if blocking:
+            self.complete(fw)
+            return None
+        return fw
+
+    # -- completion --------------------------------------------------------------------------------
+    def complete(self, fw: FaultWork, timeout: datetime.timedelta | None = None) -> bool:
+        """wait(): finish the real op within the case's timeout, then deliver/corrupt/hold as scheduled."""
+        if fw.done:
+            return True
+        self._stretch()
+        self._check_watch()
+        self.flush()
+        op = fw.op
+        if fw.real is None:  # nothing was posted (not a member of the group)
+            fw.done = True
+            return True
+        op.state = "waiting"
+        self._write_pending(op)
+        t0 = time.monotonic()
+        limit = min(self.timeout_s, self.end - t0)
+        if timeout is not None and timeout.total_seconds() > 0:
+            limit = min(limit, timeout.total_seconds())
+        if limit <= 0:
+            op.state = "failed"
+            raise CommError(f"rank {self.rank}: {op.label()} not completed: the case's communication time "
+                            f"({self.end - self.start:.1f} s) is spent")
+        try:
+            ok = fw.real.wait(datetime.timedelta(seconds=limit))
+        except RuntimeError as e:
+            op.state = "failed"
+            raise CommError(f"rank {self.rank}: {op.label()} failed after {time.monotonic() - t0:.1f} s: "
+                            f"{_first_line(e)}") from None
+        if ok is False:
+            op.state = "failed"
+            raise CommError(f"rank {self.rank}: {op.label()} timed out after {time.monotonic() - t0:.1f} s")
+        fw.done = True
+        op.state = "done"
+        self.pending.pop(op.index, None)
+        for fn in fw.after:
+            fn()
+        inject.sleep(fw.hold)
+        self._close(t0)
+        return True
+
+    def _write_pending(self, waiting: Op) -> None:
+        """Leave this rank's pending ops on disk before blocking, for the parent's hang report."""
+        if not self.pending_path:
+            return
+        lines = [f"rank {self.rank} last blocked waiting on {waiting.label()}"]
+        lines += [f"  pending {o.label()} [{o.state}]" for o in self.pending.values() if o is not waiting]
+        try:
+            _overwrite(self.pending_path, "\n".join(lines) + "\n")
+        except OSError:
+            pass
+
+    # -- results -----------------------------------------------------------------------------------
+    def report(self) -> dict:
+        """Which faults fired (fault id -> times), send-buffer violations, ops still pending."""
+        return {"fired": dict(self.fired), "violations": list(self.violations),
+                "pending": [o.label() for o in self.pending.values()]}
+
+    def compact_log(self) -> list[list]:
+        """The op log as small lists: [kind, peer, bytes, phase, state], in order."""
+        return [o.compact() for o in self.ops]
+
+    # -- the patched functions ---------------------------------------------------------------------
+    def wrappers(self) -> dict[str, Callable]:
+        """Replacements for the torch.distributed functions, bound to this interposer."""
+        orig = self.orig
+
+        def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+            peer = _global_peer(group, dst, group_dst)
+            return self.post_send("isend", tensor, peer,
+                                  lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
+                                  (id(group), peer, tag))
+
+        def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+            return self.post_recv("irecv", tensor, _global_peer(group, src, group_src),
+                                  lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
+
+        def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+            peer = _global_peer(group, dst, group_dst)
+            fw = self.post_send("send", tensor, peer,
+                                lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
+                                (id(group), peer, tag))
+            self.complete(fw)
+
+        def recv(tensor, src=None, group=None, tag=0, group_src=None):
+            fw = self.post_recv("recv", tensor, _global_peer(group, src, group_src),
+                                lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
+            if fw.real is None:
+                return -1
+            self.complete(fw)
+            if src is not None:
+                return src
+            g = group_src if group_src is not None else fw.real._source_rank()
+            return g if group is None else c10d.get_global_rank(group, g)
+
+        sends = {orig["isend"], isend}
+
+        def batch_isend_irecv(p2p_op_list):
+            c10d._check_p2p_op_list(p2p_op_list)
+            return [(isend if p.op in sends else irecv)(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+
+        def check_op(op):
+            if op not in (orig["isend"], orig["irecv"], isend, irecv):
+                orig["_check_op"](op)
+
+        out: dict[str, Callable] = {"isend": isend, "irecv": irecv, "send": send, "recv": recv,
+                                    "batch_isend_irecv": batch_isend_irecv, "_check_op": check_op}
+        for name in COLLECTIVE_ARGS:
+            out[name] = self._collective_wrapper(name)
+        for name, fn in out.items():
+            fn.__name__ = name
+        return out
+
+    def _collective_wrapper(self, name: str) -> Callable:
+        sig = inspect.signature(self.orig[name])
+
+        def wrapper(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return self.collective(name, dict(bound.arguments))
+
+        wrapper.__doc__ = self.orig[name].__doc__
+        return wrapper
+
+
+@contextlib.contextmanager
+def active(ip: Interposer) -> Iterator[Interposer]:
+    """Patch torch.distributed (and distributed_c10d) with `ip`'s wrappers for the duration of a case."""
+    fns = ip.wrappers()
+    saved = [(mod, name, getattr(mod, name)) for mod in (dist, c10d) for name in fns if hasattr(mod, name)]
+    try:
+        for mod, name, _ in saved:
+            setattr(mod, name, fns[name])
+        yield ip
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+        ip.deferred.clear()
+
+
+def phase_counts(log: Sequence[Sequence]) -> dict[str, dict[str, int]]:
+    """{phase: {kind: count}} of a compact op log (e.g. forward isend = W-1 for the reference ring)."""
+    out: dict[str, Counter] = {}
+    for kind, _peer, _nbytes, phase, _state in log:
+        out.setdefault(phase, Counter())[kind] += 1
+    return {p: dict(c) for p, c in out.items()}

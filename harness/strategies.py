@@ -1,0 +1,156 @@
+"""Public hypothesis strategies that draw whole ring-attention Cases.
+
+Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Draws are ordered
+so that hypothesis shrinks a failure towards the smallest world size, then the shortest sequence,
+the fewest heads and the simplest mask (none < causal < window < document), then fp32, normal
+values and the default softmax scale. Only structure and a seed are drawn; tensors are built from
+the seed inside the ranks.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from harness.case import Case, make_case
+from harness.context import Capabilities
+from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
+from ring_impl.masks import MASK_KINDS, MaskSpec
+
+DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
+VALUE_KINDS = ("normal", "large", "near-tie")
+MAX_DOCS = 6
+SMALL_WINDOW = 3
+
+
+def _ordered(allowed: frozenset[str] | set[str], order: tuple[str, ...], what: str) -> list[str]:
+    """The allowed choices in shrink order; refuse an implementation that supports none."""
+    out = [x for x in order if x in allowed]
+    if not out:
+        raise ValueError(f"capabilities allow no {what} (got {sorted(allowed)})")
+    return out
+
+
+@st.composite
+def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True) -> tuple[int, ...]:
+    """Per-rank lengths: an even split, an uneven one (incl. length-1 shards), or the largest that fits."""
+    w = world_size
+    # The total is drawn first on every branch and independently of W, so shrinking the world size
+    # keeps the sequence length (and a branch that drew less cannot win the shrink by being shorter).
+    total = max(draw(st.integers(1, max(max_tokens, w))), w)
+    split = draw(st.sampled_from(("even", "uneven", "max") if uneven else ("even", "max")))
+    if split == "max":
+        total = max(max_tokens, w)
+    if not uneven:
+        return (max(1, total // w),) * w
+    if split != "uneven":
+        return tuple(split_lengths(total, w))
+    per = max(1, max_tokens // w)
+    lens, left = [], max(max_tokens, w)
+    for r in range(w):
+        cap = max(1, min(2 * per, left - (w - r - 1)))
+        lens.append(draw(st.integers(1, cap)))
+        left -= lens[-1]
+    return tuple(lens)
+
+
+def boundary_positions(layout: str, lens: tuple[int, ...]) -> list[int]:
+    """Global positions that start a new rank's tokens or a new zigzag chunk (the token after an edge)."""
+    total = sum(lens)
+    owner = [0] * total
+    for r, pos in enumerate(all_positions(layout, lens)):
+        for p in pos.tolist():
+            owner[p] = r
+    edges = {p for p in range(1, total) if owner[p] != owner[p - 1]}
+    if layout == "zigzag":
+        start = 0
+        for _, size in zigzag_chunks(lens):
+            start += size
+            if 0 < start < total:
+                edges.add(start)
+    return sorted(edges)
+
+
+@st.composite
+def masks(draw, total: int, kinds: tuple[str, ...] = MASK_KINDS, boundaries: tuple[int, ...] = ()) -> MaskSpec:
+    """none, causal, a window (often a small one) or packed documents whose starts are drawn at
+    random or on/next to rank and chunk `boundaries`, so documents straddle ranks."""
+    kind = draw(st.sampled_from(_ordered(set(kinds), MASK_KINDS, "mask kind")))
+    if kind in ("none", "causal"):
+        return MaskSpec(kind)
+    if kind == "window":
+        return MaskSpec("window", window=draw(st.one_of(st.integers(0, SMALL_WINDOW), st.integers(0, total))))
+    if total == 1:
+        return MaskSpec("document", doc_starts=(0,), causal=draw(st.sampled_from((True, False))))
+    near = sorted({p + d for p in boundaries for d in (-1, 0, 1) if 1 <= p + d < total})
+    start = st.one_of(st.sampled_from(near), st.integers(1, total - 1)) if near else st.integers(1, total - 1)
+    starts = draw(st.lists(start, max_size=min(MAX_DOCS - 1, total - 1), unique=True))
+    causal = draw(st.sampled_from((True, False)))
+    return MaskSpec("document", doc_starts=(0, *sorted(starts)), causal=causal)
+
+
+@st.composite
+def heads(draw, gqa: bool = True, max_heads: int = 6) -> tuple[int, int]:
+    """(heads_q, heads_kv): MHA, GQA (groups of 2-3) or MQA (one K/V head)."""
+    kind = draw(st.sampled_from(("mha", "gqa", "mqa") if gqa and max_heads >= 2 else ("mha",)))
+    if kind == "mha":
+        h = draw(st.integers(1, min(2, max_heads)))
+        return h, h
+    if kind == "mqa":
+        return draw(st.integers(2, max_heads)), 1
+    kv = draw(st.integers(2, max(2, max_heads // 2)))
+    groups = draw(st.integers(2, max(2, max_heads // kv)))
+    return kv * groups, kv
+
+
+def _head_dims(caps: Capabilities, max_head_dim: int) -> st.SearchStrategy[int]:
+    if caps.head_dims:
+        dims = sorted(d for d in caps.head_dims if d <= max_head_dim) or [min(caps.head_dims)]
+        return st.sampled_from(dims)
+    return st.integers(1, max_head_dim)
+
+
+@st.composite
+def cases(
+    draw,
+    caps: Capabilities | None = None,
+    *,
+    impl: str = "reference",
+    max_world: int = 8,
+    pool_size: int = 8,
+    max_tokens: int = 64,
+    max_head_dim: int = 32,
+    max_batch: int = 2,
+    max_heads: int = 6,
+    subgroups: bool = True,
+    deadline_s: float = 60.0,
+) -> Case:
+    """A whole Case the implementation declares it supports, small enough to run in ~0.1 s.
+
+    `pool_size` bounds world_size + group_offset (a ring inside a subgroup of the pool).
+    """
+    caps = caps or Capabilities()
+    lo, hi = caps.world_sizes
+    hi = min(hi, max_world, pool_size)
+    if lo > hi:
+        raise ValueError(f"capabilities need world sizes {caps.world_sizes}, budget allows at most {hi}")
+    w = draw(st.integers(lo, hi))
+    # always one draw (a skipped draw would make large rings look "simpler" to the shrinker)
+    inside = subgroups and getattr(caps, "subgroups", True)  # False: the ring must be global ranks 0..W-1
+    offset = draw(st.integers(0, max(0, pool_size - lo))) % (pool_size - w + 1) if inside else 0
+    lens = draw(seq_lens(w, max(max_tokens, w), caps.uneven))
+    hq, hkv = draw(heads(caps.gqa, max_heads))
+    head_dim = draw(_head_dims(caps, max_head_dim))
+    batch = draw(st.integers(1, max_batch))
+    layout = draw(st.sampled_from(_ordered(caps.layouts, LAYOUTS, "layout")))
+    total = sum(lens)
+    mask = draw(masks(total, tuple(caps.masks), tuple(boundary_positions(layout, lens))))
+    dtype = draw(st.sampled_from(_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))
+    values = draw(st.sampled_from(VALUE_KINDS))
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0, allow_nan=False, allow_infinity=False)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return make_case(world_size=w, group_offset=offset, seq_lens=lens, heads_q=hq, heads_kv=hkv, head_dim=head_dim,
+                     batch=batch, layout=layout, mask=mask, dtype=dtype, values=values, softmax_scale=scale,
+                     seed=seed, impl=impl, deadline_s=deadline_s)
+
+
+__all__ = ["boundary_positions", "cases", "heads", "masks", "seq_lens"]

@@ -1,0 +1,40 @@
+"""Bug variants of the reference ring, each a few RingParts away from it; never imported by ring_impl.
+
+MUTANTS maps a kebab-case bug name to a function with the `ring_attention` signature; each
+function's docstring cites the public report it reproduces and when the bug is visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ring_impl.mutants import comm, grads, masks, merges, shapes
+
+_ALL = [
+    merges.naive_merge_sum,
+    merges.overflow_merge,
+    merges.overwrite_merge,
+    masks.causal_step_off_by_one,
+    masks.diagonal_mask_every_step,
+    comm.group_local_peer,
+    grads.dkv_no_final_hop,
+    grads.dkv_one_rank_off,
+    grads.stale_kv_backward,
+    grads.dq_through_bf16,
+    merges.low_precision_accumulator,
+    shapes.uneven_tail_dropped,
+    masks.zigzag_second_half_order,
+    masks.striped_diagonal_offset,
+    shapes.gqa_repeat,
+    shapes.scale_one_over_d,
+    masks.window_off_by_one,
+    masks.document_leak_across_ranks,
+    comm.read_before_wait,
+    comm.send_buffer_overwrite,
+    comm.skipped_ring_step,
+]
+
+MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}
+
+__all__ = ["MUTANTS"]

@@ -1,0 +1,120 @@
+"""Hypothesis strategies: only what an implementation declares, every feature reachable, budget
+respected, and shrinking towards the smallest world, shortest sequence, fewest heads, simplest mask."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, find, given, settings
+
+from harness import strategies
+from harness.context import Capabilities
+from harness.localise import owners
+
+FAST = settings(max_examples=120, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+SHRINK = settings(database=None, derandomize=True)  # find() is random otherwise: a local minimum may differ
+SEARCH = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate], derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+
+NARROW = Capabilities(layouts=frozenset({"zigzag"}), masks=frozenset({"causal", "document"}),
+                      dtypes=frozenset({"bf16"}), gqa=False, uneven=False, world_sizes=(2, 4), head_dims=(8, 16),
+                      subgroups=False)
+
+
+@FAST
+@given(strategies.cases(NARROW, impl="mine", pool_size=6))
+def test_draws_only_what_the_capabilities_declare(c):
+    assert c.layout == "zigzag"
+    assert c.mask.kind in ("causal", "document")
+    assert c.dtype == "bf16"
+    assert c.heads_q == c.heads_kv
+    assert len(set(c.seq_lens)) == 1
+    assert 2 <= c.world_size <= 4
+    assert c.head_dim in (8, 16)
+    assert c.impl == "mine"
+    assert c.group_offset == 0  # no subgroups: the ring is global ranks 0..W-1
+
+
+@FAST
+@given(strategies.cases())
+def test_cases_fit_the_budget(c):
+    assert c.total_len <= 64
+    assert c.head_dim <= 32 and c.batch <= 2 and c.heads_q <= 6
+    assert 1 <= c.world_size <= 8 and c.pool_size <= 8
+    assert min(c.seq_lens) >= 1
+    assert c.heads_q % c.heads_kv == 0
+    if c.mask.kind == "document":
+        assert c.mask.doc_starts[0] == 0 and c.mask.doc_starts[-1] < c.total_len
+
+
+def _straddles(c) -> bool:
+    """A document that holds tokens of two or more ranks (and is not the whole sequence)."""
+    if c.mask.kind != "document" or len(c.mask.doc_starts) < 2:
+        return False
+    own = owners(c).tolist()
+    bounds = [*c.mask.doc_starts, c.total_len]
+    return any(len(set(own[a:b])) > 1 for a, b in zip(bounds, bounds[1:], strict=False))
+
+
+FEATURES = {
+    "W=1": lambda c: c.world_size == 1,
+    "W=8": lambda c: c.world_size == 8,
+    "ring in a subgroup": lambda c: c.group_offset > 0,
+    "GQA": lambda c: c.heads_q > c.heads_kv > 1,
+    "MQA": lambda c: c.heads_kv == 1 and c.heads_q > 1,
+    "uneven split": lambda c: len(set(c.seq_lens)) > 1,
+    "length-1 shard beside a longer one": lambda c: min(c.seq_lens) == 1 and max(c.seq_lens) > 1,
+    "very short sequence": lambda c: c.total_len <= 2,
+    "largest that fits": lambda c: c.total_len == 64,
+    "small window": lambda c: c.mask.kind == "window" and c.mask.window <= 1,
+    "document straddling ranks": _straddles,
+    "non-causal documents": lambda c: c.mask.kind == "document" and not c.mask.causal and len(c.mask.doc_starts) > 2,
+    "short documents": lambda c: c.mask.kind == "document" and len(c.mask.doc_starts) >= 4,
+    "zigzag": lambda c: c.layout == "zigzag",
+    "striped": lambda c: c.layout == "striped",
+    "fp16": lambda c: c.dtype == "fp16",
+    "bf16": lambda c: c.dtype == "bf16",
+    "large logits": lambda c: c.values == "large",
+    "near-ties": lambda c: c.values == "near-tie",
+    "custom softmax scale": lambda c: c.softmax_scale is not None,
+    "batch 2": lambda c: c.batch == 2,
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_every_feature_is_drawn(feature):
+    find(strategies.cases(), FEATURES[feature], settings=SEARCH)
+
+
+def test_shrinks_to_smallest_world_shortest_sequence_fewest_heads_simplest_mask():
+    c = find(strategies.cases(), lambda c: c.world_size >= 3 and c.mask.is_causal, settings=SHRINK)
+    assert (c.world_size, c.seq_lens, c.group_offset) == (3, (1, 1, 1), 0)
+    assert (c.heads_q, c.heads_kv, c.batch, c.head_dim) == (1, 1, 1, 1)
+    assert c.mask.kind == "causal" and c.layout == "contiguous"
+    assert (c.dtype, c.values, c.softmax_scale, c.seed) == ("fp32", "normal", None, 0)
+
+
+def test_shrinks_a_length_condition_to_an_even_split():
+    c = find(strategies.cases(), lambda c: c.total_len >= 10, settings=SHRINK)
+    assert c.world_size == 1 and c.seq_lens == (10,)
+
+
+def test_document_boundaries_shrink_to_fewest_documents():
+    c = find(strategies.cases(), lambda c: c.mask.kind == "document" and len(c.mask.doc_starts) >= 3,
+             settings=SHRINK)
+    assert c.mask.doc_starts == (0, 1, 2) and c.mask.causal and c.total_len == 3
+    assert (c.heads_q, c.batch, c.head_dim, c.layout) == (1, 1, 1, "contiguous")
+
+
+@pytest.mark.parametrize("layout, lens, edges", [
+    ("contiguous", (3, 2), [3]),
+    ("zigzag", (4, 4), [2, 4, 6]),  # chunks r0 r1 | r1 r0: the seam at 4 is inside rank 1
+    ("striped", (2, 2), [1, 2, 3]),
+])
+def test_boundary_positions(layout, lens, edges):
+    assert strategies.boundary_positions(layout, lens) == edges
+
+
+def test_refuses_capabilities_it_cannot_satisfy():
+    caps = Capabilities(world_sizes=(16, 32))
+    with pytest.raises(ValueError, match="world sizes"):
+        find(strategies.cases(caps), lambda c: True, settings=SHRINK)

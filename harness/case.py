@@ -305,6 +305,7 @@ def save(c: Case, path: str | os.PathLike, *, result: dict | None = None, note: 
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a case file is shared data
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):

@@ -63,6 +63,20 @@ class RingChecker:
             pytest.fail(f"{r.verdict}: {r.case.summary()}\n" + "\n".join(details(r)), pytrace=False)
         return r
 
+    def property(self, max_examples: int | None = None, time_budget_s: float | None = None, save_dir=None):
+        """A property-based run (hypothesis, shrinking, saved YAML) against the implementation; fails
+        with the shrunk case. Budget: `max_examples`, else --ring-max-examples, else the ci profile."""
+        from harness.fuzz import fuzz
+
+        n = max_examples if max_examples is not None else self.max_examples
+        out = fuzz(self.impl, self.pool, max_examples=n, time_budget_s=time_budget_s,
+                   save_dir=save_dir or "ring-harness-failures", allow_import=":" in self.impl)
+        if not out.passed:
+            r = out.shrunk or out.found
+            pytest.fail(f"property-based run found {r.verdict}: {r.case.summary()} "
+                        f"(saved {out.shrunk_path or out.found_path})", pytrace=False)
+        return out
+
     def battery(self, dtype: str | None = None):
         """Run the default fixed battery; fail listing every failing case."""
         from harness.battery import default_battery

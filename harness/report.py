@@ -19,7 +19,9 @@ def _ratio(x: float | None) -> str:
         return "   -  "
     if x == float("inf"):
         return "  NaN "
-    return f"{x:6.3f}" if x < 100 else f"{x:6.0f}"
+    if x < 100:
+        return f"{x:6.3f}"
+    return f"{x:6.0f}" if x < 1e5 else f"{x:6.0e}"
 
 
 def header() -> str:

@@ -4,7 +4,6 @@ reproducible under the ci profile; and, on real ranks, finds and shrinks a W >= 
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -130,19 +129,9 @@ def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
     assert data["hashes"] and data["localisation"]["findings"]
 
 
-def _slow_enabled(config) -> bool:
-    try:
-        flag = config.getoption("--run-slow")
-    except ValueError:
-        flag = False
-    return bool(flag or os.environ.get("RING_HARNESS_SLOW"))
-
-
 @pytest.mark.slow
-def test_default_check_finds_shrinks_saves_and_replays(tmp_path, request):
+def test_default_check_finds_shrinks_saves_and_replays(tmp_path):
     """The full default `check` (battery + property-based) on the planted bug, then `replay`."""
-    if not _slow_enabled(request.config):
-        pytest.skip("slow: run with --run-slow or RING_HARNESS_SLOW=1")
     cmd = [sys.executable, "-m", "harness"]
     chk = subprocess.run([*cmd, "check", "--impl", PLANTED, "--save-dir", str(tmp_path), "--plot", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)

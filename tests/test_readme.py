@@ -22,3 +22,8 @@ def test_plugin_example_runs_as_written(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert "3 passed" in p.stdout
     assert (tmp_path / "ring.xml").read_text().count("<testcase") == 3
+
+
+def test_plugin_property_run(ring_check):
+    out = ring_check.property(max_examples=5, time_budget_s=60)
+    assert out.examples >= 1 and out.passed

@@ -14,6 +14,8 @@ COMMANDS = {
     "check": ("harness.commands.check", "run the default battery against an implementation"),
     "replay": ("harness.commands.replay", "re-run a saved case file and compare with its recorded result"),
     "impls": ("harness.commands.impls", "list the implementations this install knows and their capabilities"),
+    "selftest": ("harness.commands.selftest", "run the default check against every mutant: kill matrix, false alarms"),
+    "bench": ("harness.commands.bench", "benchmark the harness and the reference ring (ratios, targets, MET/MISSED)"),
 }
 
 

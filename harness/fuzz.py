@@ -74,6 +74,7 @@ class FuzzOutcome:
     stop: str = ""
     verdicts: Counter = field(default_factory=Counter)
     worst_pass_ratio: dict[str, float] = field(default_factory=dict)  # dtype -> worst ratio of a passing case
+    worst_pass_tensor: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> tensor -> worst ratio
 
     @property
     def passed(self) -> bool:
@@ -196,6 +197,10 @@ def fuzz(
             worst = max((x for x in (r.worst(t) for t in ("out", "lse", "dq", "dk", "dv")) if x is not None),
                         default=0.0)
             out.worst_pass_ratio[c.dtype] = max(out.worst_pass_ratio.get(c.dtype, 0.0), worst)
+            per = out.worst_pass_tensor.setdefault(c.dtype, {})
+            for t in ("out", "lse", "dq", "dk", "dv"):
+                if r.worst(t) is not None:
+                    per[t] = max(per.get(t, 0.0), r.worst(t))
         else:
             out.failures += 1
             if out.found is None:

@@ -176,7 +176,7 @@ def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bo
 def comm_budget(case: case_mod.Case) -> float:
     """Seconds from a case's start by which every communication op must have completed or failed,
     leaving the rest of the deadline for the error to reach the parent."""
-    return max(0.5, case.deadline_s - max(1.5, 0.2 * case.deadline_s))
+    return max(0.5, case.deadline_s - max(0.5, min(2.0, 0.1 * case.deadline_s)))
 
 
 def _interposer(case: case_mod.Case, rank: int, msg: dict, workdir: str | None):
@@ -226,11 +226,20 @@ def handle_case(msg: dict, rank: int, groups: Groups, device: torch.device, impl
     return reply
 
 
+def _warm_up() -> None:
+    """Do once at start what the first backward would otherwise do mid-ring: torch imports sympy on
+    the first backward with a given gradient (seconds on a loaded machine), which made the other
+    ranks' short-timeout waits fail on the first case after every pool (re)start."""
+    x = torch.ones(1, requires_grad=True)
+    torch.autograd.backward(x * 2, torch.ones(1))
+
+
 def serve(rank: int, size: int, workdir: str, backend: str) -> None:
     """Rendezvous, then loop: receive a case, run it, reply. Exits on 'stop' or parent death."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _warm_up()
     authkey = bytes.fromhex(os.environ["RING_HARNESS_AUTHKEY"])
     stack_file = open(os.path.join(workdir, f"stack-{rank}.txt"), "a")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)

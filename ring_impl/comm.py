@@ -40,7 +40,8 @@ class RingComm:
     """One ring channel: `exchange` posts a non-blocking send/receive pair, `wait` completes it.
 
     Even ranks post the send first and odd ranks the receive first, so lazily created pairwise
-    communicators (NCCL) cannot deadlock around the ring. `tag` keeps channels apart.
+    communicators (NCCL) are not all waiting on each other around the ring. `tag` keeps channels
+    (K/V, dk/dv) apart.
     """
 
     def __init__(self, group: Any, peers: RingPeers, tag: int = 0) -> None:

@@ -89,10 +89,18 @@ def whole_ring(world: int) -> int:
 
 @dataclass(frozen=True)
 class RingParts:
-    """The replaceable pieces of the ring, each a plain function."""
+    """The replaceable pieces of the ring, each a plain function (or class, for `comm`).
+
+    positions: every rank's global positions; kv_lengths: tokens of each rank's K/V that ride the
+    ring; skip_block/block_mask: which blocks to compute and their masks; kv_heads: GQA head map;
+    scale: softmax scale; block_forward/block_backward: the kernel; merge: combine partials;
+    acc_dtype: dtype of the out/lse accumulators; peers: neighbours' global ranks; comm: the P2P
+    channel; steps: blocks per rank; dkv_hops: hops of the dk/dv accumulators; backward_kv: the K/V
+    backward computes on; cast_dq: dq to the input dtype.
+    """
 
     positions: Callable[[str, Sequence[int]], list[torch.Tensor]] = layouts.all_positions
-    kv_lengths: Callable[[Sequence[int]], list[int]] = list  # tokens of each rank's K/V that ride the ring
+    kv_lengths: Callable[[Sequence[int]], list[int]] = list
     skip_block: Callable[[MaskSpec, torch.Tensor, torch.Tensor, BlockAt], bool] = skip_empty_block
     block_mask: Callable[[MaskSpec, torch.Tensor, torch.Tensor, BlockAt], torch.Tensor | None] = position_mask
     kv_heads: Callable[[int, int], torch.Tensor] = gqa_kv_heads

@@ -103,9 +103,13 @@ def test_ring_attention_pytorch_full_pass(pool2, key):
 
 @pytest.mark.extra
 def test_ring_attention_pytorch_refuses_a_subgroup(pool3):
+    """It declares subgroups=False: the pool is sized to exactly W for it, and a ring inside a
+    subgroup (global ranks 1..2 of 3) is refused with a clear error, not run wrongly."""
     pytest.importorskip("ring_attention_pytorch")
     res = run_case(
-        case(world_size=2, seq_lens=(4, 4), layout="contiguous", mask=CAUSAL), pool3, "ring-attention-pytorch"
+        case(world_size=2, seq_lens=(4, 4), layout="contiguous", mask=CAUSAL, group_offset=1), pool3,
+        "ring-attention-pytorch",
     )
     assert res.verdict == "fail-stop", explain(res)
     assert "runs only on the whole default process group" in res.detail
+    assert pool3.size == 3

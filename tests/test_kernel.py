@@ -171,3 +171,18 @@ def test_backward_of_blocks_uses_the_global_out_and_lse():
     assert rel_err(dq, qd.grad) < 1e-5
     assert rel_err(dk, kd.grad) < 1e-5
     assert rel_err(dv, vd.grad) < 1e-5
+
+
+def test_rows_with_minus_inf_global_lse_contribute_nothing():
+    """A row whose GLOBAL lse is -inf has no probability mass anywhere, whatever this block's scores."""
+    q, k, v = inputs(8, 4, 5, 2, 2, torch.float32)
+    out, lse = block_forward(q, k, v, 0.4, None)
+    lse[:, :, 2] = float("-inf")
+    out[:, 2] = 0
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, 0.4, None)
+    keep = [0, 1, 3]
+    ref = block_backward(dout[:, keep], q[:, keep], k, v, out[:, keep], lse[:, :, keep], 0.4, None)
+    assert (dq[:, 2] == 0).all()
+    torch.testing.assert_close(dk, ref[1])
+    torch.testing.assert_close(dv, ref[2])

@@ -18,6 +18,7 @@ def brute(spec: MaskSpec, i: int, j: int) -> bool:
         return j <= i
     if spec.kind == "window":
         return i - spec.window <= j <= i
+
     def doc(p: int) -> int:
         return max(n for n, s in enumerate(spec.doc_starts) if s <= p)
 

@@ -60,7 +60,7 @@ def phases(r: CaseResult, wall: float) -> dict[str, float]:
 
 def run(quick: bool = False) -> Figure:
     """Measure the figure; `quick` runs two small-medium cases (smoke test)."""
-    n, total = (2, 512) if quick else (8, 4096)
+    n, total = (2, 512) if quick else (8, 2048)
     cases = medium_cases(n, total)
     rows: list[dict[str, float]] = []
     verdicts: dict[str, int] = {}

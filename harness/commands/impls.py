@@ -11,6 +11,8 @@ from harness import registry, report
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.add_argument("--mutants", action="store_true",
+                   help="also list the bug variants of the reference ring (mutant:NAME, for `ring-harness selftest`)")
 
 
 def _caps(c: dict | None) -> str:
@@ -23,10 +25,22 @@ def _caps(c: dict | None) -> str:
     return " ".join(parts) + f" [{'/'.join(c['backends'])}]"
 
 
+def mutant_rows() -> list[dict]:
+    """mutant:NAME and the first sentence of its docstring (what bug it reproduces)."""
+    from ring_impl.mutants import MUTANTS
+
+    rows = []
+    for name in registry.mutant_names():
+        doc = " ".join((MUTANTS[name.partition(":")[2]].__doc__ or "").split())
+        rows.append({"name": name, "bug": doc.split(". ")[0].rstrip(".")})
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     rows = registry.describe()
+    mutants = mutant_rows() if args.mutants else []
     if args.json:
-        report.out(json.dumps(rows, indent=1))
+        report.out(json.dumps(rows + [{**m, "source": "mutant"} for m in mutants], indent=1))
         return 0
     width = max(len(r["name"]) for r in rows)
     vw = max(len(str(r["version"])) for r in rows)
@@ -35,4 +49,10 @@ def run(args: argparse.Namespace) -> int:
         report.out(f"{r['name']:<{width}}  {state:<11}  {r['version']:<{vw}}  {_caps(r['capabilities'])}")
         if r["why"]:
             report.out(f"{'':<{width}}  -> {r['why']}")
+    if mutants:
+        report.out("")
+        report.out("mutants (bug variants of the reference, never a default; `ring-harness selftest` runs them):")
+        mw = max(len(m["name"]) for m in mutants)
+        for m in mutants:
+            report.out(f"{m['name']:<{mw}}  {m['bug'][:110]}")
     return 0

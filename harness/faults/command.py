@@ -40,6 +40,11 @@ def run(args: argparse.Namespace) -> int:
     cases = battery.fault_cases(kinds, n, impl=args.impl, seed=args.fault_seed, deadline_s=args.fault_deadline,
                                 max_world=max_world)
     allow_import = ":" in args.impl
+    cases, skipped = _supported(cases, args.impl, allow_import)
+    if not cases:
+        raise HarnessError(f"{args.impl} declares support for none of the fault battery's cases")
+    if skipped:
+        report.out(f"skipping {skipped} case(s) with features {args.impl} does not declare")
     report.out(f"ring-harness check --faults {','.join(kinds)}: {len(cases)} faulted cases, impl {args.impl}, "
                f"gloo ranks, deadline {args.fault_deadline:g} s")
 
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     res = battery.BatteryResult()
     try:
         battery.run_battery(cases, pool, args.impl, allow_import=allow_import, on_result=show, out=res)
-        if "straggler" in kinds:
+        if "straggler" in kinds and "straggler" in {battery.kind_of(c) for c in cases}:
             report.out("measuring the straggler slowdown (fault-free vs one rank 4x slower at compute) ...")
             straggler = battery.measure_straggler(pool, args.impl, allow_import=allow_import)
             res.pids.update(pool.pids())
@@ -94,3 +99,14 @@ def run(args: argparse.Namespace) -> int:
                                       "results": [r.to_dict() for _, r in res.rows]})
     ok = not bad and not hangs and not res.over_deadline and not res.heal_failures and not leftovers
     return 0 if ok else 1
+
+
+def _supported(cases: list, impl: str, allow_import: bool) -> tuple[list, int]:
+    """The battery's cases the implementation declares (adapted to its split/head_dim when that is all)."""
+    from harness import registry
+    from harness.capabilities import adapt, unsupported
+
+    caps = registry.resolve(impl, allow_import=allow_import).capabilities
+    out = [c if not unsupported(caps, c) else adapt(caps, c) for c in cases]
+    kept = [c for c in out if c is not None]
+    return kept, len(cases) - len(kept)

@@ -1,0 +1,196 @@
+"""Figure 3: peak memory of one rank of the reference ring at a fixed total length, W = 1, 2, 4, 8.
+
+Every W runs in fresh rank processes (so no allocator state carries over) with glibc told to give
+large freed blocks back to the OS (MALLOC_MMAP_THRESHOLD_), so RSS follows live memory. Each rank
+builds only its own shard from the seed, warms up on a tiny input (lazy imports, gloo pairs), then
+measures its peak RSS above that baseline during forward and during forward + backward: the
+kernel's high-water mark (ru_maxrss) when the call raised it, else a 1 ms /proc/self/statm sampler.
+`retained` is what forward leaves alive for backward (saved tensors and the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from harness.bench.timing import Figure, Target, fmt
+
+WORLDS = (1, 2, 4, 8)
+MIB = 1 << 20
+
+
+def _rss() -> int:
+    """Resident bytes of this process now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class Peak:
+    """Highest RSS seen since start(): ru_maxrss when the call raised it, else the 1 ms sampler's."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.seen = max(self.seen, _rss())
+            time.sleep(0.001)
+
+    def __enter__(self) -> Peak:
+        self.max_before = _maxrss()
+        self.seen = _rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        after = _maxrss()
+        self.peak = max(self.seen, _rss(), after if after > self.max_before else 0)
+
+
+def _rank_main(rank: int, world: int, workdir: str, spec: dict) -> dict:
+    """One rank: shard from the seed, warm-up, then peaks of forward and forward + backward."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from harness import inputs
+    from harness.case import make_case
+    from ring_impl import ring_attention
+    from ring_impl.layouts import all_positions
+    from ring_impl.masks import MaskSpec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(workdir, "store"), world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    case = make_case(world_size=world, total_len=spec["total"], layout=spec["layout"], mask=spec["mask"],
+                     heads_q=spec["heads"], heads_kv=spec["heads"], head_dim=spec["dim"], dtype=spec["dtype"])
+
+    def call(c):
+        pos = all_positions(c.layout, c.seq_lens)[rank]
+        q, k, v, dout = (inputs.make(c, n, pos) for n in inputs.NAMES)
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        kw = {"layout": c.layout, "lengths": c.seq_lens, "mask": c.mask}
+        return q, k, v, dout, kw
+
+    q, k, v, dout, kw = call(case.replace(seq_lens=(4,) * world, mask=MaskSpec("causal")))
+    torch.autograd.backward(ring_attention(q, k, v, **kw), dout)  # warm-up: lazy imports, first calls
+    q, k, v, dout, kw = call(case)
+    gc.collect()
+    dist.barrier()
+    base = _rss()
+    with Peak() as fwd:
+        out = ring_attention(q, k, v, **kw)
+    retained = _rss() - base
+    with Peak() as bwd:
+        torch.autograd.backward(out, dout)
+    dist.barrier()
+    dist.destroy_process_group()
+    shard = sum(t.numel() * t.element_size() for t in (q, k, v))
+    return {"rank": rank, "base": base, "forward": fwd.peak - base, "forward_backward": max(fwd.peak, bwd.peak) - base,
+            "retained": retained, "shard_qkv": shard}
+
+
+def measure(world: int, spec: dict, timeout_s: float = 600.0) -> list[dict]:
+    """Run one W in fresh processes; every rank's figures (bytes above its baseline)."""
+    workdir = tempfile.mkdtemp(prefix="ring-bench-mem-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 16), MALLOC_TRIM_THRESHOLD_="0")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    procs = []
+    try:
+        for r in range(world):
+            cmd = [sys.executable, "-m", "harness.bench.memory", "--rank", str(r), "--world", str(world),
+                   "--dir", workdir, "--spec", json.dumps(spec), "--parent", str(os.getpid())]
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, start_new_session=True))
+        end = time.monotonic() + timeout_s
+        errs = []
+        for p in procs:
+            _, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
+            if p.returncode:
+                errs.append(err.decode(errors="replace")[-600:])
+        if errs:
+            raise RuntimeError(f"memory rank failed: {errs[0]}")
+        return [json.loads(Path(workdir, f"mem-{r}.json").read_text()) for r in range(world)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def scores(spec: dict, world: int) -> int:
+    """Entries of one (local queries x one owner's keys) score block: heads * (n/W)^2."""
+    return spec["heads"] * (spec["total"] // world) ** 2
+
+
+def run(quick: bool = False) -> Figure:
+    """Measure the figure; `quick` uses a short sequence and W = 1, 2 (smoke test)."""
+    worlds = (1, 2) if quick else WORLDS
+    spec = {"total": 512 if quick else 4096, "heads": 4, "dim": 64, "dtype": "fp32", "layout": "zigzag",
+            "mask": {"kind": "causal"}}
+    rows = {w: measure(w, spec) for w in worlds}
+    fig = Figure("memory", f"reference ring, one rank's peak memory above its baseline at L={spec['total']} "
+                           f"(h{spec['heads']} d{spec['dim']} {spec['dtype']} {spec['layout']} causal)")
+    one = {k: max(r[k] for r in rows[1]) for k in ("forward", "forward_backward", "retained")}
+    fig.lines.append(f"{'W':>2}  {'forward MiB':>12} {'x W / W1':>8}  {'fwd+bwd MiB':>12} {'x W / W1':>8}  "
+                     f"{'retained MiB':>12} {'x W / W1':>8}  {'q+k+v shard MiB':>15}  {'fwd+bwd B/score':>15}")
+    worst = {"forward": 0.0, "forward_backward": 0.0}
+    for w, rs in rows.items():
+        top = {k: max(r[k] for r in rs) for k in ("forward", "forward_backward", "retained", "shard_qkv")}
+        rel = {k: w * top[k] / one[k] if one[k] > 0 else float("nan") for k in one}
+        if w > 1:
+            for k in worst:
+                worst[k] = max(worst[k], rel[k])
+        fig.lines.append(f"{w:>2}  {fmt(top['forward'] / MIB):>12} {fmt(rel['forward']):>8}  "
+                         f"{fmt(top['forward_backward'] / MIB):>12} {fmt(rel['forward_backward']):>8}  "
+                         f"{fmt(top['retained'] / MIB):>12} {fmt(rel['retained']):>8}  "
+                         f"{fmt(top['shard_qkv'] / MIB):>15}  {fmt(top['forward_backward'] / scores(spec, w)):>15}")
+    fig.lines.append("per rank: the largest over the ranks of that W; 'x W / W1' = W * figure(W) / figure(1), "
+                     "O(n/W) means <= 1; B/score: peak bytes per entry of one block's scores, heads * (n/W)^2")
+    fig.lines.append("retained (forward -> backward): out in fp32 + lse + every rank's token positions "
+                     "(RingPlan.k_pos, int64: 8 B x n, the one O(n) term)")
+    fig.targets = [Target("forward peak, worst W * mem(W) / mem(1)", worst["forward"], "<=", 1.3),
+                   Target("forward+backward peak, worst W * mem(W) / mem(1)", worst["forward_backward"], "<=", 1.3)]
+    fig.data = {"spec": spec, "ranks": {str(w): rs for w, rs in rows.items()}}
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="harness.bench.memory")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--spec", required=True)
+    p.add_argument("--parent", type=int, required=True)
+    a = p.parse_args(argv)
+    from harness.worker import _die_with_parent
+
+    _die_with_parent(a.parent)
+    res = _rank_main(a.rank, a.world, a.dir, json.loads(a.spec))
+    Path(a.dir, f"mem-{a.rank}.json").write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

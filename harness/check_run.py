@@ -79,8 +79,10 @@ class CheckOutcome:
 
 
 def fault_ok(r: CaseResult) -> bool:
-    """A faulted case ended the way its faults require (benign faults: pass, bit-identical)."""
-    return bool(r.extra.get("as_expected", False))
+    """A fault-stage case ended the way its faults require (benign faults: pass, bit-identical), or
+    tested nothing (`invalid`: the implementation makes no op the fault applies to, e.g. send-reuse
+    on an all-gather ring; reported as not applicable, not as the implementation's failure)."""
+    return r.verdict == "invalid" or bool(r.extra.get("as_expected", False))
 
 
 def parse_fault_stage(text: str | None) -> tuple[str, ...]:
@@ -245,7 +247,9 @@ def _fault_stage(pool, impl: str, args: argparse.Namespace, caps: Capabilities, 
         res.fault_results.append(r)
         res.cases += 1
         out(report.row(i, len(cases), r) + f"  [{'+'.join(f['kind'] for f in c.faults)}]")
-        if not fault_ok(r):
+        if r.verdict == "invalid":
+            out(f"        -> not applicable here: {r.detail[:200]}")
+        elif not fault_ok(r):
             out(f"        -> {r.detail[:300]}" if r.detail else f"        -> {r.verdict}, expected pass")
             out(f"        saved {save_result(r, args.save_dir, backend=pool.backend)}")
             if failed("faults", r):

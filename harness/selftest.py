@@ -4,13 +4,15 @@ against the reference itself, and report a kill matrix.
 
 Each mutant gets exactly what a user gets: `check`'s own default options (fixed battery, fault
 stage, property-based run with the ci budget), through the same `run_check`, stopped at the first
-failure. A failure counts as the kill only if it reproduces bit for bit on a re-run (a data race,
-e.g. reading a receive buffer before waiting on plain gloo, fails with different numbers each time;
-it is reported, and the check goes on to a deterministic failure). The kill is shrunk (by
-hypothesis for a property-based failure, by `harness.shrink` for a fixed case), confirmed twice
-more, run on the reference (which must pass), and saved as `mutant-NAME.yaml`, a regression case
-for the `cases/` corpus. Its op log is compared with the reference's on the same case ("comm
-count": a ring of W ranks makes W - 1 K/V hops in forward).
+failure. A failure counts as the kill only if it reproduces bit for bit on two re-runs and once
+under perturbed timing (a data race, e.g. reading a receive buffer before waiting on plain gloo,
+fails with different numbers from run to run; it is reported, and the check goes on to a
+deterministic failure); the time to kill does not count those re-runs. The kill is shrunk (by
+hypothesis for a property-based failure, by `harness.shrink` for a fixed case, each smaller
+candidate also reproducing bit for bit), confirmed once more, run on the reference (which must
+pass), and saved as `mutant-NAME.yaml`, a regression case for the `cases/` corpus. Its op log is
+compared with the reference's on the same case ("comm count": a ring of W ranks makes W - 1 K/V
+hops in forward).
 
 The other side is false alarms: the reference runs through the same pipeline, with
 `--false-alarm-cases N` property-based examples, and must not fail once; the worst error ratio
@@ -20,6 +22,8 @@ Equivalent mutants: a mutant no valid input can distinguish from the reference c
 None is expected (each mutant's docstring says where it shows). One may be declared only in
 EQUIVALENT, with the written argument why no input distinguishes it; it is still run and reported,
 never silently skipped, and a kill of a declared-equivalent mutant is reported as a contradiction.
+None is declared: every mutant of the zoo has a witness, its `cases/mutant-NAME.yaml`, a valid case
+on which it and the reference differ (the corpus test replays both sides).
 """
 
 from __future__ import annotations
@@ -34,15 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import case as case_mod
+from harness.adapters.reference import MUTANT_PREFIX
+from harness.case import Case
 from harness.check_run import CheckOutcome, Failure, run_check
 from harness.errors import HarnessError
+from harness.faults.schema import make_fault
 from harness.fuzz import PROFILES, impl_info
 from harness.record import result_record
 from harness.runner import CaseResult, run_case
 from harness.shrink import shrink
 
 REFERENCE = "reference"
-MUTANT_PREFIX = "mutant:"
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 SHRINK_DEADLINE_S = 20.0  # a shrinking candidate that hangs costs at most this
 REPRODUCE_RUNS = 2  # extra runs a failure must reproduce bit for bit in to count (a race rarely does twice)
@@ -132,14 +138,23 @@ def killed_by(r: CaseResult) -> list[str]:
     return out
 
 
+def perturbed(c: Case) -> Case:
+    """`c` with every communication op on every rank posted after a seeded random 0-10 ms: the same
+    program order under another timing, so a result that depends on a race shows it."""
+    return c.replace(faults=(*c.faults, make_fault("delay", seconds=0.0, jitter=0.01, where="post")))
+
+
 def reproduces(pool, impl: str, r: CaseResult, times: int = 1) -> bool:
-    """The same verdict `times` more, with identical output hashes for completed runs (data races don't)."""
+    """The same verdict `times` more, with identical output hashes for completed runs, and the same
+    hashes once more under perturbed timing (a data race rarely survives both)."""
+    completed = r.verdict in ("pass", "silent-corruption", "diverged")
     for _ in range(times):
         again = run_case(r.case, pool, impl)
-        if again.verdict != r.verdict:
+        if again.verdict != r.verdict or (completed and again.hashes != r.hashes):
             return False
-        if r.verdict in ("pass", "silent-corruption", "diverged") and again.hashes != r.hashes:
-            return False
+    if completed and r.case.world_size >= 2:
+        again = run_case(perturbed(r.case), pool, impl)
+        return again.verdict == r.verdict and again.hashes == r.hashes
     return True
 
 

@@ -238,3 +238,10 @@ def test_impls_lists_mutants_only_when_asked(capsys):
     assert main(["impls", "--mutants"]) == 0
     out = capsys.readouterr().out
     assert all(f"mutant:{n}" in out for n in MUTANTS) and "never a default" in out
+
+
+def test_perturbed_timing_adds_one_jittered_delay_on_every_rank():
+    c = make_case(world_size=3, total_len=6, faults=({"kind": "send-reuse"},))
+    p = selftest.perturbed(c)
+    assert p.faults[:1] == c.faults and p.faults[1]["kind"] == "delay"
+    assert p.faults[1].get("rank") is None and p.faults[1]["jitter"] > 0

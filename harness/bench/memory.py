@@ -4,7 +4,7 @@ Every W runs in fresh rank processes (so no allocator state carries over) with g
 large freed blocks back to the OS (MALLOC_MMAP_THRESHOLD_), so RSS follows live memory. Each rank
 builds only its own shard from the seed, warms up on a tiny input (lazy imports, gloo pairs), then
 measures its peak RSS above that baseline during forward and during forward + backward: the
-kernel's high-water mark (ru_maxrss) when the call raised it, else a 1 ms /proc/self/statm sampler.
+kernel's high-water mark (VmHWM, reset before each phase) or, where it cannot be reset, a 1 ms sampler.
 `retained` is what forward leaves alive for backward (saved tensors and the output).
 """
 
@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -36,15 +35,33 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def _hwm() -> int:
+    """This process's resident high-water mark (VmHWM) in bytes. Unlike ru_maxrss it is not
+    inherited from the parent across fork + exec, and clear_refs can reset it."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class Peak:
-    """Highest RSS seen since start(): ru_maxrss when the call raised it, else the 1 ms sampler's."""
+    """Highest RSS during the `with` block: the kernel's high-water mark, reset on entry (exact),
+    and a 1 ms /proc/self/statm sampler (the fallback where the mark cannot be reset)."""
 
     def __init__(self) -> None:
         self.seen = 0
+        self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -54,7 +71,7 @@ class Peak:
             time.sleep(0.001)
 
     def __enter__(self) -> Peak:
-        self.max_before = _maxrss()
+        self.exact = _reset_hwm()
         self.seen = _rss()
         self._thread.start()
         return self
@@ -62,8 +79,7 @@ class Peak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        after = _maxrss()
-        self.peak = max(self.seen, _rss(), after if after > self.max_before else 0)
+        self.peak = max(self.seen, _rss(), _hwm() if self.exact else 0)
 
 
 def _rank_main(rank: int, world: int, workdir: str, spec: dict) -> dict:

@@ -2,9 +2,10 @@
 longest case the CPU harness judges within one minute.
 
 The oracle (float64 reference + same-dtype base, forward and backward, blockwise over queries)
-runs in a fresh process per length, single-threaded as in `run_case` on 2 cores, so its peak RSS
-(ru_maxrss) is its own. The one-minute figure runs whole cases (W=4 ranks, oracle, leak run,
-judge) at doubling lengths, then refines between the last one under and the first one over.
+runs in a fresh process per length, single-threaded as in `run_case` on 2 cores; its peak RSS is
+the kernel's high-water mark reset at the start (ru_maxrss would include the parent's RSS, which
+Linux carries across fork + exec). The one-minute figure runs whole cases (W=4 ranks, oracle, leak
+run, judge) at doubling lengths, then refines between the last one under and the first one over.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import argparse
 import json
 import math
 import os
-import resource
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from harness.bench.memory import Peak, _rss
 from harness.bench.timing import Figure, Target, fmt, load_line
 from harness.case import Case, make_case
 from harness.pool import RankPool
@@ -50,14 +51,13 @@ def _child(total: int) -> dict:
     oracle.attention(*(small[n] for n in inputs.NAMES), case.mask, case.scale, torch.float64)  # first calls
     g = inputs.make_global(case)
     args = (g["q"], g["k"], g["v"], g["dout"], case.mask, case.scale)
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = _rss()
     t0 = time.perf_counter()
-    oracle.attention(*args, compute=torch.float64)
-    oracle.attention(*args, compute=inputs.TORCH_DTYPES[case.dtype])
+    with Peak() as peak:
+        oracle.attention(*args, compute=torch.float64)
+        oracle.attention(*args, compute=inputs.TORCH_DTYPES[case.dtype])
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"total": total, "seconds": seconds, "peak": peak, "above_baseline": peak - before}
+    return {"total": total, "seconds": seconds, "peak": peak.peak, "above_baseline": peak.peak - before}
 
 
 def oracle_cost(total: int, timeout_s: float = 1800.0) -> dict:

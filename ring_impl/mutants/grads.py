@@ -24,7 +24,8 @@ dkv_no_final_hop = mutant(
 dkv_one_rank_off = mutant(
     "dkv-one-rank-off",
     """dk/dv accumulators make one hop too many and arrive one rank off: rank r returns the gradient
-    of rank r - 1's keys. Visible with W >= 2 (shape error when shard lengths differ).""",
+    of rank r - 1's keys (the other direction of lucidrains ring-attention-pytorch cfb1990's hop
+    count). Visible with W >= 2 (shape error when shard lengths differ).""",
     dkv_hops=lambda world: world + 1,
 )
 

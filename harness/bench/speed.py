@@ -67,8 +67,8 @@ def run(quick: bool = False) -> Figure:
     for k, v in t.items():
         fig.lines.append(f"{k:<26} {fmt(v):>7} s   x{fmt(v / ring):<6} of the ring   "
                          f"[{fmt(min(times[k]))}-{fmt(max(times[k]))} s over the rounds]")
-    fig.lines.append(f"single process vs ring: the ring is x{fmt(t['single process (W=1)'] / ring)} faster on "
-                     f"{os.cpu_count()} cores ({WORLD} ranks, 1 thread each; equal total work)")
+    fig.lines.append(f"single process / ring = x{fmt(t['single process (W=1)'] / ring)} ({WORLD} ranks of 1 thread "
+                     f"on {os.cpu_count()} cores against 1 process of 1 thread; equal total work)")
     fig.lines.append(f"straggler: one rank x{STRAGGLER:g} slower at compute -> whole ring x{fmt(slow / ring)} slower")
     fig.lines.append(f"overlap: transfers alone {fmt(comm)} s, compute alone {fmt(nocomm)} s, together {fmt(ring)} s: "
                      f"{fmt(100 * max(0.0, min(1.0, hidden)))}% of the transfer time hidden (exposed "

@@ -4,7 +4,6 @@ ring steps, hangs report pending ops, and the pool heals after every faulted cas
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -33,14 +32,6 @@ def pool():
     pids.update(p.pids())
     p.close()
     assert leftover_workers(pids) == []
-
-
-def _slow_enabled(config) -> bool:
-    try:
-        flag = config.getoption("--run-slow")
-    except ValueError:
-        flag = False
-    return bool(flag or os.environ.get("RING_HARNESS_SLOW"))
 
 
 def _run(pool, case, impl="reference"):
@@ -89,9 +80,7 @@ def test_drop_is_fail_stop_naming_op_peer_and_phase(pool):
 
 @pytest.mark.parametrize("how", ["sigkill", pytest.param("exit0", marks=pytest.mark.slow),
                                  pytest.param("exit1", marks=pytest.mark.slow)])
-def test_crash_is_fail_stop_and_the_pool_restarts(pool, how, request):
-    if how != "sigkill" and not _slow_enabled(request.config):
-        pytest.skip("slow: run with --run-slow or RING_HARNESS_SLOW=1")
+def test_crash_is_fail_stop_and_the_pool_restarts(pool, how):
     c = _case(faults=[make_fault("crash", rank=1, phase="forward", index=1, how=how)])
     old = set(pool.pids())
     t0 = time.monotonic()

@@ -129,7 +129,6 @@ def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
     assert data["hashes"] and data["localisation"]["findings"]
 
 
-@pytest.mark.slow
 def test_default_check_finds_shrinks_saves_and_replays(tmp_path):
     """The full default `check` (battery + property-based) on the planted bug, then `replay`."""
     cmd = [sys.executable, "-m", "harness"]

@@ -34,8 +34,10 @@ def test_each_mutant_says_what_it_reproduces_and_where_it_shows(name):
 def test_lse_of_low_precision_inputs_is_judged_at_float32():
     lo = tolerance.bound("lse", "bf16", base_error=0.5, ref_absmax=100.0, world_size=4, lse_absmax=100.0,
                          term_scale=30.0)
-    assert lo == tolerance.bound("lse", "fp32", 0.0, 100.0, world_size=4, lse_absmax=100.0, term_scale=30.0)
-    assert lo < 0.01  # neither the low-precision base error (0.5) nor eps(bf16) * 100 widens it
+    fp32 = tolerance.bound("lse", "fp32", 0.0, 100.0, world_size=4, lse_absmax=100.0, term_scale=30.0)
+    # ~20-bit units instead of float32's 23 (reduced-precision kernels use a 20-bit exp): at most 16x
+    assert fp32 < lo <= 16 * fp32
+    assert lo < 0.03  # neither the low-precision base error (0.5) nor eps(bf16) * 100 widens it
     assert tolerance.bound("out", "bf16", 0.5, 1.0) > 1.0  # other tensors keep the dtype's base term
 
 

@@ -56,7 +56,7 @@ class RingChecker:
 
     def __call__(self, case, impl: str | None = None):
         """Run one case and fail the test unless its verdict is `pass`."""
-        from harness.report import details
+        from harness.checks.report import details
 
         r = self.run(case, impl)
         if not r.passed:
@@ -66,7 +66,7 @@ class RingChecker:
     def property(self, max_examples: int | None = None, time_budget_s: float | None = None, save_dir=None):
         """A property-based run (hypothesis, shrinking, saved YAML) against the implementation; fails
         with the shrunk case. Budget: `max_examples`, else --ring-max-examples, else the ci profile."""
-        from harness.fuzz import fuzz
+        from harness.search.fuzz import fuzz
 
         n = max_examples if max_examples is not None else self.max_examples
         out = fuzz(self.impl, self.pool, max_examples=n, time_budget_s=time_budget_s,
@@ -79,8 +79,8 @@ class RingChecker:
 
     def battery(self, dtype: str | None = None):
         """Run the default fixed battery; fail listing every failing case."""
-        from harness.battery import default_battery
-        from harness.report import details
+        from harness.checks.report import details
+        from harness.search.battery import default_battery
 
         results = [self.run(c) for c in default_battery(self.world_size, dtype, impl=self.impl)]
         bad = [r for r in results if not r.passed]
@@ -124,8 +124,8 @@ class CaseItem(pytest.Item):
 
     def runtest(self) -> None:
         from harness import case as case_mod
-        from harness import registry
-        from harness.replay import replay_expectations
+        from harness.checks.replay import replay_expectations
+        from harness.impls import registry
 
         case, _ = case_mod.load(self.path)
         try:
@@ -153,7 +153,7 @@ def _session_pool(session: pytest.Session):
     """Case items share one pool per pytest process, closed when the session ends."""
     pool = getattr(session, "_ring_harness_pool", None)
     if pool is None:
-        from harness.pool import RankPool
+        from harness.ranks.pool import RankPool
 
         pool = RankPool(size=1)
         session._ring_harness_pool = pool

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness import inputs, oracle
+from harness import inputs
 from harness.case import Case
-from harness.judge import LeakCheck, TensorCheck, check_leak, check_tensors
-from harness.pool import PoolReply, RankPool
+from harness.judging import oracle
+from harness.judging.judge import LeakCheck, TensorCheck, check_leak, check_tensors
+from harness.ranks.pool import PoolReply, RankPool
 
 VERDICTS = ("pass", "silent-corruption", "fail-stop", "hang", "diverged", "invalid")
 TORCH_DTYPES = inputs.TORCH_DTYPES
@@ -92,7 +93,7 @@ def judge(case: Case, impl: str, reply: PoolReply, oracle_s: float = 0.0, keep_s
     then accounts for its faults (unfired: invalid; benign: bit-identical to the `baseline` run)."""
     res = _judge(case, impl, reply, oracle_s, keep_shards)
     if case.faults:
-        from harness.faults import verdicts
+        from harness.judging import verdicts
 
         verdicts.apply(res, case, reply, baseline)
     return res
@@ -176,7 +177,7 @@ def needs_whole_world(impl: str) -> bool:
     """True for implementations that declare they cannot run inside a subgroup (their ring must be
     global ranks 0..W-1, so the pool is sized exactly W). Unresolvable names say False: the worker
     reports the real error."""
-    from harness import registry
+    from harness.impls import registry
 
     try:
         return not registry.resolve(impl, allow_import=False).capabilities.subgroups
@@ -199,7 +200,7 @@ def run_case(case: Case, pool: RankPool, impl: str | None = None, *, allow_impor
     name = impl or case.impl
     baseline = None
     if case.faults:
-        from harness.faults.verdicts import baseline_for
+        from harness.judging.verdicts import baseline_for
 
         baseline = baseline_for(case, pool, name, allow_import)
     t_submit = time.perf_counter()

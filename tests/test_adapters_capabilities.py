@@ -7,8 +7,9 @@ import importlib
 import pytest
 import torch
 
-from harness import registry
-from harness.adapters import (
+from harness.context import DTYPES, Capabilities, RunContext
+from harness.impls import registry
+from harness.impls.adapters import (
     _common,
     ring_attention_pytorch,
     ring_flash_attn,
@@ -17,8 +18,7 @@ from harness.adapters import (
     torch_ring,
     yunchang,
 )
-from harness.context import DTYPES, Capabilities, RunContext
-from harness.registry import ImplError
+from harness.impls.registry import ImplError
 from ring_impl.layouts import LAYOUTS, all_positions
 from ring_impl.masks import MASK_KINDS, MaskSpec
 

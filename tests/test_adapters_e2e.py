@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.case import Case
-from harness.pool import RankPool
+from harness.ranks.pool import RankPool
 from harness.runner import run_case
 from ring_impl.masks import MaskSpec
 

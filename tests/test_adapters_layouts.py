@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.adapters import ring_flash_attn, te_cp, torch_ring, yunchang
+from harness.impls.adapters import ring_flash_attn, te_cp, torch_ring, yunchang
 from ring_impl.layouts import all_positions
 
 EVEN = [(8, 2), (12, 3), (16, 4), (24, 4), (16, 8)]  # (total, W) with total divisible by 2W
@@ -93,7 +93,7 @@ def test_yunchang_usp_degrees(w, hq, hkv, expected):
 
 
 def test_yunchang_usp_degrees_refuses():
-    from harness.registry import ImplError
+    from harness.impls.registry import ImplError
 
     with pytest.raises(ImplError, match="no Ulysses degree"):
         yunchang.usp_degrees(4, 3, 3)

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import oracle, registry
-from harness.adapters import torch_ring
 from harness.context import RunContext
+from harness.impls import registry
+from harness.impls.adapters import torch_ring
+from harness.judging import oracle
 from ring_impl.layouts import all_positions
 from ring_impl.masks import MaskSpec
 
@@ -118,8 +119,8 @@ def test_ring_attention_pytorch_conventions_one_process():
     """The library without a ring (ring_reduce_col=False, no process group): our q prescale and GQA head
     permutation make it compute our attention, forward and backward."""
     lib = pytest.importorskip("ring_attention_pytorch")
-    from harness.adapters import _common
-    from harness.adapters import ring_attention_pytorch as adapter
+    from harness.impls.adapters import _common
+    from harness.impls.adapters import ring_attention_pytorch as adapter
 
     q, k, v, dout = inputs(n=10, hq=6, hkv=2, d=8)
     scale = 0.41

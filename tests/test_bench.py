@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from harness import wire
 from harness.bench import FIGURES, memory, oracle_growth, overhead, pool_vs_spawn, speed
 from harness.bench.timing import Figure, Target, fmt, interleaved
-from harness.cli import main
-from harness.pool import RankPool
+from harness.commands.cli import main
+from harness.ranks import wire
+from harness.ranks.pool import RankPool
 from harness.runner import run_case
 
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from harness import cli
+from harness.commands import cli
 from harness.errors import HarnessError
-from harness.faults import battery
 from harness.faults.schema import KINDS, parse_faults
 from harness.runner import CaseResult
+from harness.search import fault_battery as battery
 
 
 def test_parse_kinds():
@@ -49,7 +49,7 @@ def test_table_counts_verdicts_per_kind():
 
 
 def test_leftover_check_sees_a_live_worker_and_not_a_dead_one():
-    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "harness.worker",
+    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "harness.ranks.worker",
                              "--parent", str(os.getpid()), "--x"])
     try:
         time.sleep(0.3)

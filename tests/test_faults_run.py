@@ -11,13 +11,13 @@ from hypothesis import HealthCheck, given, settings
 
 from harness import case as case_mod
 from harness.case import make_case
-from harness.faults.battery import leftover_workers
 from harness.faults.interpose import phase_counts
 from harness.faults.schema import make_fault
-from harness.faults.strategies import faulted_cases
-from harness.faults.verdicts import DEATH_OF, comm_steps
-from harness.pool import RankPool
+from harness.judging.verdicts import DEATH_OF, comm_steps
+from harness.ranks.pool import RankPool
 from harness.runner import run_case
+from harness.search.fault_battery import leftover_workers
+from harness.search.fault_strategies import faulted_cases
 
 DEADLINE = 6.0
 SLACK = 4.0  # stack dumps, reply transfer

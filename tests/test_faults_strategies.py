@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.faults.schema import FATAL, KINDS, parse_faults
-from harness.faults.strategies import fault, faults
+from harness.search.fault_strategies import fault, faults
 
 
 @settings(max_examples=150, deadline=None)

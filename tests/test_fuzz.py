@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from harness import case as case_mod
-from harness import fuzz
-from harness.judge import TensorCheck
-from harness.progress import FuzzProgress
+from harness.checks.progress import FuzzProgress
+from harness.judging.judge import TensorCheck
 from harness.runner import CaseResult
+from harness.search import fuzz
 
 PLANTED = "tests.planted_impls:late_diagonal"
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def test_plain_progress_lines_when_not_a_terminal(tmp_path):
 
 def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
     """On real ranks: the planted late-diagonal ring is found, shrunk to W=3, and passes on the reference."""
-    from harness.pool import RankPool
+    from harness.ranks.pool import RankPool
 
     with RankPool(4) as pool:  # rings of 1-4 ranks: enough for the bug, quick to start
         out = fuzz.fuzz(PLANTED, pool, allow_import=True, save_dir=tmp_path, max_examples=100, time_budget_s=60)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import oracle, tolerance
 from harness.case import make_case
-from harness.judge import check_leak, check_tensors
+from harness.judging import oracle, tolerance
+from harness.judging.judge import check_leak, check_tensors
 from harness.runner import references
 from ring_impl.layouts import all_positions
 from ring_impl.masks import MaskSpec

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import localise
 from harness.case import make_case
-from harness.judge import TensorCheck
+from harness.diagnose import localise
+from harness.judging.judge import TensorCheck
 from harness.runner import CaseResult, run_case
 
 PLANTED = "tests.planted_impls:late_diagonal"
@@ -84,7 +84,7 @@ def test_block_findings(where, words):
 
 @pytest.fixture(scope="module")
 def pool():
-    from harness.pool import RankPool
+    from harness.ranks.pool import RankPool
 
     with RankPool(3) as p:
         yield p
@@ -92,7 +92,7 @@ def pool():
 
 def test_probes_split_the_output_exactly(pool):
     """Attention is linear in V: the kv-probe outputs of all key blocks sum to the real output."""
-    from harness import probe
+    from harness.impls import probe
 
     c = make_case(world_size=3, seq_lens=(3, 2, 4), layout="zigzag", mask={"kind": "causal"}, heads_q=2, heads_kv=1)
     full = run_case(c, pool, "reference", keep_shards=True, leak=False)

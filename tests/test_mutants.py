@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from harness import tolerance
 from harness.case import make_case
+from harness.judging import tolerance
 from ring_impl.mutants import MUTANTS
 
 # the public projects the zoo's reports come from, or an explicit statement that there is no single one
@@ -19,7 +19,7 @@ SOURCES = ("ring-flash-attention", "ring-attention-pytorch", "long-context-atten
 
 
 def test_importing_the_reference_does_not_import_the_mutants():
-    code = "import sys, ring_impl, harness.registry; print('ring_impl.mutants' in sys.modules)"
+    code = "import sys, ring_impl, harness.impls.registry; print('ring_impl.mutants' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -43,7 +43,7 @@ def test_lse_of_low_precision_inputs_is_judged_at_float32():
 
 @pytest.fixture(scope="module")
 def pool():
-    from harness.pool import RankPool
+    from harness.ranks.pool import RankPool
 
     with RankPool(4) as p:
         yield p

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from harness import localise, plot
 from harness.case import make_case
+from harness.diagnose import localise, plot
 from harness.errors import HarnessError
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from harness.case import make_case
-from harness.pool import RankPool
+from harness.ranks.pool import RankPool
 from harness.runner import run_case
 
 
@@ -105,7 +105,7 @@ def test_tolerance_rule_rejects_a_small_output_error(pool):
 def test_workers_die_with_their_parent(tmp_path):
     script = textwrap.dedent("""
         import sys, time
-        from harness.pool import RankPool
+        from harness.ranks.pool import RankPool
         p = RankPool(2); p.start()
         print(" ".join(map(str, p.pids())), flush=True)
         time.sleep(60)

@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
-from harness.battery import default_battery
 from harness.case import make_case
-from harness.report import details
+from harness.checks.report import details
 from harness.runner import run_case
+from harness.search.battery import default_battery
 
 BATTERY = default_battery(4)
 SWEEP = [

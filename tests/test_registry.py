@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from harness import registry
 from harness.context import Capabilities
 from harness.errors import HarnessError
-from harness.registry import ImplError, MissingDependency
+from harness.impls import registry
+from harness.impls.registry import ImplError, MissingDependency
 
 GPU_ONLY = [
     n for n in registry.builtin_names() if n.startswith(("ring-flash-attn", "te-cp", "yunchang", "torch-cp"))
@@ -72,7 +72,7 @@ def test_builtins_listed():
 
 def test_importing_registry_imports_no_third_party_library():
     code = (
-        "import sys, harness.registry, harness.adapters._common\n"
+        "import sys, harness.impls.registry, harness.impls.adapters._common\n"
         "libs = ('ring_attention_pytorch', 'ring_flash_attn', 'flash_attn', 'yunchang', 'transformer_engine',"
         " 'einops')\n"
         "print([m for m in libs if m in sys.modules])"
@@ -84,7 +84,7 @@ def test_importing_registry_imports_no_third_party_library():
 def test_every_builtin_target_is_a_lazy_adapter_module():
     for name, target in registry.BUILTINS.items():
         mod, _, attr = target.partition(":")
-        assert mod.startswith("harness.adapters."), name
+        assert mod.startswith("harness.impls.adapters."), name
         module = __import__(mod, fromlist=[attr])
         assert callable(getattr(module, attr)), name
         assert name in module.CAPABILITIES, name
@@ -163,7 +163,7 @@ def test_broken_entry_point_is_one_line(monkeypatch):
 
 
 def test_missing_optional_dependency_message(monkeypatch):
-    fake = types.ModuleType("harness.adapters._fake_missing")
+    fake = types.ModuleType("harness.impls.adapters._fake_missing")
     fake.EXTRA = "ring-flash-attn"
 
     def factory():
@@ -171,8 +171,8 @@ def test_missing_optional_dependency_message(monkeypatch):
 
     fake.factory = factory
     fake.CAPABILITIES = {"fake": Capabilities()}
-    monkeypatch.setitem(sys.modules, "harness.adapters._fake_missing", fake)
-    monkeypatch.setitem(registry.BUILTINS, "fake", "harness.adapters._fake_missing:factory")
+    monkeypatch.setitem(sys.modules, "harness.impls.adapters._fake_missing", fake)
+    monkeypatch.setitem(registry.BUILTINS, "fake", "harness.impls.adapters._fake_missing:factory")
     with pytest.raises(MissingDependency) as e:
         registry.resolve("fake")
     assert str(e.value) == (

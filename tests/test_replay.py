@@ -10,16 +10,16 @@ import yaml
 
 from harness import case as case_mod
 from harness.case import make_case
-from harness.cli import main
-from harness.fuzz import save_failure
+from harness.commands.cli import main
 from harness.runner import run_case
+from harness.search.fuzz import save_failure
 
 PLANTED = "tests.planted_impls:late_diagonal"
 
 
 @pytest.fixture(scope="module")
 def pool():
-    from harness.pool import RankPool
+    from harness.ranks.pool import RankPool
 
     with RankPool(3) as p:
         yield p
@@ -92,7 +92,7 @@ def test_plot_of_a_failing_replay(shared_pool, planted_file, capsys, tmp_path):
 def test_a_passing_reference_case_replays_with_exit_0(shared_pool, pool, tmp_path, capsys):
     c = make_case(world_size=2, seq_lens=(3, 2), layout="zigzag", mask={"kind": "window", "window": 2})
     r = run_case(c, pool)
-    from harness.record import result_record
+    from harness.result import result_record
 
     path = case_mod.save(c, tmp_path / "ok.yaml", result=result_record(r))
     assert main(["replay", str(path)]) == 0

@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import check_run, registry, selftest
 from harness.case import make_case
-from harness.cli import main
+from harness.checks import check as check_run
+from harness.checks import selftest
+from harness.commands.cli import main
 from harness.context import RunContext
 from harness.errors import HarnessError
-from harness.judge import LeakCheck, TensorCheck
+from harness.impls import registry
+from harness.judging.judge import LeakCheck, TensorCheck
 from harness.runner import CaseResult
-from harness.shrink import candidates, shrink
+from harness.search.shrink import candidates, shrink
 from ring_impl.masks import MaskSpec
 from ring_impl.mutants import MUTANTS
 
@@ -190,7 +192,7 @@ def test_fault_stage_cases_cover_both_kinds_together_on_every_rank():
 
 @pytest.fixture(scope="module")
 def pool():
-    from harness.pool import RankPool
+    from harness.ranks.pool import RankPool
 
     with RankPool(4) as p:
         yield p
@@ -215,7 +217,7 @@ def test_the_default_fault_stage_kills_the_buffer_mutants_reproducibly(pool):
 
 def test_selftest_kills_shrinks_and_saves_replayable_cases(pool, tmp_path):
     from harness import case as case_mod
-    from harness.replay import replay_expectations
+    from harness.checks.replay import replay_expectations
 
     names = ["mutant:scale-one-over-d", "mutant:skipped-ring-step"]
     runs = selftest.run_selftest(pool, names, selftest.check_args(), tmp_path, tmp_path / "corpus")

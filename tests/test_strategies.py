@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
 
-from harness import strategies
 from harness.context import Capabilities
-from harness.localise import owners
+from harness.diagnose.localise import owners
+from harness.search import strategies
 
 FAST = settings(max_examples=120, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 SHRINK = settings(database=None, derandomize=True)  # find() is random otherwise: a local minimum may differ

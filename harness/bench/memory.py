@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spec", required=True)
     p.add_argument("--parent", type=int, required=True)
     a = p.parse_args(argv)
-    from harness.worker import _die_with_parent
+    from harness.ranks.worker import _die_with_parent
 
     _die_with_parent(a.parent)
     res = _rank_main(a.rank, a.world, a.dir, json.loads(a.spec))

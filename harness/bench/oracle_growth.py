@@ -23,7 +23,7 @@ from pathlib import Path
 from harness.bench.memory import Peak, _rss
 from harness.bench.timing import Figure, Target, fmt, load_line
 from harness.case import Case, make_case
-from harness.pool import RankPool
+from harness.ranks.pool import RankPool
 from harness.runner import run_case
 from ring_impl.masks import MaskSpec
 
@@ -43,7 +43,8 @@ def _child(total: int) -> dict:
     """In a fresh process: the oracle of one case, its time and peak memory."""
     import torch
 
-    from harness import inputs, oracle
+    from harness import inputs
+    from harness.judging import oracle
 
     torch.set_num_threads(1)
     case = growth_case(total)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--total", type=int, required=True)
     p.add_argument("--parent", type=int, required=True)
     a = p.parse_args(argv)
-    from harness.worker import _die_with_parent
+    from harness.ranks.worker import _die_with_parent
 
     _die_with_parent(a.parent)
     print(json.dumps(_child(a.total)))

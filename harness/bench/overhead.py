@@ -12,11 +12,11 @@ from __future__ import annotations
 import pickle
 import time
 
-from harness import wire
 from harness.bench.pool_vs_spawn import rank_compute_s
 from harness.bench.timing import Figure, Target, fmt, load_line, median
 from harness.case import Case, make_case
-from harness.pool import RankPool
+from harness.ranks import wire
+from harness.ranks.pool import RankPool
 from harness.runner import CaseResult, run_case
 from ring_impl.masks import MaskSpec
 

@@ -20,7 +20,7 @@ import torch
 
 from harness.bench.timing import Figure, Target, fmt, load_line, median, proc_cpu_s, self_cpu_s
 from harness.case import Case, make_case, to_dict
-from harness.pool import PoolReply, RankPool
+from harness.ranks.pool import PoolReply, RankPool
 from harness.runner import CaseResult, judge, oracle_threads, references, run_case
 from ring_impl.masks import MaskSpec
 
@@ -56,7 +56,7 @@ def _spawn_rank(rank: int, size: int, workdir: str, msg: dict) -> None:
     """One spawned rank: rendezvous, run the case exactly as a pool worker would, write the reply."""
     import torch.distributed as dist
 
-    from harness.worker import Groups, handle_case
+    from harness.ranks.worker import Groups, handle_case
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(workdir, "store"), size), rank=rank,

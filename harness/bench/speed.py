@@ -14,7 +14,7 @@ from harness.bench.pool_vs_spawn import rank_compute_s
 from harness.bench.timing import Figure, Target, fmt, interleaved, load_line, median
 from harness.case import Case, make_case
 from harness.faults.schema import make_fault
-from harness.pool import RankPool
+from harness.ranks.pool import RankPool
 from harness.runner import run_case
 from ring_impl.masks import MaskSpec
 

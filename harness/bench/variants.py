@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from harness.adapters.reference import CAPABILITIES
 from harness.context import Impl, RunContext
+from harness.impls.adapters.reference import CAPABILITIES
 from ring_impl import REFERENCE_PARTS, make_ring_attention
 from ring_impl.comm import LocalComm
 

@@ -8,9 +8,9 @@ import argparse
 import importlib
 import time
 
-from harness import report
 from harness.bench import FIGURES
 from harness.bench.timing import Figure, load_line
+from harness.checks import report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from harness import check_run, fuzz_report, registry, report
-from harness.battery import battery_pool_size
-from harness.faults import command as fault_command
-from harness.launch import open_pool
+from harness.checks import check as check_run
+from harness.checks import fault_battery as fault_command
+from harness.checks import property as fuzz_report
+from harness.checks import report
+from harness.impls import registry
+from harness.ranks.launch import open_pool
+from harness.search.battery import battery_pool_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

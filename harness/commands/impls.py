@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from harness import registry, report
+from harness.checks import report
+from harness.impls import registry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,10 +7,13 @@ import argparse
 from pathlib import Path
 
 from harness import case as case_mod
-from harness import fuzz, fuzz_report, localise, report
+from harness.checks import property as fuzz_report
+from harness.checks import report
+from harness.checks.replay import Replay, replay
+from harness.diagnose import localise
 from harness.errors import HarnessError
-from harness.launch import open_pool
-from harness.replay import Replay, replay
+from harness.ranks.launch import open_pool
+from harness.search import fuzz
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _deterministic(impl: str, allow_import: bool) -> bool:
     try:
-        from harness import registry
+        from harness.impls import registry
 
         return bool(registry.resolve(impl, allow_import=allow_import).deterministic)
     except (ImportError, HarnessError):

@@ -10,7 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from harness import check_run, report, selftest
+from harness.checks import check as check_run
+from harness.checks import report, selftest
 from harness.errors import HarnessError
 
 
@@ -28,10 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.battery import battery_pool_size, default_battery
-    from harness.faults.battery import leftover_workers
-    from harness.fuzz import PROFILES
-    from harness.pool import RankPool
+    from harness.ranks.pool import RankPool
+    from harness.search.battery import battery_pool_size, default_battery
+    from harness.search.fault_battery import leftover_workers
+    from harness.search.fuzz import PROFILES
 
     if args.false_alarm_cases is not None and args.false_alarm_cases < 1:
         raise HarnessError(f"--false-alarm-cases must be at least 1, got {args.false_alarm_cases}")

@@ -1,0 +1,268 @@
+"""The default `check` pipeline as one function, shared by `ring-harness check` and `ring-harness selftest`.
+
+Stages, in order: the fixed battery (then probes of undeclared features and the capability matrix),
+the buffer-discipline fault stage, and the property-based run. `stop_at_first_failure` ends the
+check at the first failing case that `accept` takes (selftest accepts only failures that reproduce
+bit for bit); a failure it refuses is recorded and the check goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from harness.case import Case, make_case
+from harness.checks import property as fuzz_report
+from harness.checks import report
+from harness.context import Capabilities
+from harness.errors import HarnessError
+from harness.faults.schema import make_fault
+from harness.impls import registry
+from harness.impls.capabilities import adapt, format_matrix, matrix, unsupported
+from harness.result import save_result
+from harness.runner import CaseResult, run_case
+from harness.search.battery import default_battery
+from harness.search.fuzz import FuzzOutcome
+from ring_impl.masks import MaskSpec
+
+# Faults that must not change results; the default check runs the first two on every rank, both phases.
+FAULT_STAGE_KINDS = ("early-read", "send-reuse", "delay", "straggler")
+FAULT_STAGE_DEFAULT = ("early-read", "send-reuse")
+# (world size, tokens, layout, mask) of the fault stage: W = 2 for the dk/dv ring, W >= 3 for a forward
+# K/V slot that is received into while it is still being sent.
+FAULT_STAGE_SHAPES = (
+    (2, 9, "contiguous", MaskSpec("none")),
+    (3, 14, "zigzag", MaskSpec("causal")),
+    (4, 21, "striped", MaskSpec("window", window=3)),
+)
+
+
+@dataclass
+class Failure:
+    """One failing case of a check: its stage, how many cases had run and how long it took to find it."""
+
+    stage: str  # "battery", "faults" or "property"
+    cases: int  # cases run by the check up to and including this one
+    seconds: float  # since the check started
+    result: CaseResult
+    accepted: bool = True
+    shrunk: CaseResult | None = None  # the property-based run's minimal failure
+
+
+@dataclass
+class CheckOutcome:
+    """Everything one check ran and found."""
+
+    impl: str
+    results: list[CaseResult] = field(default_factory=list)  # the fixed battery
+    probe_results: list[CaseResult] = field(default_factory=list)
+    fault_results: list[CaseResult] = field(default_factory=list)
+    prop: FuzzOutcome | None = None
+    failures: list[Failure] = field(default_factory=list)
+    cases: int = 0
+    seconds: float = 0.0
+    stopped: str = ""  # why the check ended before its last stage, if it did
+
+    @property
+    def findings(self) -> list[CaseResult]:
+        """Probes of undeclared features that did not end in pass or a clean error."""
+        return [r for r in self.probe_results if r.verdict not in ("pass", "fail-stop")]
+
+    @property
+    def passed(self) -> bool:
+        return (all(r.passed for r in self.results) and all(fault_ok(r) for r in self.fault_results)
+                and (self.prop is None or self.prop.passed) and not self.findings)
+
+    def kill(self) -> Failure | None:
+        """The first accepted failure."""
+        return next((f for f in self.failures if f.accepted), None)
+
+
+def fault_ok(r: CaseResult) -> bool:
+    """A fault-stage case ended the way its faults require (benign faults: pass, bit-identical), or
+    tested nothing (`invalid`: the implementation makes no op the fault applies to, e.g. send-reuse
+    on an all-gather ring; reported as not applicable, not as the implementation's failure)."""
+    return r.verdict == "invalid" or bool(r.extra.get("as_expected", False))
+
+
+def parse_fault_stage(text: str | None) -> tuple[str, ...]:
+    """'none', or a comma list of benign fault kinds; one clear error otherwise."""
+    if text is None:
+        return FAULT_STAGE_DEFAULT
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names in ([], ["none"]):
+        return ()
+    bad = [n for n in names if n not in FAULT_STAGE_KINDS]
+    if bad:
+        raise HarnessError(f"--fault-stage: {bad[0]!r} is not one of {', '.join(FAULT_STAGE_KINDS)} (or none); "
+                           "drop and crash belong to the --faults battery")
+    return tuple(k for k in FAULT_STAGE_KINDS if k in names)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The fault stage's option on `check`."""
+    p.add_argument("--fault-stage", default=None, metavar="KINDS",
+                   help="benign faults the default check runs on every rank in both phases: comma list of "
+                        f"{', '.join(FAULT_STAGE_KINDS)}, or none (default {','.join(FAULT_STAGE_DEFAULT)}: "
+                        "every receive reads NaN until its wait, every send is held until the rank blocks)")
+
+
+def _stage_fault(kind: str, world: int) -> dict:
+    """`kind` on every rank and every op of both phases (a straggler needs one rank: the last)."""
+    return make_fault(kind, rank=world - 1) if kind == "straggler" else make_fault(kind)
+
+
+def fault_stage_cases(kinds: tuple[str, ...], impl: str, caps: Capabilities, *, max_world: int,
+                      deadline_s: float, dtype: str | None = None) -> list[Case]:
+    """Per shape, one case per kind and one with all kinds at once, each fault on every rank and op
+    of both phases. A bug then shows deterministically: a read before its wait sees NaN, an
+    overwrite of a buffer being sent is caught when it happens; with early-read and send-reuse
+    together every byte moves at a point fixed by the program order, so even a racy
+    implementation's wrong numbers are the same on every run (replayable bit for bit)."""
+    out = []
+    for w, total, layout, mask in FAULT_STAGE_SHAPES:
+        if w > max_world:
+            continue
+        for group in [(k,) for k in kinds] + ([kinds] if len(kinds) > 1 else []):
+            c = make_case(world_size=w, total_len=total, layout=layout, mask=mask, heads_q=4, heads_kv=2,
+                          head_dim=8, seed=100 + len(out), impl=impl, dtype=dtype or "fp32",
+                          deadline_s=deadline_s, faults=tuple(_stage_fault(k, w) for k in group))
+            c = c if not unsupported(caps, c) else adapt(caps, c)
+            if c is not None:
+                out.append(c)
+    return out
+
+
+def battery_plan(args: argparse.Namespace, impl: str, caps: Capabilities) -> tuple[list[Case], list[Case]]:
+    """(battery cases adapted to the capabilities, probe cases of undeclared features)."""
+    cases = default_battery(args.world_size, args.dtype, impl=impl)
+    if args.deadline is not None:
+        cases = [c.replace(deadline_s=args.deadline) for c in cases]
+    probes = _probes(caps, cases)
+    cases = [c if not unsupported(caps, c) else adapt(caps, c) for c in cases]
+    return list({c.key(): c for c in cases if c is not None}.values()), probes
+
+
+def _probes(caps: Capabilities, cases: list[Case]) -> list[Case]:
+    """One probe case per undeclared feature the battery exercises (the first case using it)."""
+    seen, out = set(), []
+    for c in cases:
+        missing = tuple(unsupported(caps, c))
+        if missing and not set(missing) <= seen:
+            seen.update(missing)
+            out.append(c.replace(deadline_s=min(c.deadline_s, 30.0)))
+    return out
+
+
+def run_check(pool, impl: str, args: argparse.Namespace, *, stop_at_first_failure: bool = False,
+              accept: Callable[[CaseResult], bool] | None = None,
+              out: Callable[[str], None] = report.out) -> CheckOutcome:
+    """Run the default check of `impl` on `pool` with `check`'s parsed options `args` (see the module
+    docstring); failing cases are saved under args.save_dir as they happen."""
+    allow_import = ":" in impl
+    caps = registry.resolve(impl, allow_import=allow_import).capabilities
+    cases, probes = battery_plan(args, impl, caps)
+    res = CheckOutcome(impl=impl)
+    start, paused = time.perf_counter(), [0.0]
+
+    def elapsed() -> float:
+        """The check's own time: without the time `accept` spends re-running failures."""
+        return time.perf_counter() - start - paused[0]
+
+    def failed(stage: str, r: CaseResult, minimal: CaseResult | None = None) -> bool:
+        """Record a failure (`accept` judges the minimal one when there is one); True: stop here."""
+        seconds, t0 = elapsed(), time.perf_counter()
+        ok = accept is None or accept(minimal or r)
+        paused[0] += time.perf_counter() - t0
+        res.failures.append(Failure(stage, res.cases, seconds, r, ok, minimal))
+        if not ok:
+            out("        not accepted as this check's failure (it did not reproduce); going on")
+        return stop_at_first_failure and ok
+
+    def finish(why: str = "") -> CheckOutcome:
+        res.stopped, res.seconds = why, time.perf_counter() - start
+        return res
+
+    too_big = [c for c in cases if c.pool_size > pool.size]
+    if too_big:
+        out(f"skipping {len(too_big)} case(s) that need more than the {pool.size} ranks started")
+        cases = [c for c in cases if c.pool_size <= pool.size]
+    out(f"ring-harness check: {len(cases)} cases, impl {impl}, {pool.backend} ranks "
+        f"({args.launcher}, {pool.size} ranks)")
+    out(report.header())
+    for i, c in enumerate(cases, 1):
+        r = run_case(c, pool, impl, allow_import=allow_import)
+        res.results.append(r)
+        res.cases += 1
+        out(report.row(i, len(cases), r))
+        for line in report.details(r):
+            out(line)
+        if not r.passed:
+            out(f"        saved {save_result(r, args.save_dir, backend=pool.backend)}")
+            if failed("battery", r):
+                return finish(f"first failure: battery case {i}")
+    if probes:
+        out(f"probing {len(probes)} case(s) with features {impl} does not declare:")
+        for i, c in enumerate(probes, 1):
+            r = run_case(c, pool, impl, allow_import=allow_import)
+            res.probe_results.append(r)
+            out(report.row(i, len(probes), r) + "  [" + ", ".join(unsupported(caps, c)) + "]")
+            if r.verdict not in ("pass", "fail-stop"):
+                path = save_result(r, args.save_dir, backend=pool.backend,
+                                   note=f"undeclared feature probe: {', '.join(unsupported(caps, c))}")
+                out(f"        finding saved {path}")
+    for line in format_matrix(matrix(caps, res.results, res.probe_results)):
+        out(line)
+    if _fault_stage(pool, impl, args, caps, allow_import, res, out, failed):
+        return finish(f"first failure: fault stage case {len(res.fault_results)}")
+    before, t_prop = res.cases, elapsed()
+    res.prop = fuzz_report.run_property(args, pool, impl, allow_import, pool.backend,
+                                        [r for r in res.results if not r.passed])
+    res.cases += res.prop.examples
+    p = res.prop
+    if p.found is not None:
+        failed("property", p.found, p.shrunk)
+        f = res.failures[-1]
+        f.cases, f.seconds = before + (p.first_failure_example or 0), t_prop + (p.first_failure_s or 0.0)
+    return finish()
+
+
+def _fault_stage(pool, impl: str, args: argparse.Namespace, caps: Capabilities, allow_import: bool,
+                 res: CheckOutcome, out: Callable[[str], None], failed: Callable[[str, CaseResult], bool]) -> bool:
+    """Run the fault stage into `res`; True when the check should stop at one of its failures."""
+    kinds = parse_fault_stage(getattr(args, "fault_stage", None))
+    if not kinds:
+        return False
+    if getattr(args, "launcher", "local") != "local":
+        out("fault stage: skipped (it runs on the local pool only)")
+        return False
+    lo, hi = caps.world_sizes
+    cases = fault_stage_cases(kinds, impl, caps, max_world=min(hi, pool.size),
+                              deadline_s=getattr(args, "fault_deadline", 8.0), dtype=args.dtype)
+    cases = [c for c in cases if c.world_size >= lo]
+    out(f"fault stage: {len(cases)} cases, {', '.join(kinds)} on every rank, both phases "
+        "(results must not change)")
+    for i, c in enumerate(cases, 1):
+        r = run_case(c, pool, impl, allow_import=allow_import)
+        res.fault_results.append(r)
+        res.cases += 1
+        out(report.row(i, len(cases), r) + f"  [{'+'.join(f['kind'] for f in c.faults)}]")
+        if r.verdict == "invalid":
+            out(f"        -> not applicable here: {r.detail[:200]}")
+        elif not fault_ok(r):
+            out(f"        -> {r.detail[:300]}" if r.detail else f"        -> {r.verdict}, expected pass")
+            out(f"        saved {save_result(r, args.save_dir, backend=pool.backend)}")
+            if failed("faults", r):
+                return True
+    return False
+
+
+def outcome_json(res: CheckOutcome) -> dict:
+    """Machine-readable results of a check (for --json)."""
+    return {"impl": res.impl, "seconds": res.seconds, "passed": res.passed, "stopped": res.stopped,
+            "results": [r.to_dict() for r in res.results],
+            "probes": [r.to_dict() for r in res.probe_results],
+            "faults": [r.to_dict() for r in res.fault_results],
+            "property": None if res.prop is None else fuzz_report.outcome_json(res.prop)}

@@ -1,0 +1,189 @@
+"""zhuzilin's `ring-flash-attn` (flash-attn kernels, CUDA/NCCL only), four variants.
+
+Signatures (ring-flash-attn 0.1.x):
+- `ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+  deterministic, return_attn_probs, group)`: contiguous layout;
+- `zigzag_ring_flash_attn_func(...)`: same arguments; rank r holds chunks r and 2W-1-r of 2W
+  (its tests' `extract_local`), i.e. our "zigzag"; asserts causal;
+- `stripe_flash_attn_func(...)`: token i on rank i mod W (its tests' `extract_local`: split into
+  W-sized groups, take index r), i.e. our "striped"; asserts causal;
+- `llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  heads_k_stride, local_k_slice, ...)` with `llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal,
+  rank, world_size)`: all-gathers K/V; rank r holds tokens [r*N/W, (r+1)*N/W) of the packed stream
+  (contiguous). Packed documents (cu_seqlens) give our document masks; flash-attn aligns a causal
+  window to the bottom right of each (q, k) document piece, and llama3's pieces end at the same
+  global token, so window_size=(w, 0) is our window mask exactly. Batches run one element at a time.
+Tensors are (batch, seq, heads, dim) like ours; GQA is native with the grouped convention.
+With return_attn_probs=True they return (out, lse, None), lse (batch, heads, seq) in float32.
+The ring variants pass window_size to every block in block-local coordinates, which is not a
+global sliding window, so only llama3 declares the window mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.context import Capabilities, Impl, RunContext
+from harness.impls.adapters._common import FLASH_HEAD_DIMS, installed_version, require_supported
+from harness.impls.registry import ImplError
+
+EXTRA = "ring-flash-attn"
+FUNCS = {
+    "ring-flash-attn": "ring_flash_attn_func",
+    "ring-flash-attn-zigzag": "zigzag_ring_flash_attn_func",
+    "ring-flash-attn-stripe": "stripe_flash_attn_func",
+    "ring-flash-attn-llama3": "llama3_flash_attn_varlen_func",
+}
+LAYOUT = {
+    "ring-flash-attn": "contiguous",
+    "ring-flash-attn-zigzag": "zigzag",
+    "ring-flash-attn-stripe": "striped",
+    "ring-flash-attn-llama3": "contiguous",
+}
+
+
+def _caps(name: str, masks: set[str]) -> Capabilities:
+    return Capabilities(
+        layouts=frozenset({LAYOUT[name]}),
+        masks=frozenset(masks),
+        dtypes=frozenset({"fp16", "bf16"}),  # flash-attn 2 kernels
+        gqa=True,
+        uneven=False,
+        world_sizes=(1, 8),
+        backward=True,
+        backends=frozenset({"nccl"}),
+        returns_lse=True,
+        head_dims=FLASH_HEAD_DIMS,
+    )
+
+
+CAPABILITIES = {
+    "ring-flash-attn": _caps("ring-flash-attn", {"none", "causal"}),
+    "ring-flash-attn-zigzag": _caps("ring-flash-attn-zigzag", {"causal"}),
+    "ring-flash-attn-stripe": _caps("ring-flash-attn-stripe", {"causal"}),
+    "ring-flash-attn-llama3": _caps("ring-flash-attn-llama3", {"none", "causal", "window", "document"}),
+}
+
+
+def window_size(ctx: RunContext) -> tuple[int, int]:
+    """flash-attn's (left, right) window for our mask: (w, 0) for window masks, else unlimited."""
+    return (int(ctx.mask.window), 0) if ctx.mask.kind == "window" else (-1, -1)
+
+
+def is_causal(ctx: RunContext) -> bool:
+    return ctx.mask.is_causal
+
+
+def cu_seqlens(ctx: RunContext) -> torch.Tensor:
+    """Packed-document boundaries of the whole sequence (int32), as flash-attn varlen wants them."""
+    starts = list(ctx.mask.doc_starts) if ctx.mask.kind == "document" else [0]
+    return torch.tensor(starts + [ctx.total_len], dtype=torch.int32)
+
+
+def _ring_run(fn, name: str, caps: Capabilities):
+    def run(q, k, v, ctx: RunContext):
+        require_supported(name, ctx, caps, q, k)
+        out, lse, _ = fn(
+            q,
+            k,
+            v,
+            dropout_p=0.0,
+            softmax_scale=ctx.softmax_scale,
+            causal=is_causal(ctx),
+            window_size=(-1, -1),
+            deterministic=True,
+            return_attn_probs=True,
+            group=ctx.group,
+        )
+        return out, lse.float()
+
+    return run
+
+
+def _llama3_run(fn, prepare, name: str, caps: Capabilities):
+    def run(q, k, v, ctx: RunContext):
+        require_supported(name, ctx, caps, q, k)
+        causal = is_causal(ctx)
+        cu_q, cu_k, max_q, max_k, k_slice = prepare(
+            cu_seqlens(ctx).to(q.device), causal=causal, rank=ctx.rank, world_size=ctx.world_size
+        )
+        outs, lses = [], []
+        for b in range(q.shape[0]):  # the varlen API packs one token stream; batch elements are separate
+            out, lse, _ = fn(
+                q[b],
+                k[b],
+                v[b],
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                heads_k_stride=1,
+                local_k_slice=k_slice,
+                dropout_p=0.0,
+                softmax_scale=ctx.softmax_scale,
+                causal=causal,
+                window_size=window_size(ctx),
+                deterministic=True,
+                return_attn_probs=True,
+                group=ctx.group,
+            )
+            outs.append(out)
+            lses.append(lse.float())
+        return torch.stack(outs), torch.stack(lses)  # lse: (heads, tokens) per element
+
+    return run
+
+
+def _make(name: str) -> Impl:
+    import ring_flash_attn as lib
+
+    fn = getattr(lib, FUNCS[name], None)
+    if fn is None:
+        raise ImplError(
+            f"{name}: ring_flash_attn {installed_version('ring-flash-attn')} has no {FUNCS[name]}"
+        )
+    caps = CAPABILITIES[name]
+    if name == "ring-flash-attn-llama3":
+        run = _llama3_run(fn, lib.llama3_flash_attn_prepare_cu_seqlens, name, caps)
+    else:
+        run = _ring_run(fn, name, caps)
+    return Impl(
+        name=name,
+        run=run,
+        capabilities=caps,
+        version=installed_version("ring-flash-attn"),
+        deterministic=False,
+    )
+
+
+def impl_ring() -> Impl:
+    return _make("ring-flash-attn")
+
+
+def impl_zigzag() -> Impl:
+    return _make("ring-flash-attn-zigzag")
+
+
+def impl_stripe() -> Impl:
+    return _make("ring-flash-attn-stripe")
+
+
+def impl_llama3() -> Impl:
+    return _make("ring-flash-attn-llama3")
+
+
+def extract_local(layout: str, x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
+    """The library's own sharding helpers (from its tests), for checking our layout mapping.
+
+    contiguous: `x.chunk(W)[rank]`; zigzag: chunks r and 2W-1-r of `x.chunk(2W)`; striped:
+    `stack(x.split(W), dim).transpose(dim, dim+1)[rank]`.
+    """
+    if layout == "contiguous":
+        return x.chunk(world_size, dim=dim)[rank]
+    if layout == "zigzag":
+        c = x.chunk(2 * world_size, dim=dim)
+        return torch.cat([c[rank], c[2 * world_size - rank - 1]], dim=dim)
+    if layout == "striped":
+        s = torch.stack(x.split(world_size, dim=dim), dim=dim).transpose(dim, dim + 1)
+        return s.select(dim, rank)
+    raise ValueError(f"unknown layout {layout!r}")

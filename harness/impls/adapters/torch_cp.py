@@ -1,0 +1,128 @@
+"""PyTorch's public context parallelism: `context_parallel(mesh, buffers=...)` + SDPA (CUDA/NCCL).
+
+Inside the context, `F.scaled_dot_product_attention` takes local shards (batch, heads, seq, dim),
+wraps them as DTensors sharded on the sequence and dispatches SDPA's CUDA flash / efficient ops to
+torch's ring. Sharding: with `_cp_options.enable_load_balance` and a sequence divisible by 2W,
+torch's head-tail balancer gives rank r chunks r and 2W-1-r (our "zigzag"); otherwise plain
+`Shard(seq)` (our "contiguous"). Load balancing exists only for causal SDPA. The context also
+shards one buffer we pass (the global positions), which checks torch's sharding against our layout.
+
+The DTensor dispatch is only active inside the context, but the harness calls backward after
+`run` returns; so a custom autograd Function records SDPA's graph inside the context and replays
+its backward inside a fresh context (torchtitan runs forward and backward in one context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from harness.context import Capabilities, Impl, RunContext
+from harness.impls.adapters._common import installed_version, require_supported, to_bhsd
+from harness.impls.adapters.torch_ring import load_balance
+from harness.impls.registry import ImplError
+
+EXTRA = None  # torch itself (CUDA build)
+ROTATE = {"torch-cp": "allgather", "torch-cp-alltoall": "alltoall"}
+_CAPS = Capabilities(
+    layouts=frozenset({"contiguous", "zigzag"}),
+    masks=frozenset({"none", "causal"}),
+    dtypes=frozenset({"fp32", "fp16", "bf16"}),  # fp32 goes to the efficient-attention kernel
+    gqa=False,  # the CP handlers take the flash / efficient ops, which get equal head counts
+    uneven=False,
+    world_sizes=(1, 8),
+    backward=True,
+    backends=frozenset({"nccl"}),
+    returns_lse=False,
+)
+CAPABILITIES = {name: _CAPS for name in ROTATE}
+
+
+def _api():
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+    return context_parallel, _cp_options, set_rotate_method
+
+
+@contextlib.contextmanager
+def cp_context(ctx: RunContext, rotate: str) -> Iterator[None]:
+    """torch's CP context for this run's mesh, rotation and load balancing; checks the sharding."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    context_parallel, opts, set_rotate_method = _api()
+    mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
+    saved = (opts.rotate_method, opts.enable_load_balance)
+    set_rotate_method(rotate)
+    opts.enable_load_balance = load_balance(ctx)
+    positions = torch.arange(ctx.total_len, device=ctx.device).view(1, -1)
+    try:
+        with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
+            if not torch.equal(positions.view(-1).cpu(), ctx.positions.cpu()):
+                raise ImplError(
+                    f"torch-cp: torch sharded rank {ctx.rank} as {positions.view(-1).tolist()[:8]}..., "
+                    f"not as layout {ctx.layout}"
+                )
+            yield
+    finally:
+        opts.rotate_method, opts.enable_load_balance = saved
+
+
+def _sdpa(q, k, v, ctx: RunContext):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        # looked up at call time: the context replaces F.scaled_dot_product_attention
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=ctx.mask.kind == "causal", scale=ctx.softmax_scale
+        )
+
+
+class _TorchCP(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, ctx, rotate):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            with cp_context(ctx, rotate):
+                out = _sdpa(*leaves, ctx)
+        fctx.graph = (leaves, out, ctx, rotate)
+        return out.detach()
+
+    @staticmethod
+    def backward(fctx, dout):
+        leaves, out, ctx, rotate = fctx.graph
+        with cp_context(ctx, rotate):
+            grads = torch.autograd.grad(out, leaves, dout)
+        return (*grads, None, None)
+
+
+def _make(name: str) -> Impl:
+    try:
+        _api()
+    except ImportError as e:
+        raise ImplError(f"{name}: unsupported torch version {torch.__version__} ({e})") from None
+    rotate = ROTATE[name]
+    caps = CAPABILITIES[name]
+
+    def run(q, k, v, ctx: RunContext):
+        require_supported(name, ctx, caps, q, k)
+        out = _TorchCP.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), ctx, rotate)
+        return to_bhsd(out)
+
+    return Impl(
+        name=name,
+        run=run,
+        capabilities=caps,
+        version=f"torch {installed_version('torch')}",
+        deterministic=False,
+    )
+
+
+def impl_allgather() -> Impl:
+    return _make("torch-cp")
+
+
+def impl_alltoall() -> Impl:
+    return _make("torch-cp-alltoall")

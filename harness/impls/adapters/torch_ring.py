@@ -1,0 +1,201 @@
+"""PyTorch's own ring attention, driven directly: the templated ring forward/backward behind
+`torch.distributed.tensor.experimental.context_parallel`, with the CPU flash-attention op.
+
+The public `context_parallel()` dispatches SDPA's CUDA ops only (see `torch_cp`). Underneath it,
+`_templated_ring_attention(group, seq_dim, op, q, k, v, is_causal)` and
+`_templated_ring_attention_backward(...)` take any SDPA-shaped op, so on gloo they run with
+`aten._scaled_dot_product_flash_attention_for_cpu` and its backward. Like torch's dispatcher, a
+custom autograd Function calls the forward and, in backward, the templated backward.
+
+Layouts: torch's head-tail load balancer (`_HeadTailLoadBalancer`, used when
+`_cp_options.enable_load_balance`) gives rank r chunks r and 2W-1-r of 2W equal chunks: our
+"zigzag". Without it the sharding is "contiguous". Load balancing only exists for causal masks
+(torch raises otherwise), and a non-causal result does not depend on the layout, so non-causal
+runs use the plain ring for either layout. Rotation: "allgather" (torch's default) or "alltoall";
+the dK/dV ring of the backward is always all-to-all in torch.
+
+The module-level options are torch globals; they are set for the duration of each call and restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+from harness.context import Capabilities, Impl, RunContext
+from harness.impls.adapters._common import require_supported, to_bhsd
+from harness.impls.registry import ImplError
+
+EXTRA = None  # torch itself
+ROTATE = {"torch-ring": "allgather", "torch-ring-alltoall": "alltoall"}
+NEEDED = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "_RotateMethod")
+MODULES = (
+    "torch.distributed.tensor.experimental._context_parallel._attention",  # torch >= 2.9
+    "torch.distributed.tensor.experimental._attention",  # torch 2.5 - 2.8 (a re-export later)
+)
+CPU_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+
+_CAPS = Capabilities(
+    layouts=frozenset({"contiguous", "zigzag"}),
+    masks=frozenset({"none", "causal"}),
+    dtypes=frozenset({"fp32", "fp16", "bf16"}),
+    gqa=True,  # the CPU flash op takes fewer kv heads natively (grouped convention)
+    uneven=False,  # the ring reshapes received buffers to the local shape
+    world_sizes=(1, 8),
+    backward=True,
+    backends=frozenset({"gloo"}),
+    returns_lse=True,
+)
+CAPABILITIES = {name: _CAPS for name in ROTATE}
+
+
+def load_private_api() -> ModuleType:
+    """The module holding torch's templated ring, or ImplError naming what this torch lacks."""
+    missing: list[str] = list(NEEDED)
+    for name in MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        missing = [s for s in NEEDED if not hasattr(mod, s)]
+        if not missing:
+            rotate = getattr(mod, "_RotateMethod", None)
+            if all(hasattr(rotate, m) for m in ("ALL_GATHER", "ALL_TO_ALL")):
+                break
+            missing = ["_RotateMethod.ALL_GATHER/ALL_TO_ALL"]
+    else:
+        mod = None
+    ops = [op for op in CPU_OPS if not hasattr(torch.ops.aten, op)]
+    if mod is None or missing or ops:
+        what = ", ".join(missing + [f"aten.{op}" for op in ops])
+        raise ImplError(f"torch-ring: unsupported torch version {torch.__version__} (missing {what})")
+    return mod
+
+
+def load_balance(ctx: RunContext) -> bool:
+    """Whether torch's head-tail load balancing is on: exactly for causal runs in zigzag layout."""
+    return ctx.mask.kind == "causal" and ctx.layout == "zigzag"
+
+
+def head_tail_positions(total: int, world_size: int) -> list[torch.Tensor]:
+    """Global positions each rank holds under torch's head-tail load balancer (for layout checks)."""
+    balancer = None
+    for name in (
+        "torch.distributed.tensor.experimental._context_parallel._load_balancer",
+        "torch.distributed.tensor.experimental._attention",
+    ):
+        try:
+            balancer = getattr(importlib.import_module(name), "_HeadTailLoadBalancer", None)
+        except ImportError:
+            continue
+        if balancer is not None:
+            break
+    if balancer is None:
+        raise ImplError(
+            f"torch-ring: unsupported torch version {torch.__version__} (missing _HeadTailLoadBalancer)"
+        )
+    idx = balancer(total, world_size, "cpu")._generate_indices(restore=False)[0].long()
+    return list(idx.chunk(world_size))
+
+
+@contextlib.contextmanager
+def torch_options(mod: ModuleType, rotate: str, balance: bool) -> Iterator[None]:
+    """Set torch's global CP options for one call and restore them afterwards."""
+    opts = mod._cp_options
+    saved = (opts.rotate_method, opts.enable_load_balance)
+    opts.rotate_method = (
+        mod._RotateMethod.ALL_GATHER if rotate == "allgather" else mod._RotateMethod.ALL_TO_ALL
+    )
+    opts.enable_load_balance = balance
+    try:
+        yield
+    finally:
+        opts.rotate_method, opts.enable_load_balance = saved
+
+
+class _TorchRing(torch.autograd.Function):
+    """Forward: torch's templated ring with the CPU flash op; backward: its templated backward."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, mod, group, causal, scale, rotate, balance):
+        with torch_options(mod, rotate, balance):
+            out, lse = mod._templated_ring_attention(
+                group,
+                2,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                q,
+                k,
+                v,
+                is_causal=causal,
+                dropout_p=0.0,
+                scale=scale,
+            )[:2]
+        fctx.save_for_backward(q, k, v, out, lse)
+        fctx.args = (mod, group, causal, scale, rotate, balance)
+        fctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(fctx, dout, _dlse):
+        q, k, v, out, lse = fctx.saved_tensors
+        mod, group, causal, scale, rotate, balance = fctx.args
+        with torch_options(mod, rotate, balance):
+            dq, dk, dv = mod._templated_ring_attention_backward(
+                group,
+                2,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                grad_out=dout.contiguous(),
+                grad_out_name="grad_out",
+                query=q,
+                key=k,
+                value=v,
+                out=out,
+                logsumexp=lse,
+                is_causal=causal,
+                dropout_p=0.0,
+                scale=scale,
+            )[:3]
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _make(name: str) -> Impl:
+    mod = load_private_api()
+    rotate = ROTATE[name]
+    caps = CAPABILITIES[name]
+
+    def run(q, k, v, ctx: RunContext):
+        require_supported(name, ctx, caps, q, k)
+        if ctx.group is None:
+            raise ImplError(f"{name}: needs a process group")
+        qt, kt, vt = (to_bhsd(t).contiguous() for t in (q, k, v))
+        out, lse = _TorchRing.apply(
+            qt,
+            kt,
+            vt,
+            mod,
+            ctx.group,
+            ctx.mask.kind == "causal",
+            ctx.softmax_scale,
+            rotate,
+            load_balance(ctx),
+        )
+        return to_bhsd(out), lse.float()
+
+    return Impl(name=name, run=run, capabilities=caps, version=f"torch {torch.__version__}")
+
+
+def impl_allgather() -> Impl:
+    """torch's ring with its default rotation (all-gather the K/V once)."""
+    return _make("torch-ring")
+
+
+def impl_alltoall() -> Impl:
+    """torch's ring rotating K/V with all-to-all (permute) each step."""
+    return _make("torch-ring-alltoall")

@@ -1,0 +1,200 @@
+"""feifeibear's `yunchang` (long-context-attention): ring, Ulysses and USP (flash-attn, CUDA/NCCL).
+
+- ring: `yunchang.hybrid.utils.RING_IMPL_DICT[impl_type](q, k, v, dropout_p, softmax_scale, causal,
+  window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, attn_type)` with
+  impl_type "basic" (contiguous), "zigzag" (rank r: chunks r, 2W-1-r) or "strip" (token i on
+  rank i mod W), as its `EXTRACT_FUNC_DICT` helpers shard with one Ulysses rank;
+- Ulysses: `UlyssesAttention(sequence_process_group, scatter_idx=2, gather_idx=1, attn_type)`:
+  all-to-all from sequence shards to head shards, full attention, and back; contiguous layout,
+  heads divisible by W, and a sliding window is exact because each rank sees the whole sequence;
+- USP: `LongContextAttention(ring_impl_type="basic")` over `PROCESS_GROUP.ULYSSES_PG` and
+  `RING_PG`. We build the groups the way `set_seq_parallel_pg(..., use_ulysses_low=True)` does,
+  from this ring's global ranks: Ulysses groups are consecutive ranks, so rank g = r*U + u holds
+  contiguous chunk g, which is our "contiguous" layout. U is the largest divisor of W below W that
+  divides both head counts (U > 1 and W/U > 1, else refused).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.context import Capabilities, Impl, RunContext
+from harness.impls.adapters._common import FLASH_HEAD_DIMS, installed_version, require_supported
+from harness.impls.registry import ImplError
+
+EXTRA = "yunchang"
+RING_TYPE = {"contiguous": "basic", "zigzag": "zigzag", "striped": "strip"}
+
+
+def _caps(layouts: set[str], masks: set[str], world: tuple[int, int]) -> Capabilities:
+    return Capabilities(
+        layouts=frozenset(layouts),
+        masks=frozenset(masks),
+        dtypes=frozenset({"fp16", "bf16"}),
+        gqa=True,
+        uneven=False,
+        world_sizes=world,
+        backward=True,
+        backends=frozenset({"nccl"}),
+        returns_lse=False,
+        head_dims=FLASH_HEAD_DIMS,
+    )
+
+
+CAPABILITIES = {
+    # zigzag and strip assert causal; "basic" also runs non-causal, but the product of layouts and masks
+    # is what a capability set promises, so non-causal is left to the contiguous variants
+    "yunchang-ring": _caps(set(RING_TYPE), {"causal"}, (1, 8)),
+    "yunchang-ulysses": _caps({"contiguous"}, {"none", "causal", "window"}, (1, 8)),
+    "yunchang-usp": _caps({"contiguous"}, {"none", "causal"}, (4, 8)),
+}
+
+
+def usp_degrees(world_size: int, heads_q: int, heads_kv: int) -> tuple[int, int]:
+    """(ulysses, ring) degrees for USP: the largest Ulysses degree 1 < U < W dividing W and both heads."""
+    for u in range(world_size - 1, 1, -1):
+        if world_size % u == 0 and heads_q % u == 0 and heads_kv % u == 0:
+            return u, world_size // u
+    raise ImplError(
+        f"yunchang-usp: no Ulysses degree 1 < U < {world_size} divides W and both head counts "
+        f"({heads_q}, {heads_kv})"
+    )
+
+
+def usp_groups(global_ranks: tuple[int, ...], ulysses: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(ulysses groups, ring groups) as global ranks, in `set_seq_parallel_pg`'s ulysses-low order."""
+    w = len(global_ranks)
+    ring = w // ulysses
+    uly = [[global_ranks[r * ulysses + u] for u in range(ulysses)] for r in range(ring)]
+    rng = [[global_ranks[r * ulysses + u] for r in range(ring)] for u in range(ulysses)]
+    return uly, rng
+
+
+def _check_heads(name: str, ctx: RunContext, q, k) -> None:
+    if q.shape[2] % ctx.world_size or k.shape[2] % ctx.world_size:
+        raise ImplError(
+            f"{name}: Ulysses needs head counts divisible by W={ctx.world_size} "
+            f"(got {q.shape[2]}, {k.shape[2]})"
+        )
+
+
+_GROUPS: dict[tuple, object] = {}
+
+
+def _group(ranks: list[int]):
+    import torch.distributed as dist
+
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks=ranks, use_local_synchronization=True)
+    return _GROUPS[key]
+
+
+def impl_ring() -> Impl:
+    from yunchang.hybrid.utils import RING_IMPL_DICT
+    from yunchang.kernels import AttnType
+
+    name, caps = "yunchang-ring", CAPABILITIES["yunchang-ring"]
+
+    def run(q, k, v, ctx: RunContext):
+        require_supported(name, ctx, caps, q, k)
+        fn = RING_IMPL_DICT[RING_TYPE[ctx.layout]]
+        out = fn(
+            q,
+            k,
+            v,
+            dropout_p=0.0,
+            softmax_scale=ctx.softmax_scale,
+            causal=ctx.mask.is_causal,
+            window_size=(-1, -1),
+            deterministic=True,
+            return_attn_probs=False,
+            group=ctx.group,
+            attn_type=AttnType.FA,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    return Impl(
+        name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
+    )
+
+
+def impl_ulysses() -> Impl:
+    from yunchang import UlyssesAttention
+    from yunchang.kernels import AttnType
+
+    name, caps = "yunchang-ulysses", CAPABILITIES["yunchang-ulysses"]
+
+    def run(q, k, v, ctx: RunContext):
+        require_supported(name, ctx, caps, q, k)
+        _check_heads(name, ctx, q, k)
+        attn = UlyssesAttention(ctx.group, scatter_idx=2, gather_idx=1, attn_type=AttnType.FA)
+        window = (int(ctx.mask.window), 0) if ctx.mask.kind == "window" else (-1, -1)
+        return attn(
+            q,
+            k,
+            v,
+            dropout_p=0.0,
+            softmax_scale=ctx.softmax_scale,
+            causal=ctx.mask.is_causal,
+            window_size=window,
+            deterministic=True,
+        )
+
+    return Impl(
+        name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
+    )
+
+
+def impl_usp() -> Impl:
+    from yunchang import LongContextAttention
+    from yunchang.globals import PROCESS_GROUP
+    from yunchang.kernels import AttnType
+
+    name, caps = "yunchang-usp", CAPABILITIES["yunchang-usp"]
+
+    def run(q, k, v, ctx: RunContext):
+        require_supported(name, ctx, caps, q, k)
+        u, _ = usp_degrees(ctx.world_size, q.shape[2], k.shape[2])
+        uly, rng = usp_groups(tuple(ctx.global_ranks), u)
+        me = ctx.global_ranks[ctx.rank]
+        PROCESS_GROUP.ULYSSES_PG = _group(next(g for g in uly if me in g))
+        PROCESS_GROUP.RING_PG = _group(next(g for g in rng if me in g))
+        attn = LongContextAttention(
+            scatter_idx=2, gather_idx=1, ring_impl_type="basic", attn_type=AttnType.FA
+        )
+        return attn(
+            q,
+            k,
+            v,
+            dropout_p=0.0,
+            softmax_scale=ctx.softmax_scale,
+            causal=ctx.mask.is_causal,
+            window_size=(-1, -1),
+            deterministic=True,
+        )
+
+    return Impl(
+        name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
+    )
+
+
+def extract_local(
+    kind: str, x: torch.Tensor, rank: int, world_size: int, ring: int, ulysses: int
+) -> torch.Tensor:
+    """yunchang's `EXTRACT_FUNC_DICT` sharding, re-stated without process groups (for layout tests).
+
+    basic: chunk W; zigzag: chunks r, 2R-1-r of 2R over the ring rank r = rank // U, then chunk U
+    by the Ulysses rank u = rank % U; strip: per ring index j tokens j, j+R, ..., then chunk W.
+    """
+    b, n = x.shape[:2]
+    if kind == "basic":
+        return x.chunk(world_size, dim=1)[rank]
+    if kind == "zigzag":
+        r, u = rank // ulysses, rank % ulysses
+        c = x.chunk(2 * ring, dim=1)
+        return torch.cat([c[r], c[2 * ring - r - 1]], dim=1).chunk(ulysses, dim=1)[u]
+    if kind == "strip":
+        y = x.reshape(b, n // ring, ring, -1).transpose(1, 2).reshape(b, n, *x.shape[2:])
+        return y.chunk(world_size, dim=1)[rank]
+    raise ValueError(f"unknown yunchang sharding {kind!r}")

@@ -1,0 +1,41 @@
+"""Where the ranks come from: a local pool of worker processes (default), or torchrun's processes.
+
+`open_pool` yields an object with the pool interface (submit/collect) on the process that judges,
+and None on torchrun's follower ranks once rank 0 has finished (they have nothing to report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from harness.errors import HarnessError
+
+LAUNCHERS = ("local", "torchrun")
+
+
+@contextlib.contextmanager
+def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4) -> Iterator[object | None]:
+    if launcher == "local":
+        from harness.ranks.pool import RankPool
+
+        with RankPool(size, backend=backend or "gloo") as pool:
+            yield pool
+        return
+    if launcher != "torchrun":
+        raise HarnessError(f"unknown launcher {launcher!r}; expected one of {', '.join(LAUNCHERS)}")
+    from harness.ranks.torchrun import TorchrunPool, launched_by_torchrun, torch_threads_for_rank
+
+    if not launched_by_torchrun():
+        raise HarnessError("--launcher torchrun needs to be started by torchrun, e.g. "
+                           "torchrun --nproc-per-node 8 -m harness check --launcher torchrun")
+    torch_threads_for_rank()
+    pool = TorchrunPool(backend)
+    try:
+        if pool.rank == 0:
+            yield pool
+        else:
+            pool.follow()
+            yield None
+    finally:
+        pool.close()

@@ -1,0 +1,294 @@
+"""A persistent pool of rank processes: start once, run many cases, watch every deadline.
+
+Rendezvous is a FileStore in a private temp dir (no TCP ports, so parallel pytest-xdist workers
+never collide); control messages go over per-rank Unix sockets with an auth key. Each worker runs
+in its own session and is killed as a group (SIGTERM, then SIGKILL). A case that passes its
+deadline gets each pending rank's faulthandler stack, then the pool is torn down and restarted
+on the next case. Workers also die with the parent (PDEATHSIG), so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, wait
+from pathlib import Path
+
+from harness import case as case_mod
+from harness.ranks import wire
+
+START_TIMEOUT_S = 120.0
+MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
+STACK_GRACE_S = 1.0
+
+
+@dataclass
+class PoolReply:
+    """What came back from the ranks of one case."""
+
+    replies: dict[int, dict] = field(default_factory=dict)  # global rank -> reply
+    hung: dict[int, str] = field(default_factory=dict)  # global rank -> stack dump
+    dead: dict[int, str] = field(default_factory=dict)  # global rank -> exit status + log tail
+    notes: dict[int, dict] = field(default_factory=dict)  # dead global rank -> the faults it saw fire (its note)
+    wall_s: float = 0.0
+    restarted: bool = False
+
+
+class PoolError(RuntimeError):
+    """The pool could not start (e.g. workers failed to rendezvous)."""
+
+
+def _project_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+class RankPool:
+    """`size` worker ranks on `backend`; use as a context manager or call close()."""
+
+    def __init__(self, size: int = 4, backend: str = "gloo") -> None:
+        self.size = size
+        self.backend = backend
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.dir: str | None = None
+        self.broken = True
+        self.starts = 0
+        self.heals = 0
+        self.fresh_group = False
+        self._case_id = 0
+        self._finalizer = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the workers and wait (with a deadline) until every one is ready."""
+        self.close()
+        self.dir = tempfile.mkdtemp(prefix="ring-harness-")
+        authkey = os.urandom(16)
+        env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_project_root(), env.get("PYTHONPATH")]))
+        for r in range(self.size):
+            log = open(os.path.join(self.dir, f"log-{r}.txt"), "wb")  # noqa: SIM115
+            cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(self.size),
+                   "--dir", self.dir, "--backend", self.backend, "--parent", str(os.getpid())]
+            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), self.dir)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            for r in range(self.size):
+                self.conns.append(self._connect(r, authkey, deadline))
+            for r, c in enumerate(self.conns):
+                if not c.poll(max(0.0, deadline - time.monotonic())):
+                    raise PoolError(f"rank {r} did not finish rendezvous within {START_TIMEOUT_S:.0f} s: "
+                                    f"{self._log_tail(r)}")
+                wire.recv(c)
+        except (PoolError, EOFError, OSError) as e:
+            self.close()
+            raise PoolError(f"rank pool failed to start: {e}") from None
+        self.broken = False
+        self.starts += 1
+        self.heals = 0
+        self.fresh_group = False
+
+    def _connect(self, r: int, authkey: bytes, deadline: float) -> Connection:
+        path = os.path.join(self.dir, f"rank{r}.sock")
+        while True:
+            if self.procs[r].poll() is not None:
+                raise PoolError(f"rank {r} exited with {self.procs[r].returncode} during start: {self._log_tail(r)}")
+            if os.path.exists(path):
+                try:
+                    return Client(path, family="AF_UNIX", authkey=authkey)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+            if time.monotonic() > deadline:
+                raise PoolError(f"rank {r} did not start within {START_TIMEOUT_S:.0f} s: {self._log_tail(r)}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Stop every worker (politely, then SIGTERM, then SIGKILL) and remove the temp dir."""
+        for c in self.conns:
+            try:
+                wire.send(c, {"op": "stop"})
+            except OSError:
+                pass
+        for c in self.conns:
+            c.close()
+        self.conns = []
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.procs = []
+        self.dir = None
+        self.broken = True
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def ensure(self, size: int, exact: bool = False) -> bool:
+        """Make sure a healthy pool of at least `size` ranks (exactly `size` when `exact`: for an
+        implementation that needs the ring to be the whole world) runs; True when it (re)started."""
+        fits = self.size == size if exact else self.size >= size
+        if not self.broken and fits and all(p.poll() is None for p in self.procs):
+            return False
+        self.size = size if exact else max(self.size, size)
+        self.start()
+        return True
+
+    # -- running a case --------------------------------------------------------------------
+    def run(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
+            leak: bool = True) -> PoolReply:
+        """Send the case to every rank and collect replies, within the case's deadline."""
+        return self.collect(self.submit(case, impl, allow_import=allow_import, leak=leak))
+
+    def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
+               leak: bool = True, whole_world: bool = False) -> dict:
+        """Send a case to every rank (restarting the pool if needed); the deadline starts now."""
+        restarted = self.ensure(case.pool_size, exact=whole_world)
+        self._case_id += 1
+        msg = {"op": "run", "case": case_mod.to_dict(case), "impl": impl or case.impl,
+               "allow_import": allow_import, "leak": leak, "case_id": self._case_id,
+               "fresh_group": self.fresh_group and not restarted}
+        self.fresh_group = False
+        ticket = {"start": time.monotonic(), "deadline_s": case.deadline_s, "pending": {}, "dead": {},
+                  "case_id": self._case_id,
+                  "stacks": {r: self._stack_size(r) for r in range(self.size)}, "restarted": restarted}
+        for r, c in enumerate(self.conns):
+            try:
+                wire.send(c, msg)
+                ticket["pending"][c] = r
+            except OSError:
+                ticket["dead"][r] = self._death(r)
+        return ticket
+
+    def collect(self, ticket: dict) -> PoolReply:
+        """Wait for every rank's reply until the deadline; report hung ranks' stacks and dead ranks."""
+        out = PoolReply(restarted=ticket["restarted"], dead=dict(ticket["dead"]))
+        pending: dict[Connection, int] = ticket["pending"]
+        deadline = ticket["start"] + ticket["deadline_s"]
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for c in ready:
+                r = pending.pop(c)
+                try:
+                    out.replies[r] = wire.recv(c)
+                except (EOFError, OSError):
+                    out.dead[r] = self._death(r)
+        out.wall_s = time.monotonic() - ticket["start"]
+        out.notes = {r: n for r in out.dead if (n := self._fault_note(r, ticket.get("case_id"))) is not None}
+        if pending or out.dead:
+            self.broken = True
+        if any(rep.get("status") not in ("ok", "idle") for rep in out.replies.values()):
+            # a rank raised mid-ring: its group may hold stale messages. Every rank is alive and
+            # idle, so the next case heals by building a fresh group (restart after MAX_HEALS).
+            self.heals += 1
+            self.fresh_group = True
+            if self.heals > MAX_HEALS:
+                self.broken = True
+        if pending:
+            out.hung = self._stacks(sorted(pending.values()), ticket["stacks"])
+            self.close()
+        return out
+
+    # -- diagnostics -----------------------------------------------------------------------
+    def _fault_note(self, r: int, case_id: int | None) -> dict | None:
+        """The note rank r's fault interposer left (faults fired, a scheduled crash) before it died."""
+        try:
+            with open(os.path.join(self.dir, f"faults-{r}")) as f:
+                note = json.load(f)
+        except (OSError, ValueError, TypeError):
+            return None
+        return note if isinstance(note, dict) and note.get("case_id") == case_id else None
+
+    def _pending_ops(self, r: int) -> str:
+        """The ops rank r had in flight when it last blocked (written by its fault interposer)."""
+        try:
+            with open(os.path.join(self.dir, f"pending-{r}"), errors="replace") as f:
+                return f.read().strip()
+        except (OSError, TypeError):
+            return ""
+
+    def _stack_size(self, r: int) -> int:
+        try:
+            return os.path.getsize(os.path.join(self.dir, f"stack-{r}.txt"))
+        except OSError:
+            return 0
+
+    def _stacks(self, ranks: list[int], offsets: dict[int, int]) -> dict[int, str]:
+        """Ask each hung rank for its Python stack (faulthandler on SIGUSR1) and read it."""
+        for r in ranks:
+            try:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(STACK_GRACE_S)
+        stacks = {}
+        for r in ranks:
+            try:
+                with open(os.path.join(self.dir, f"stack-{r}.txt"), errors="replace") as f:
+                    f.seek(offsets.get(r, 0))
+                    stacks[r] = f.read().strip() or "(no stack dumped)"
+            except OSError:
+                stacks[r] = "(no stack file)"
+            ops = self._pending_ops(r)
+            if ops:
+                stacks[r] = f"pending ops: {ops}\n{stacks[r]}"
+        return stacks
+
+    def _death(self, r: int) -> str:
+        p = self.procs[r]
+        try:
+            code = p.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = "still running" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit {code}")
+        return f"{how}; log: {self._log_tail(r)}"
+
+    def _log_tail(self, r: int, n: int = 600) -> str:
+        try:
+            text = Path(self.dir, f"log-{r}.txt").read_text(errors="replace").strip()
+        except (OSError, TypeError):
+            return "(no log)"
+        return text[-n:].replace("\n", " | ") if text else "(empty log)"
+
+
+def _kill_all(procs: list[subprocess.Popen], workdir: str | None) -> None:
+    """SIGTERM every worker's process group, then SIGKILL what is left; remove the temp dir."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+    end = time.monotonic() + 2.0
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.01, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+

@@ -1,0 +1,143 @@
+"""Running cases under torchrun (NCCL, one rank per GPU, single- or multi-node).
+
+Every torchrun process is a rank. Rank 0 plays the parent: it draws cases, computes the oracle and
+judges, exactly as with the CPU pool; the other ranks follow. `TorchrunPool` has the pool's
+submit/collect interface, so `runner.run_case` and every command work unchanged. Cases and replies
+travel over a gloo control group; the ring itself runs on the default (NCCL) group's subgroups.
+A per-case watchdog thread enforces the deadline: torchrun cannot restart one rank, so a hang dumps
+every rank's stack and ends the job (torchrun tears the rest down) with exit status 124.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from harness import case as case_mod
+from harness.ranks.backend import choose_backend, device_for
+from harness.ranks.pool import PoolReply
+from harness.ranks.worker import Groups, handle_case
+
+HANG_EXIT = 124
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+class _Watchdog:
+    """Deadline for one case on this rank: dump all stacks and exit if it passes."""
+
+    def __init__(self, rank: int, deadline_s: float, what: str) -> None:
+        self.timer = threading.Timer(deadline_s, self._fire, args=(rank, deadline_s, what))
+        self.timer.daemon = True
+        self.timer.start()
+
+    @staticmethod
+    def _fire(rank: int, deadline_s: float, what: str) -> None:
+        sys.stderr.write(f"ring-harness: rank {rank}: verdict hang: {what} passed its deadline of {deadline_s:g} s; "
+                         f"stack follows\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(HANG_EXIT)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+
+class TorchrunPool:
+    """The pool interface over torchrun's processes (use on rank 0; other ranks call `follow`)."""
+
+    def __init__(self, backend: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.backend = choose_backend(backend)
+        self.device = device_for(self.backend)
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, init_method="env://", timeout=datetime.timedelta(seconds=300))
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.ctrl = dist.new_group(backend="gloo")
+        self.groups = Groups(self.backend)
+        self.impls: dict = {}
+        self._case_id = 0
+        self.starts = 1
+        self.broken = False
+
+    def _broadcast(self, msg: dict | None) -> dict:
+        import torch.distributed as dist
+
+        box = [msg]
+        dist.broadcast_object_list(box, src=0, group=self.ctrl)
+        return box[0]
+
+    def _gather(self, reply: dict) -> list[dict] | None:
+        import torch.distributed as dist
+
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(reply, out, dst=0, group=self.ctrl)
+        return out
+
+    def ensure(self, size: int, exact: bool = False) -> bool:
+        if size > self.size or (exact and size != self.size):
+            from harness.errors import HarnessError
+
+            raise HarnessError(f"case needs {'exactly ' if exact else ''}{size} ranks but torchrun started {self.size}")
+        return False
+
+    def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
+               leak: bool = True, whole_world: bool = False) -> dict:
+        self.ensure(case.pool_size, exact=whole_world)
+        self._case_id += 1
+        msg = {"op": "run", "case": case_mod.to_dict(case), "impl": impl or case.impl,
+               "allow_import": allow_import, "leak": leak, "case_id": self._case_id}
+        self._broadcast(msg)
+        start = time.monotonic()
+        dog = _Watchdog(self.rank, case.deadline_s, f"case {self._case_id} ({case.summary()})")
+        reply = handle_case(msg, self.rank, self.groups, self.device, self.impls)
+        return {"start": start, "reply": reply, "dog": dog}
+
+    def collect(self, ticket: dict) -> PoolReply:
+        replies = self._gather(ticket["reply"])
+        ticket["dog"].cancel()
+        return PoolReply(replies={r: rep for r, rep in enumerate(replies)}, wall_s=time.monotonic() - ticket["start"])
+
+    def follow(self) -> None:
+        """Non-zero ranks: run every case rank 0 broadcasts until it says stop."""
+        while True:
+            msg = self._broadcast(None)
+            if msg["op"] == "stop":
+                return
+            case = case_mod.from_dict(msg["case"])
+            dog = _Watchdog(self.rank, case.deadline_s, f"case {msg['case_id']} ({case.summary()})")
+            reply = handle_case(msg, self.rank, self.groups, self.device, self.impls)
+            self._gather(reply)
+            dog.cancel()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.rank == 0 and dist.is_initialized():
+            self._broadcast({"op": "stop"})
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def __enter__(self) -> TorchrunPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def torch_threads_for_rank() -> None:
+    """Leave the CPU to the GPUs' host threads: one intra-op thread per rank process."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))

@@ -1,0 +1,288 @@
+"""One rank of the persistent pool: receives cases from the parent, runs them, sends back shards.
+
+Started by `harness.pool` as `python -m harness.ranks.worker`; dies with its parent (PDEATHSIG plus a
+watchdog thread), dumps its Python stack on SIGUSR1 (faulthandler) so a hang names where it waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import faulthandler
+import hashlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Listener
+
+import torch
+
+from harness import case as case_mod
+from harness import inputs
+from harness.context import RunContext
+from harness.ranks import wire
+from harness.ranks.backend import choose_backend, device_for
+from ring_impl.layouts import all_positions
+
+
+def _die_with_parent(parent: int) -> None:
+    """Never outlive the parent: kernel PDEATHSIG where available, plus a polling thread."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw bytes: equal hashes mean bit-identical results."""
+    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _error_text(e: BaseException) -> str:
+    """One line: exception type, message, and the innermost frame it came from."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg}{where}"
+
+
+class Groups:
+    """Process groups for ring subsets, cached by (offset, size, timeout) and created identically on
+    every rank (new_group is collective over the whole pool)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.cache: dict[tuple, object] = {}
+        self.retired: list[object] = []  # groups that may hold stale messages: kept, never used again
+
+    def reset(self) -> None:
+        """Use fresh groups from now on (after a case whose ranks raised mid-ring); the old ones are
+        kept alive rather than destroyed, because destroying a group with ops in flight can block."""
+        self.retired.extend(self.cache.values())
+        self.cache = {}
+
+    def get(self, offset: int, size: int, timeout_s: float):
+        import torch.distributed as dist
+
+        key = (offset, size, round(timeout_s, 3))
+        if key not in self.cache:
+            self.cache[key] = dist.new_group(
+                ranks=list(range(offset, offset + size)),
+                timeout=datetime.timedelta(seconds=timeout_s),
+                backend=self.backend,
+            )
+        return self.cache[key]
+
+
+def pg_timeout(case: case_mod.Case) -> float:
+    """The process-group timeout for a case: well inside its deadline, so ranks fail before the
+    parent's watchdog has to step in."""
+    return max(1.0, min(case.deadline_s * 0.5, case.deadline_s - 2.0))
+
+
+def _split(res):
+    if isinstance(res, (tuple, list)):
+        if len(res) != 2:
+            raise TypeError(f"implementation returned {len(res)} values; expected out or (out, lse)")
+        return res[0], res[1]
+    return res, None
+
+
+def _no_phase(phase: str) -> None:
+    """Phase marker when no interposer listens."""
+
+
+def _forward_backward(impl, q, k, v, dout, ctx, phase=_no_phase):
+    """One forward + backward through the implementation; returns (out, lse, dq, dk, dv, times).
+    `phase` is told forward / backward / done, so the comm log and fault schedule know which."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    t0 = time.perf_counter()
+    phase("forward")
+    out, lse = _split(impl.run(q, k, v, ctx))
+    t1 = time.perf_counter()
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ShapeError(f"output shape {got} != expected {tuple(q.shape)}")
+    phase("backward")
+    torch.autograd.backward(out, dout)
+    phase("done")
+    t2 = time.perf_counter()
+    grads = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.grad is None:
+            raise RuntimeError(f"implementation produced no gradient for {name}")
+        if tuple(t.grad.shape) != tuple(t.shape):
+            raise ShapeError(f"d{name} shape {tuple(t.grad.shape)} != expected {tuple(t.shape)}")
+        grads.append(t.grad)
+    return out, lse, grads[0], grads[1], grads[2], {"forward_s": t1 - t0, "backward_s": t2 - t1}
+
+
+class ShapeError(RuntimeError):
+    """An implementation returned a tensor of the wrong shape (verdict: diverged)."""
+
+
+def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bool, phase=_no_phase) -> dict:
+    """Run one case on this rank: build shards from the seed, forward + backward, leak run (not
+    under faults: the fault schedule counts the ops of one forward + backward)."""
+    import torch.distributed as dist
+
+    grank = dist.get_rank(group) if group is not None else 0
+    world = case.world_size
+    gl = tuple(dist.get_global_rank(group, r) for r in range(world)) if group is not None else (0,)
+    pos_all = tuple(all_positions(case.layout, case.seq_lens))
+    pos = pos_all[grank]
+    t_in = time.perf_counter()
+    q, k, v, dout = (inputs.make(case, n, pos).to(device) for n in inputs.NAMES)
+    t_in = time.perf_counter() - t_in
+    ctx = RunContext(
+        group=group, rank=grank, world_size=world, global_ranks=gl, layout=case.layout,
+        lengths=tuple(case.seq_lens), all_positions=pos_all, mask=case.mask, softmax_scale=case.scale,
+        dtype=q.dtype, device=device, seed=case.seed,
+    )
+    out, lse, dq, dk, dv, times = _forward_backward(impl, q, k, v, dout, ctx, phase)
+    tensors = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    if lse is not None:
+        tensors["lse"] = lse
+    t_pack = time.perf_counter()
+    reply = {
+        "tensors": {n: t.detach().cpu() for n, t in tensors.items()},
+        "hashes": {n: tensor_hash(t) for n, t in tensors.items()},
+        "timings": times,
+    }
+    times.update(inputs_s=t_in, pack_s=time.perf_counter() - t_pack)  # for the benchmarks' accounting
+    if leak and case.mask.kind != "none" and not case.faults:
+        chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
+        dout_s = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
+        _, _, _, dk_s, dv_s, leak_times = _forward_backward(impl, q, k, v, dout_s, ctx,
+                                                            lambda p: phase(p if p == "done" else f"leak-{p}"))
+        reply["leak"] = {"dk": dk_s.detach().cpu(), "dv": dv_s.detach().cpu()}
+        times["leak_s"] = leak_times["forward_s"] + leak_times["backward_s"]
+    return reply
+
+
+def comm_budget(case: case_mod.Case) -> float:
+    """Seconds from a case's start by which every communication op must have completed or failed,
+    leaving the rest of the deadline for the error to reach the parent."""
+    return max(0.5, case.deadline_s - max(0.5, min(2.0, 0.1 * case.deadline_s)))
+
+
+def _interposer(case: case_mod.Case, rank: int, msg: dict, workdir: str | None):
+    """This rank's torch.distributed interposer for the case: op log, faults, short timeouts."""
+    from harness.faults import interpose, schema
+
+    def path(name: str) -> str | None:
+        return os.path.join(workdir, f"{name}-{rank}") if workdir else None
+
+    return interpose.Interposer(
+        rank - case.group_offset, schema.parse_faults(case.faults, case.world_size), seed=case.seed,
+        timeout_s=pg_timeout(case), budget_s=comm_budget(case), pending_path=path("pending"),
+        note_path=path("faults"), case_id=msg.get("case_id"),
+    )
+
+
+def handle_case(msg: dict, rank: int, groups: Groups, device: torch.device, impls: dict,
+                workdir: str | None = None) -> dict:
+    """Run one 'run' message on this (global) rank and build the reply; never raises for an
+    implementation's error (that is a result). Shared by the pool worker and the torchrun driver.
+    The case runs inside the fault interposer; the reply carries its op log and fired faults."""
+    from harness.faults import interpose
+    from harness.impls import registry
+
+    case = case_mod.from_dict(msg["case"])
+    reply = {"op": "result", "rank": rank, "case_id": msg["case_id"]}
+    ip = _interposer(case, rank, msg, workdir)
+    try:
+        if msg.get("fresh_group"):
+            groups.reset()
+        group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
+        if not (case.group_offset <= rank < case.group_offset + case.world_size):
+            reply["status"] = "idle"
+            return reply
+        spec = msg["impl"]
+        if spec not in impls:
+            impls[spec] = registry.resolve(spec, allow_import=msg.get("allow_import", False))
+        reply["deterministic"] = bool(getattr(impls[spec], "deterministic", True))
+        with interpose.active(ip):
+            reply.update(run_on_rank(case, impls[spec], group, device, msg.get("leak", True), ip.set_phase))
+        reply["status"] = "ok"
+    except ShapeError as e:
+        reply.update(status="diverged", error=_error_text(e))
+    except Exception as e:  # the implementation's error is a result, not a worker crash
+        reply.update(status="error", error=_error_text(e), traceback=traceback.format_exc()[-4000:])
+    reply.update(comm=ip.compact_log(), faults=ip.report())
+    return reply
+
+
+def _warm_up() -> None:
+    """Do once at start what the first backward would otherwise do mid-ring: torch imports sympy on
+    the first backward with a given gradient (seconds on a loaded machine), which made the other
+    ranks' short-timeout waits fail on the first case after every pool (re)start."""
+    x = torch.ones(1, requires_grad=True)
+    torch.autograd.backward(x * 2, torch.ones(1))
+
+
+def serve(rank: int, size: int, workdir: str, backend: str) -> None:
+    """Rendezvous, then loop: receive a case, run it, reply. Exits on 'stop' or parent death."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _warm_up()
+    authkey = bytes.fromhex(os.environ["RING_HARNESS_AUTHKEY"])
+    stack_file = open(os.path.join(workdir, f"stack-{rank}.txt"), "a")  # noqa: SIM115 (lives with the process)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    with Listener(os.path.join(workdir, f"rank{rank}.sock"), family="AF_UNIX", authkey=authkey) as lst:
+        conn = lst.accept()
+    backend = choose_backend(backend)
+    device = device_for(backend)
+    dist.init_process_group(
+        backend, store=dist.FileStore(os.path.join(workdir, "store"), size), rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    groups = Groups(backend)
+    impls: dict[str, object] = {}
+    wire.send(conn, {"op": "ready", "rank": rank, "pid": os.getpid()})
+    while True:
+        try:
+            msg = wire.recv(conn)
+        except (EOFError, OSError):
+            os._exit(0)
+        if msg["op"] == "stop":
+            break
+        if msg["op"] == "ping":
+            wire.send(conn, {"op": "pong", "rank": rank})
+            continue
+        wire.send(conn, handle_case(msg, rank, groups, device, impls, workdir))
+    dist.destroy_process_group()
+    conn.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="harness.ranks.worker")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--parent", type=int, required=True)
+    a = p.parse_args(argv)
+    _die_with_parent(a.parent)
+    serve(a.rank, a.size, a.dir, a.backend)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

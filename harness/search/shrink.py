@@ -1,0 +1,136 @@
+"""Greedy shrinking of a fixed failing case (a battery or fault-stage failure has no generator for
+hypothesis to shrink): try simpler variants of the Case, most aggressive first, keep the first that
+still fails, repeat until none does or the budget is spent.
+
+"Simpler" follows the property-based strategies' shrink order: fewer ranks, no subgroup offset,
+fewer tokens, an even split, batch 1, fewer heads, a smaller head_dim, a simpler mask (none < causal
+< window < document, smaller windows, fewer documents), contiguous layout, fp32, normal values, the
+default scale. Faults are kept: for a fault-stage failure the fault is the trigger.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from harness.case import Case
+from harness.errors import HarnessError
+from harness.runner import CaseResult
+from harness.search.strategies import DTYPE_ORDER, VALUE_KINDS
+from ring_impl.layouts import LAYOUTS, split_lengths
+from ring_impl.masks import MASK_KINDS, MaskSpec
+
+
+def _variant(c: Case, **changes: Any) -> Case | None:
+    """`c` with `changes`, or None when that is not a valid case."""
+    try:
+        return c.replace(**changes)
+    except (HarnessError, ValueError, TypeError):
+        return None
+
+
+def _fit_mask(mask: MaskSpec, total: int) -> MaskSpec:
+    """The mask for a sequence cut to `total` tokens (document starts beyond it dropped)."""
+    if mask.kind != "document":
+        return mask
+    return MaskSpec("document", doc_starts=tuple(s for s in mask.doc_starts if s < total), causal=mask.causal)
+
+
+def _with_lens(c: Case, lens: tuple[int, ...]) -> Case | None:
+    return _variant(c, seq_lens=lens, mask=_fit_mask(c.mask, sum(lens)))
+
+
+def _fewer_ranks(c: Case) -> Iterator[Case | None]:
+    for w in range(1, c.world_size):
+        faults = tuple(f for f in c.faults if f.get("rank") is None or f["rank"] < w)
+        if c.total_len < w or len(faults) != len(c.faults) or (faults and w < 2):
+            continue
+        yield _variant(c, world_size=w, seq_lens=tuple(split_lengths(c.total_len, w)), faults=faults)
+    for off in sorted({0, c.group_offset - 1}):
+        if off < c.group_offset:
+            yield _variant(c, group_offset=off)
+
+
+def _fewer_tokens(c: Case) -> Iterator[Case | None]:
+    w, total = c.world_size, c.total_len
+    for t in sorted({w, total // 2, total - 1}):
+        if w <= t < total:
+            yield _with_lens(c, tuple(split_lengths(t, w)))
+    even = tuple(split_lengths(total, w))
+    if tuple(c.seq_lens) != even:
+        yield _variant(c, seq_lens=even)
+    for r, n in enumerate(c.seq_lens):
+        for m in sorted({1, n // 2, n - 1}):
+            if 1 <= m < n:
+                yield _with_lens(c, tuple(m if i == r else x for i, x in enumerate(c.seq_lens)))
+
+
+def _smaller_shape(c: Case) -> Iterator[Case | None]:
+    if c.batch > 1:
+        yield _variant(c, batch=1)
+    pairs = sorted((hq, hkv) for hkv in range(1, c.heads_kv + 1) for hq in range(hkv, c.heads_q + 1, hkv)
+                   if (hq, hkv) != (c.heads_q, c.heads_kv))
+    for hq, hkv in pairs[:8]:
+        yield _variant(c, heads_q=hq, heads_kv=hkv)
+    for d in sorted({1, 2, 4, 8, c.head_dim // 2, c.head_dim - 1}):
+        if 1 <= d < c.head_dim:
+            yield _variant(c, head_dim=d)
+
+
+def _simpler_mask(c: Case) -> Iterator[Case | None]:
+    m = c.mask
+    for kind in MASK_KINDS[: MASK_KINDS.index(m.kind)]:
+        if kind in ("none", "causal"):
+            yield _variant(c, mask=MaskSpec(kind))
+    if m.kind == "window":
+        for win in sorted({0, 1, m.window // 2, m.window - 1}):
+            if 0 <= win < m.window:
+                yield _variant(c, mask=MaskSpec("window", window=win))
+    if m.kind == "document":
+        for s in m.doc_starts[1:]:
+            yield _variant(c, mask=MaskSpec("document", doc_starts=tuple(x for x in m.doc_starts if x != s),
+                                            causal=m.causal))
+        if not m.causal:
+            yield _variant(c, mask=MaskSpec("document", doc_starts=m.doc_starts, causal=True))
+
+
+def _plainer(c: Case) -> Iterator[Case | None]:
+    for layout in LAYOUTS[: LAYOUTS.index(c.layout)]:
+        yield _variant(c, layout=layout)
+    for dtype in DTYPE_ORDER[: DTYPE_ORDER.index(c.dtype)]:
+        yield _variant(c, dtype=dtype)
+    for values in VALUE_KINDS[: VALUE_KINDS.index(c.values)]:
+        yield _variant(c, values=values)
+    if c.softmax_scale is not None:
+        yield _variant(c, softmax_scale=None)
+
+
+def candidates(c: Case) -> Iterator[Case]:
+    """Valid, strictly simpler variants of `c`, in the order they are tried."""
+    for gen in (_fewer_ranks, _fewer_tokens, _smaller_shape, _simpler_mask, _plainer):
+        for v in gen(c):
+            if v is not None and v != c:
+                yield v
+
+
+def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], *, budget_s: float = 60.0,
+           max_tries: int = 200) -> tuple[CaseResult, int]:
+    """(the smallest failing result found, candidates tried). `still_fails(case)` returns the failing
+    result of a candidate, or None when it passes (or does not fail the way that counts)."""
+    best, tried, start = first, set(), time.monotonic()
+    improved = True
+    while improved:
+        improved = False
+        for cand in candidates(best.case):
+            key = cand.key()
+            if key in tried:
+                continue
+            if len(tried) >= max_tries or time.monotonic() - start > budget_s:
+                return best, len(tried)
+            tried.add(key)
+            r = still_fails(cand)
+            if r is not None:
+                best, improved = r, True
+                break
+    return best, len(tried)

@@ -6,6 +6,7 @@ Tensors are never stored: every rank rebuilds its shard of Q, K, V and dout from
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import math
@@ -17,13 +18,13 @@ from typing import Any
 
 import yaml
 
+from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import parse_faults
 from ring_impl.layouts import LAYOUTS, split_lengths
 from ring_impl.masks import MASK_KINDS, MaskSpec
 
 FORMAT = 1
-DTYPES = ("fp32", "fp16", "bf16")
 VALUE_KINDS = ("normal", "large", "near-tie")
 TENSORS = ("out", "dq", "dk", "dv", "lse")
 MAX_WORLD = 64
@@ -283,12 +284,19 @@ def load(path: str | os.PathLike) -> tuple[Case, dict]:
     return loads(text, str(p))
 
 
+class _Dumper(yaml.SafeDumper):
+    """safe_dump, plus str-valued enums (a `Verdict` in a recorded result) written as their plain value."""
+
+
+_Dumper.add_multi_representer(enum.Enum, lambda d, v: d.represent_data(v.value))
+
+
 def dumps(c: Case, *, result: dict | None = None, note: str | None = None) -> str:
     """YAML text of a case, with an optional recorded result and a leading comment."""
     d = to_dict(c)
     if result is not None:
         d["result"] = result
-    text = yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=100)
+    text = yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
     if note:
         text = "".join(f"# {line}\n" for line in note.splitlines()) + text
     return text

@@ -13,11 +13,9 @@ from typing import Any
 
 import torch
 
+from harness.dtypes import DTYPES, TORCH_DTYPES  # noqa: F401 - re-exported (`from harness.context import DTYPES`)
 from ring_impl.layouts import LAYOUTS
 from ring_impl.masks import MASK_KINDS, MaskSpec
-
-DTYPES = ("fp32", "fp16", "bf16")
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from harness.case import Case
+from harness.dtypes import TORCH_DTYPES
 
 TOKEN_BLOCK = 64
 NAMES = ("q", "k", "v", "dout")
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # "large": q and k scaled so that scaled scores have magnitudes of roughly 50-200, stressing the
 # log-sum-exp merge; "near-tie": keys nearly identical so softmax rows are close to uniform.
 LARGE_GAIN = 10.0

@@ -49,10 +49,11 @@ class RingChecker:
 
     def run(self, case, impl: str | None = None):
         """Run one case and return its CaseResult (no assertion)."""
+        from harness.impls import registry
         from harness.runner import run_case
 
         name = impl or self.impl
-        return run_case(case, self.pool, name, allow_import=":" in name)
+        return run_case(case, self.pool, name, allow_import=registry.is_module_path(name))
 
     def __call__(self, case, impl: str | None = None):
         """Run one case and fail the test unless its verdict is `pass`."""
@@ -66,11 +67,12 @@ class RingChecker:
     def property(self, max_examples: int | None = None, time_budget_s: float | None = None, save_dir=None):
         """A property-based run (hypothesis, shrinking, saved YAML) against the implementation; fails
         with the shrunk case. Budget: `max_examples`, else --ring-max-examples, else the ci profile."""
+        from harness.impls import registry
         from harness.search.fuzz import fuzz
 
         n = max_examples if max_examples is not None else self.max_examples
         out = fuzz(self.impl, self.pool, max_examples=n, time_budget_s=time_budget_s,
-                   save_dir=save_dir or "ring-harness-failures", allow_import=":" in self.impl)
+                   save_dir=save_dir or "ring-harness-failures", allow_import=registry.is_module_path(self.impl))
         if not out.passed:
             r = out.shrunk or out.found
             pytest.fail(f"property-based run found {r.verdict}: {r.case.summary()} "

@@ -1,17 +1,134 @@
-"""What a saved case records about its run: versions, backend, verdict, per-rank/per-tensor errors
-and tolerances, and a hash of every output shard (for bit-for-bit replay)."""
+"""What one case run produced: its verdict (one of `Verdict`), per-rank/per-tensor checks, errors,
+stacks and hashes (`CaseResult`), and the `result:` block a saved case file records about it
+(versions, backend, verdict, errors and tolerances, a hash of every output shard for bit-for-bit
+replay).
+
+Every part of the harness that reads or writes a verdict imports it from here; the rules that
+decide one live in `harness.judging.verdicts`.
+"""
 
 from __future__ import annotations
 
+import enum
 import os
 import platform
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
 from harness import case as case_mod
-from harness.runner import CaseResult
+from harness.case import Case
+
+TENSORS = ("out", "lse", "dq", "dk", "dv")
+
+
+class Verdict(str, enum.Enum):
+    """How a run ended; exactly one per case.
+
+    pass: every rank correct. silent-corruption: completed with wrong results, or a causality leak.
+    fail-stop: ranks raised a clear error, or died. hang: the case deadline passed. diverged: a rank
+    returned a tensor of the wrong shape (or, under benign faults, different bits). invalid: a
+    scheduled fault never fired, so the run tested nothing.
+    """
+
+    PASS = "pass"
+    SILENT_CORRUPTION = "silent-corruption"
+    FAIL_STOP = "fail-stop"
+    HANG = "hang"
+    DIVERGED = "diverged"
+    INVALID = "invalid"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+VERDICTS = tuple(v.value for v in Verdict)
+
+
+@dataclass
+class TensorCheck:
+    """One tensor on one rank: worst error, allowed bound, ratio, where the worst error sits."""
+
+    tensor: str
+    rank: int
+    error: float
+    allowed: float
+    nonfinite: int
+    position: dict  # {"batch", "token" (global), "head"} of the worst error
+    passed: bool
+
+    @property
+    def ratio(self) -> float:
+        return float("inf") if self.nonfinite else self.error / self.allowed
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+@dataclass
+class LeakCheck:
+    """Keys that no query of S may see must get dk = dv = 0 exactly."""
+
+    queries: list[int]
+    hidden_keys: int
+    leaks: list[dict] = field(default_factory=list)  # {"rank", "tensor", "token", "count"}
+
+    @property
+    def passed(self) -> bool:
+        return not self.leaks
+
+
+
+@dataclass
+class CaseResult:
+    """The outcome of one case: verdict, per-rank/per-tensor checks, errors, stacks, hashes, timings."""
+
+    case: Case
+    impl: str
+    verdict: Verdict
+    detail: str = ""
+    checks: list[TensorCheck] = field(default_factory=list)
+    leak: LeakCheck | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # group rank -> one-line error
+    hung: dict[int, str] = field(default_factory=dict)  # group rank -> stack
+    dead: dict[int, str] = field(default_factory=dict)  # group rank -> how it died
+    hashes: dict[int, dict[str, str]] = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    maps: dict[str, torch.Tensor] = field(default_factory=dict)  # tensor -> (batch, token, head) abs error
+    shards: dict[int, dict[str, torch.Tensor]] | None = None  # group rank -> outputs, with keep_shards
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == Verdict.PASS
+
+    def worst(self, tensor: str) -> float | None:
+        """Worst error ratio (error / allowed) of a tensor over all ranks; None if not checked."""
+        r = [c.ratio for c in self.checks if c.tensor == tensor]
+        return max(r) if r else None
+
+    def failed_checks(self) -> list[TensorCheck]:
+        return [c for c in self.checks if not c.passed]
+
+    def to_dict(self) -> dict:
+        return {
+            "case": case_mod.to_dict(self.case), "summary": self.case.summary(), "impl": self.impl,
+            "verdict": str(self.verdict), "detail": self.detail,
+            "worst_ratio": {t: self.worst(t) for t in TENSORS if self.worst(t) is not None},
+            "checks": [c.to_dict() for c in self.checks],
+            "leak": None if self.leak is None else {"queries": self.leak.queries, "hidden_keys": self.leak.hidden_keys,
+                                                    "leaks": self.leak.leaks, "passed": self.leak.passed},
+            "errors": self.errors, "hung": self.hung, "dead": self.dead, "hashes": self.hashes,
+            "timings": self.timings, **({"extra": self.extra} if self.extra else {}),
+        }
+
 
 
 def harness_version() -> str:
@@ -24,7 +141,7 @@ def harness_version() -> str:
 def result_record(r: CaseResult, impl_version: str = "unknown", backend: str = "gloo") -> dict:
     """The `result:` block of a case file."""
     return {
-        "verdict": r.verdict,
+        "verdict": str(r.verdict),
         "detail": r.detail,
         "versions": {"torch": str(torch.__version__), "ring-harness": harness_version(), "impl": impl_version,
                      "python": platform.python_version()},

@@ -23,6 +23,7 @@ from pathlib import Path
 from harness.bench.memory import Peak, _rss
 from harness.bench.timing import Figure, Target, fmt, load_line
 from harness.case import Case, make_case
+from harness.dtypes import TORCH_DTYPES
 from harness.ranks.pool import RankPool
 from harness.runner import run_case
 from ring_impl.masks import MaskSpec
@@ -56,7 +57,7 @@ def _child(total: int) -> dict:
     t0 = time.perf_counter()
     with Peak() as peak:
         oracle.attention(*args, compute=torch.float64)
-        oracle.attention(*args, compute=inputs.TORCH_DTYPES[case.dtype])
+        oracle.attention(*args, compute=TORCH_DTYPES[case.dtype])
     seconds = time.perf_counter() - t0
     return {"total": total, "seconds": seconds, "peak": peak.peak, "above_baseline": peak.peak - before}
 

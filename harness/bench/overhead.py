@@ -17,7 +17,8 @@ from harness.bench.timing import Figure, Target, fmt, load_line, median
 from harness.case import Case, make_case
 from harness.ranks import wire
 from harness.ranks.pool import RankPool
-from harness.runner import CaseResult, run_case
+from harness.result import CaseResult
+from harness.runner import run_case
 from ring_impl.masks import MaskSpec
 
 WORLD = 4

@@ -20,8 +20,11 @@ import torch
 
 from harness.bench.timing import Figure, Target, fmt, load_line, median, proc_cpu_s, self_cpu_s
 from harness.case import Case, make_case, to_dict
+from harness.judging.oracle import references
+from harness.judging.verdicts import judge
 from harness.ranks.pool import PoolReply, RankPool
-from harness.runner import CaseResult, judge, oracle_threads, references, run_case
+from harness.result import CaseResult
+from harness.runner import oracle_threads, run_case
 from ring_impl.masks import MaskSpec
 
 WORLD = 4

@@ -14,6 +14,7 @@ from harness.bench.pool_vs_spawn import rank_compute_s
 from harness.bench.timing import Figure, Target, fmt, interleaved, load_line, median
 from harness.case import Case, make_case
 from harness.faults.schema import make_fault
+from harness.impls import registry
 from harness.ranks.pool import RankPool
 from harness.runner import run_case
 from ring_impl.masks import MaskSpec
@@ -36,7 +37,7 @@ def speed_case(total: int, world: int = WORLD) -> Case:
 
 def _timer(pool: RankPool, case: Case, impl: str, verdicts: dict[str, list[str]], name: str):
     def once() -> float:
-        r = run_case(case, pool, impl, allow_import=":" in impl, leak=False)
+        r = run_case(case, pool, impl, allow_import=registry.is_module_path(impl), leak=False)
         verdicts.setdefault(name, []).append(r.verdict)
         return rank_compute_s(r)
 

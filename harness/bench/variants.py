@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from harness.context import Impl, RunContext
-from harness.impls.adapters.reference import CAPABILITIES
+from harness.impls.adapters.reference import REFERENCE_CAPABILITIES
 from ring_impl import REFERENCE_PARTS, make_ring_attention
 from ring_impl.comm import LocalComm
 
@@ -46,7 +46,7 @@ def _impl(name: str, parts) -> Impl:
         return attn(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
                     softmax_scale=ctx.softmax_scale, return_lse=True)
 
-    return Impl(name=name, run=run, capabilities=CAPABILITIES["reference"], version="bench")
+    return Impl(name=name, run=run, capabilities=REFERENCE_CAPABILITIES, version="bench")
 
 
 def no_transfers() -> Impl:

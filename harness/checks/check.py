@@ -8,28 +8,27 @@ bit for bit); a failure it refuses is recorded and the check goes on.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.case import Case, make_case
-from harness.checks import property as fuzz_report
+from harness.checks import property as prop_stage
 from harness.checks import report
+from harness.checks.capability_matrix import format_matrix, matrix
+from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, CheckOptions, parse_kinds
+from harness.checks.report import Reporter
 from harness.context import Capabilities
-from harness.errors import HarnessError
 from harness.faults.schema import make_fault
 from harness.impls import registry
-from harness.impls.capabilities import adapt, format_matrix, matrix, unsupported
-from harness.result import save_result
-from harness.runner import CaseResult, run_case
-from harness.search.battery import default_battery
+from harness.impls.capabilities import adapt, unsupported
+from harness.judging.verdicts import fault_ok, probe_acceptable
+from harness.result import CaseResult, save_result
+from harness.runner import run_case
+from harness.search.battery import battery_pool_size, default_battery
 from harness.search.fuzz import FuzzOutcome
 from ring_impl.masks import MaskSpec
 
-# Faults that must not change results; the default check runs the first two on every rank, both phases.
-FAULT_STAGE_KINDS = ("early-read", "send-reuse", "delay", "straggler")
-FAULT_STAGE_DEFAULT = ("early-read", "send-reuse")
 # (world size, tokens, layout, mask) of the fault stage: W = 2 for the dk/dv ring, W >= 3 for a forward
 # K/V slot that is received into while it is still being sent.
 FAULT_STAGE_SHAPES = (
@@ -64,49 +63,23 @@ class CheckOutcome:
     cases: int = 0
     seconds: float = 0.0
     stopped: str = ""  # why the check ended before its last stage, if it did
+    follower: bool = False  # a torchrun rank other than 0: it ran cases, rank 0 judged and reports
 
     @property
     def findings(self) -> list[CaseResult]:
         """Probes of undeclared features that did not end in pass or a clean error."""
-        return [r for r in self.probe_results if r.verdict not in ("pass", "fail-stop")]
+        return [r for r in self.probe_results if not probe_acceptable(r)]
 
     @property
     def passed(self) -> bool:
+        if self.follower:
+            return True
         return (all(r.passed for r in self.results) and all(fault_ok(r) for r in self.fault_results)
                 and (self.prop is None or self.prop.passed) and not self.findings)
 
     def kill(self) -> Failure | None:
         """The first accepted failure."""
         return next((f for f in self.failures if f.accepted), None)
-
-
-def fault_ok(r: CaseResult) -> bool:
-    """A fault-stage case ended the way its faults require (benign faults: pass, bit-identical), or
-    tested nothing (`invalid`: the implementation makes no op the fault applies to, e.g. send-reuse
-    on an all-gather ring; reported as not applicable, not as the implementation's failure)."""
-    return r.verdict == "invalid" or bool(r.extra.get("as_expected", False))
-
-
-def parse_fault_stage(text: str | None) -> tuple[str, ...]:
-    """'none', or a comma list of benign fault kinds; one clear error otherwise."""
-    if text is None:
-        return FAULT_STAGE_DEFAULT
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if names in ([], ["none"]):
-        return ()
-    bad = [n for n in names if n not in FAULT_STAGE_KINDS]
-    if bad:
-        raise HarnessError(f"--fault-stage: {bad[0]!r} is not one of {', '.join(FAULT_STAGE_KINDS)} (or none); "
-                           "drop and crash belong to the --faults battery")
-    return tuple(k for k in FAULT_STAGE_KINDS if k in names)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The fault stage's option on `check`."""
-    p.add_argument("--fault-stage", default=None, metavar="KINDS",
-                   help="benign faults the default check runs on every rank in both phases: comma list of "
-                        f"{', '.join(FAULT_STAGE_KINDS)}, or none (default {','.join(FAULT_STAGE_DEFAULT)}: "
-                        "every receive reads NaN until its wait, every send is held until the rank blocks)")
 
 
 def _stage_fault(kind: str, world: int) -> dict:
@@ -135,11 +108,11 @@ def fault_stage_cases(kinds: tuple[str, ...], impl: str, caps: Capabilities, *, 
     return out
 
 
-def battery_plan(args: argparse.Namespace, impl: str, caps: Capabilities) -> tuple[list[Case], list[Case]]:
+def battery_plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], list[Case]]:
     """(battery cases adapted to the capabilities, probe cases of undeclared features)."""
-    cases = default_battery(args.world_size, args.dtype, impl=impl)
-    if args.deadline is not None:
-        cases = [c.replace(deadline_s=args.deadline) for c in cases]
+    cases = default_battery(opts.world_size, opts.dtype, impl=opts.impl)
+    if opts.deadline is not None:
+        cases = [c.replace(deadline_s=opts.deadline) for c in cases]
     probes = _probes(caps, cases)
     cases = [c if not unsupported(caps, c) else adapt(caps, c) for c in cases]
     return list({c.key(): c for c in cases if c is not None}.values()), probes
@@ -156,14 +129,14 @@ def _probes(caps: Capabilities, cases: list[Case]) -> list[Case]:
     return out
 
 
-def run_check(pool, impl: str, args: argparse.Namespace, *, stop_at_first_failure: bool = False,
-              accept: Callable[[CaseResult], bool] | None = None,
-              out: Callable[[str], None] = report.out) -> CheckOutcome:
-    """Run the default check of `impl` on `pool` with `check`'s parsed options `args` (see the module
-    docstring); failing cases are saved under args.save_dir as they happen."""
-    allow_import = ":" in impl
+def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
+              accept: Callable[[CaseResult], bool] | None = None, reporter: Reporter | None = None) -> CheckOutcome:
+    """Run the default check of `opts.impl` on `pool` (see the module docstring); failing cases are
+    saved under opts.save_dir as they happen."""
+    out = reporter or report.out
+    impl, allow_import = opts.impl, opts.allow_import
     caps = registry.resolve(impl, allow_import=allow_import).capabilities
-    cases, probes = battery_plan(args, impl, caps)
+    cases, probes = battery_plan(opts, caps)
     res = CheckOutcome(impl=impl)
     start, paused = time.perf_counter(), [0.0]
 
@@ -190,7 +163,7 @@ def run_check(pool, impl: str, args: argparse.Namespace, *, stop_at_first_failur
         out(f"skipping {len(too_big)} case(s) that need more than the {pool.size} ranks started")
         cases = [c for c in cases if c.pool_size <= pool.size]
     out(f"ring-harness check: {len(cases)} cases, impl {impl}, {pool.backend} ranks "
-        f"({args.launcher}, {pool.size} ranks)")
+        f"({opts.launcher}, {pool.size} ranks)")
     out(report.header())
     for i, c in enumerate(cases, 1):
         r = run_case(c, pool, impl, allow_import=allow_import)
@@ -200,7 +173,7 @@ def run_check(pool, impl: str, args: argparse.Namespace, *, stop_at_first_failur
         for line in report.details(r):
             out(line)
         if not r.passed:
-            out(f"        saved {save_result(r, args.save_dir, backend=pool.backend)}")
+            out(f"        saved {save_result(r, opts.save_dir, backend=pool.backend)}")
             if failed("battery", r):
                 return finish(f"first failure: battery case {i}")
     if probes:
@@ -209,17 +182,16 @@ def run_check(pool, impl: str, args: argparse.Namespace, *, stop_at_first_failur
             r = run_case(c, pool, impl, allow_import=allow_import)
             res.probe_results.append(r)
             out(report.row(i, len(probes), r) + "  [" + ", ".join(unsupported(caps, c)) + "]")
-            if r.verdict not in ("pass", "fail-stop"):
-                path = save_result(r, args.save_dir, backend=pool.backend,
+            if not probe_acceptable(r):
+                path = save_result(r, opts.save_dir, backend=pool.backend,
                                    note=f"undeclared feature probe: {', '.join(unsupported(caps, c))}")
                 out(f"        finding saved {path}")
     for line in format_matrix(matrix(caps, res.results, res.probe_results)):
         out(line)
-    if _fault_stage(pool, impl, args, caps, allow_import, res, out, failed):
+    if _fault_stage(pool, opts, caps, res, out, failed):
         return finish(f"first failure: fault stage case {len(res.fault_results)}")
     before, t_prop = res.cases, elapsed()
-    res.prop = fuzz_report.run_property(args, pool, impl, allow_import, pool.backend,
-                                        [r for r in res.results if not r.passed])
+    res.prop = prop_stage.run_property(opts, pool, [r for r in res.results if not r.passed], reporter=out)
     res.cases += res.prop.examples
     p = res.prop
     if p.found is not None:
@@ -229,18 +201,19 @@ def run_check(pool, impl: str, args: argparse.Namespace, *, stop_at_first_failur
     return finish()
 
 
-def _fault_stage(pool, impl: str, args: argparse.Namespace, caps: Capabilities, allow_import: bool,
-                 res: CheckOutcome, out: Callable[[str], None], failed: Callable[[str, CaseResult], bool]) -> bool:
+def _fault_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome, out: Reporter,
+                 failed: Callable[[str, CaseResult], bool]) -> bool:
     """Run the fault stage into `res`; True when the check should stop at one of its failures."""
-    kinds = parse_fault_stage(getattr(args, "fault_stage", None))
+    impl, allow_import = opts.impl, opts.allow_import
+    kinds = parse_kinds(opts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
     if not kinds:
         return False
-    if getattr(args, "launcher", "local") != "local":
+    if opts.launcher != "local":
         out("fault stage: skipped (it runs on the local pool only)")
         return False
     lo, hi = caps.world_sizes
     cases = fault_stage_cases(kinds, impl, caps, max_world=min(hi, pool.size),
-                              deadline_s=getattr(args, "fault_deadline", 8.0), dtype=args.dtype)
+                              deadline_s=opts.fault_deadline, dtype=opts.dtype)
     cases = [c for c in cases if c.world_size >= lo]
     out(f"fault stage: {len(cases)} cases, {', '.join(kinds)} on every rank, both phases "
         "(results must not change)")
@@ -253,7 +226,7 @@ def _fault_stage(pool, impl: str, args: argparse.Namespace, caps: Capabilities, 
             out(f"        -> not applicable here: {r.detail[:200]}")
         elif not fault_ok(r):
             out(f"        -> {r.detail[:300]}" if r.detail else f"        -> {r.verdict}, expected pass")
-            out(f"        saved {save_result(r, args.save_dir, backend=pool.backend)}")
+            out(f"        saved {save_result(r, opts.save_dir, backend=pool.backend)}")
             if failed("faults", r):
                 return True
     return False
@@ -265,4 +238,24 @@ def outcome_json(res: CheckOutcome) -> dict:
             "results": [r.to_dict() for r in res.results],
             "probes": [r.to_dict() for r in res.probe_results],
             "faults": [r.to_dict() for r in res.fault_results],
-            "property": None if res.prop is None else fuzz_report.outcome_json(res.prop)}
+            "property": None if res.prop is None else prop_stage.outcome_json(res.prop)}
+
+
+def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) -> CheckOutcome:
+    """The default check as a library call: open the ranks (`opts.launcher`), run `run_check`, print the
+    summary (and write `opts.json`). Under torchrun, non-zero ranks return an empty outcome once rank 0
+    is done. `outcome.passed` is the verdict; the command line exits 1 when it is False."""
+    from harness.ranks.launch import open_pool
+
+    opts = (opts or CheckOptions()).validate()
+    out = reporter or report.out
+    caps = registry.resolve(opts.impl, allow_import=opts.allow_import).capabilities
+    cases, probes = battery_plan(opts, caps)
+    with open_pool(opts.launcher, opts.backend, battery_pool_size(cases + probes)) as pool:
+        if pool is None:  # a torchrun follower rank: rank 0 reports
+            return CheckOutcome(impl=opts.impl, follower=True)
+        res = run_check(pool, opts, reporter=out)
+    out(report.summary(res.results + res.fault_results, res.seconds))
+    if opts.json:
+        report.write_json(opts.json, {"command": "check", **outcome_json(res)})
+    return res

@@ -1,111 +1,208 @@
-"""`ring-harness check --faults KINDS`: run the fault battery and print the fault kind x verdict table,
-the straggler slowdown and the leftover-process check."""
+"""The fault battery (`ring-harness check --faults KINDS`): run its cases (harness.search.fault_battery),
+tally every verdict by fault kind, probe the pool's healing after each failed case, measure the
+straggler slowdown, and check that no worker process was left behind (checked, not assumed)."""
 
 from __future__ import annotations
 
-import argparse
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from harness.case import Case, make_case
 from harness.checks import report
-
-DEFAULT_PER_KIND = 4
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The fault battery's options on `check` (kept here so check.py stays small)."""
-    p.add_argument("--faults", metavar="KINDS", default=None,
-                   help="run the fault battery instead: comma list of delay, drop, early-read, send-reuse, "
-                        "corrupt, straggler, crash, or 'all'")
-    p.add_argument("--fault-cases", type=int, default=None, metavar="N",
-                   help=f"faulted cases in the fault battery (default {DEFAULT_PER_KIND} per kind)")
-    p.add_argument("--fault-deadline", type=float, default=8.0, metavar="SECONDS",
-                   help="per-case deadline of the fault battery (default 8; drop/crash cases end by it)")
-    p.add_argument("--fault-seed", type=int, default=0, metavar="N", help="seed of the fault battery (default 0)")
+from harness.checks.options import FAULT_BATTERY_PER_KIND, FaultBatteryOptions, parse_kinds
+from harness.checks.report import Reporter
+from harness.errors import HarnessError
+from harness.faults.schema import KINDS, make_fault
+from harness.impls import registry
+from harness.impls.capabilities import adapt, unsupported
+from harness.judging.verdicts import case_expected
+from harness.ranks.leftovers import leftover_workers
+from harness.result import VERDICTS, save_result
+from harness.runner import run_case
+from harness.search import fault_battery as gen
+from ring_impl.masks import MaskSpec
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the battery on a local pool; exit 0 only if every case ended as it must, none hung past
-    its deadline, every healed pool passed a fault-free case, and no worker process was left."""
-    from harness.errors import HarnessError
+@dataclass
+class BatteryOutcome:
+    """Tallies of one battery run."""
+
+    rows: list[tuple[str, object]] = field(default_factory=list)  # (kind, CaseResult)
+    heal_failures: list[str] = field(default_factory=list)
+    over_deadline: list[str] = field(default_factory=list)
+    pids: set[int] = field(default_factory=set)
+    seconds: float = 0.0
+    leftovers: list[str] = field(default_factory=list)  # worker processes still alive after the battery
+    hangs: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return not (self.unexpected() or self.hangs or self.over_deadline or self.heal_failures or self.leftovers)
+
+    def table(self) -> dict[str, Counter]:
+        out: dict[str, Counter] = {}
+        for kind, r in self.rows:
+            out.setdefault(kind, Counter())[r.verdict] += 1
+        return out
+
+    def unexpected(self) -> list[tuple[str, object]]:
+        return [(k, r) for k, r in self.rows if not r.extra.get("as_expected", False)]
+
+
+def run_battery(cases: list[Case], pool, impl: str, *, allow_import: bool = False,
+                on_result: Callable[[int, str, object], None] | None = None, heal: bool = True,
+                out: BatteryOutcome | None = None) -> BatteryOutcome:
+    """Run every case; after a case that broke the pool (or its group), a fault-free run of the same
+    case must pass on the healed pool. Worker pids are recorded for the leftover check."""
+    out = BatteryOutcome() if out is None else out
+    start = time.perf_counter()
+    for i, c in enumerate(cases, 1):
+        r = run_case(c, pool, impl, allow_import=allow_import)
+        out.pids.update(pool.pids())
+        kind = gen.kind_of(c)
+        out.rows.append((kind, r))
+        slack = 3.0  # stack collection and reply transfer after the deadline
+        if r.timings.get("wall_s", 0.0) > c.deadline_s + slack:
+            out.over_deadline.append(f"case {i} ({kind}): {r.timings['wall_s']:.1f} s > deadline {c.deadline_s:g} s")
+        if on_result is not None:
+            on_result(i, kind, r)
+        if heal and (pool.broken or pool.fresh_group):
+            probe = run_case(c.replace(faults=()), pool, impl, allow_import=allow_import, leak=False)
+            out.pids.update(pool.pids())
+            r.extra["heal"] = probe.verdict
+            if not probe.passed:
+                out.heal_failures.append(f"case {i} ({kind}): fault-free rerun was {probe.verdict}: {probe.detail}")
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def measure_straggler(pool, impl: str, *, factor: float = 4.0, world: int = 2, rank: int = 1, reps: int = 5,
+                      allow_import: bool = False, tokens_per_rank: int = 512) -> dict:
+    """Ring time (slowest rank's forward + backward) with one rank `factor` times slower at compute,
+    against the fault-free ring: the straggler slowdown of the whole ring, medians over `reps`
+    (after one warm-up run of each)."""
+    base = make_case(world_size=world, total_len=world * tokens_per_rank, layout="zigzag", mask=MaskSpec("causal"),
+                     heads_q=4, heads_kv=4, head_dim=32, seed=7, impl=impl, deadline_s=120.0)
+    slow = base.replace(faults=(make_fault("straggler", rank=rank, factor=factor),))
+    times: dict[str, list[float]] = {"base": [], "slow": []}
+    verdicts = []
+    for i in range(reps + 1):
+        for name, c in (("base", base), ("slow", slow)):
+            r = run_case(c, pool, impl, allow_import=allow_import, leak=False)
+            verdicts.append(r.verdict)
+            per_rank = [v.get("forward_s", 0.0) + v.get("backward_s", 0.0)
+                        for k, v in r.timings.items() if k.startswith("rank") and isinstance(v, dict)]
+            if i > 0:  # the first run of each warms up (lazy init, first connections)
+                times[name].append(max(per_rank) if per_rank else float("nan"))
+    b, s = statistics.median(times["base"]), statistics.median(times["slow"])
+    b_min, s_min = min(times["base"]), min(times["slow"])  # least disturbed by other load on the machine
+    return {"factor": factor, "world": world, "rank": rank, "reps": reps, "base_s": b, "slow_s": s,
+            "slowdown": s / b if b > 0 else float("nan"), "slowdown_min": s_min / b_min if b_min > 0 else float("nan"),
+            "times": times, "verdicts": verdicts, "summary": base.summary()}
+
+
+def table_lines(res: BatteryOutcome) -> list[str]:
+    """The fault kind x verdict table, with each kind's expected verdict and how many met it."""
+    tab = res.table()
+    head = f"{'fault':<11} {'cases':>5} " + " ".join(f"{v:>{max(len(v), 4)}}" for v in VERDICTS)
+    head += f"  {'expected':<9} {'as-expected':>11}  {'max s':>5}"
+    lines = [head, "-" * len(head)]
+    kinds = [k for k in (*KINDS, "none") if k in tab]
+    for k in kinds:
+        rs = [r for kk, r in res.rows if kk == k]
+        exp = case_expected(rs[0].case)
+        ok = sum(1 for r in rs if r.extra.get("as_expected", False))
+        cells = " ".join(f"{tab[k][v]:>{max(len(v), 4)}}" for v in VERDICTS)
+        worst = max(r.timings.get("wall_s", 0.0) for r in rs)
+        lines.append(f"{k:<11} {len(rs):>5} {cells}  {exp or 'any':<9} {f'{ok}/{len(rs)}':>11}  {worst:5.1f}")
+    total = Counter()
+    for c in tab.values():
+        total.update(c)
+    cells = " ".join(f"{total[v]:>{max(len(v), 4)}}" for v in VERDICTS)
+    ok = sum(1 for _, r in res.rows if r.extra.get("as_expected", False))
+    lines.append(f"{'total':<11} {len(res.rows):>5} {cells}  {'':<9} {f'{ok}/{len(res.rows)}':>11}")
+    return lines
+
+
+def fault_battery(opts: FaultBatteryOptions | None = None, reporter: Reporter | None = None) -> BatteryOutcome:
+    """Run the battery on a local pool and print the table. `outcome.passed` only if every case ended
+    as it must, none hung past its deadline, every healed pool passed a fault-free case, and no worker
+    process was left."""
     from harness.ranks.pool import RankPool
-    from harness.result import save_result
-    from harness.search import fault_battery as battery
 
-    if getattr(args, "launcher", "local") != "local":
-        raise HarnessError("--faults runs on the local pool (it kills and restarts ranks); drop --launcher")
-    kinds = battery.parse_kinds(args.faults)
-    n = args.fault_cases if args.fault_cases is not None else DEFAULT_PER_KIND * len(kinds)
-    if not 1 <= args.fault_deadline <= 600:
-        raise HarnessError(f"--fault-deadline must be in [1, 600] seconds, got {args.fault_deadline:g}")
-    max_world = max(2, min(getattr(args, "world_size", 4), 4))
-    cases = battery.fault_cases(kinds, n, impl=args.impl, seed=args.fault_seed, deadline_s=args.fault_deadline,
-                                max_world=max_world)
-    allow_import = ":" in args.impl
-    cases, skipped = _supported(cases, args.impl, allow_import)
+    opts = (opts or FaultBatteryOptions()).validate()
+    out = reporter or report.out
+    kinds = parse_kinds(opts.kinds, KINDS, "--faults", KINDS, allow_all=True)
+    n = opts.cases if opts.cases is not None else FAULT_BATTERY_PER_KIND * len(kinds)
+    max_world = max(2, min(opts.world_size, 4))
+    cases = gen.fault_cases(kinds, n, impl=opts.impl, seed=opts.seed, deadline_s=opts.deadline, max_world=max_world)
+    allow_import = opts.allow_import
+    cases, skipped = _supported(cases, opts.impl, allow_import)
     if not cases:
-        raise HarnessError(f"{args.impl} declares support for none of the fault battery's cases")
+        raise HarnessError(f"{opts.impl} declares support for none of the fault battery's cases")
     if skipped:
-        report.out(f"skipping {skipped} case(s) with features {args.impl} does not declare")
-    report.out(f"ring-harness check --faults {','.join(kinds)}: {len(cases)} faulted cases, impl {args.impl}, "
-               f"gloo ranks, deadline {args.fault_deadline:g} s")
+        out(f"skipping {skipped} case(s) with features {opts.impl} does not declare")
+    out(f"ring-harness check --faults {','.join(kinds)}: {len(cases)} faulted cases, impl {opts.impl}, "
+               f"gloo ranks, deadline {opts.deadline:g} s")
 
     def show(i: int, kind: str, r) -> None:
         mark = "" if r.extra.get("as_expected") else "  UNEXPECTED"
         detail = f"  {r.detail[:150]}" if r.detail and r.verdict != "pass" else ""
         summary = r.case.summary().replace(f" faults={len(r.case.faults)}", "")[:52]
-        report.out(f"{i:>4}/{len(cases)} {kind:<10} {summary:<52} {r.verdict:<17} "
+        out(f"{i:>4}/{len(cases)} {kind:<10} {summary:<52} {r.verdict:<17} "
                    f"{r.timings.get('wall_s', 0.0):5.2f}s{mark}{detail}")
 
     pool = RankPool(max(c.pool_size for c in cases))
     straggler = None
-    res = battery.BatteryResult()
+    res = BatteryOutcome()
     try:
-        battery.run_battery(cases, pool, args.impl, allow_import=allow_import, on_result=show, out=res)
-        if "straggler" in kinds and "straggler" in {battery.kind_of(c) for c in cases}:
-            report.out("measuring the straggler slowdown (fault-free vs one rank 4x slower at compute) ...")
-            straggler = battery.measure_straggler(pool, args.impl, allow_import=allow_import)
+        run_battery(cases, pool, opts.impl, allow_import=allow_import, on_result=show, out=res)
+        if "straggler" in kinds and "straggler" in {gen.kind_of(c) for c in cases}:
+            out("measuring the straggler slowdown (fault-free vs one rank 4x slower at compute) ...")
+            straggler = measure_straggler(pool, opts.impl, allow_import=allow_import)
             res.pids.update(pool.pids())
     finally:
         pool.close()
-    leftovers = battery.leftover_workers(res.pids)
-    report.out("")
-    for line in battery.table_lines(res):
-        report.out(line)
+    leftovers = leftover_workers(res.pids)
+    out("")
+    for line in table_lines(res):
+        out(line)
     hangs = sum(1 for _, r in res.rows if r.verdict == "hang")
-    report.out(f"{len(res.rows)} faulted cases in {res.seconds:.1f} s; hangs: {hangs}; past the deadline: "
+    out(f"{len(res.rows)} faulted cases in {res.seconds:.1f} s; hangs: {hangs}; past the deadline: "
                f"{len(res.over_deadline)}; pool healed after every failed case: "
                f"{'yes' if not res.heal_failures else f'NO ({len(res.heal_failures)})'}")
     for line in res.over_deadline + res.heal_failures:
-        report.out(f"  {line}")
+        out(f"  {line}")
     if straggler is not None:
-        report.out(f"straggler: {straggler['summary']}, rank {straggler['rank']} x{straggler['factor']:g} slower: "
+        out(f"straggler: {straggler['summary']}, rank {straggler['rank']} x{straggler['factor']:g} slower: "
                    f"ring forward+backward {straggler['base_s']:.3f} s -> {straggler['slow_s']:.3f} s, "
                    f"slowdown x{straggler['slowdown']:.2f} (median of {straggler['reps']}; "
                    f"x{straggler['slowdown_min']:.2f} between the fastest runs)")
-    report.out(f"worker processes left behind: {len(leftovers)} (checked {len(res.pids)} worker pids and "
-               f"/proc for harness.ranks.worker children of this process)")
+    out(f"worker processes left behind: {len(leftovers)} (checked the {len(res.pids)} worker pids this battery "
+        "started and their process groups)")
     for line in leftovers:
-        report.out(f"  {line}")
+        out(f"  {line}")
     bad = res.unexpected()
     for kind, r in bad:
-        path = save_result(r, args.save_dir, note=f"fault battery ({kind}): {r.verdict}, expected "
+        path = save_result(r, opts.save_dir, note=f"fault battery ({kind}): {r.verdict}, expected "
                                                   f"{r.extra.get('expected') or 'any'}\n{r.detail}")
-        report.out(f"  unexpected: {kind} {r.case.summary()} -> {r.verdict} (expected "
+        out(f"  unexpected: {kind} {r.case.summary()} -> {r.verdict} (expected "
                    f"{r.extra.get('expected') or 'any'}): {r.detail[:200]}; saved {path}")
-    if args.json:
-        report.write_json(args.json, {"command": "check --faults", "impl": args.impl, "seconds": res.seconds,
+    if opts.json:
+        report.write_json(opts.json, {"command": "check --faults", "impl": opts.impl, "seconds": res.seconds,
                                       "table": {k: dict(v) for k, v in res.table().items()},
                                       "straggler": straggler, "leftovers": leftovers,
                                       "heal_failures": res.heal_failures, "over_deadline": res.over_deadline,
                                       "results": [r.to_dict() for _, r in res.rows]})
-    ok = not bad and not hangs and not res.over_deadline and not res.heal_failures and not leftovers
-    return 0 if ok else 1
+    res.leftovers, res.hangs = leftovers, hangs
+    return res
 
 
 def _supported(cases: list, impl: str, allow_import: bool) -> tuple[list, int]:
     """The battery's cases the implementation declares (adapted to its split/head_dim when that is all)."""
-    from harness.impls import registry
-    from harness.impls.capabilities import adapt, unsupported
-
     caps = registry.resolve(impl, allow_import=allow_import).capabilities
     out = [c if not unsupported(caps, c) else adapt(caps, c) for c in cases]
     kept = [c for c in out if c is not None]

@@ -1,77 +1,48 @@
-"""Command-line glue for the property-based run: its options, progress, report lines and plots
-(shared by `ring-harness check` and `ring-harness replay`)."""
+"""The property-based stage of the default check: budget from the options, progress, report lines and
+plots (heatmaps are shared with `replay`)."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from harness.checks import report
+from harness.checks.options import CheckOptions
 from harness.checks.progress import FuzzProgress
+from harness.checks.report import Reporter
 from harness.diagnose import localise
-from harness.errors import HarnessError
-from harness.runner import CaseResult
+from harness.result import CaseResult
 from harness.search import fuzz
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The property-based options of `check`."""
-    p.add_argument("--profile", choices=sorted(fuzz.PROFILES), default="ci",
-                   help="hypothesis profile: ci = derandomised, fixed budget (default); nightly = random, large budget")
-    p.add_argument("--max-examples", type=int, default=None, metavar="N",
-                   help="property-based examples (0 = battery only; default: the profile's, ci "
-                        f"{fuzz.PROFILES['ci'].max_examples})")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="seconds of property-based search (default: the profile's, ci "
-                        f"{fuzz.PROFILES['ci'].time_budget_s:g}); shrinking a failure gets up to "
-                        f"{fuzz.PROFILES['ci'].shrink_budget_s:g} s more")
-    p.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="hypothesis seed (default: 0 for ci, random and printed for nightly)")
-    p.add_argument("--plot", default=None, metavar="DIR",
-                   help="write error heatmaps (PNG) of failing cases here (needs matplotlib)")
-
-
-def check_options(args: argparse.Namespace) -> None:
-    """Reject bad values with one clear line (exit 2)."""
-    if args.max_examples is not None and args.max_examples < 0:
-        raise HarnessError(f"--max-examples must be >= 0, got {args.max_examples}")
-    if args.time_budget is not None and args.time_budget <= 0:
-        raise HarnessError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
-    if args.seed is not None and not 0 <= args.seed < 2**63:
-        raise HarnessError(f"--seed must be in [0, 2**63), got {args.seed}")
-    if args.plot:
-        from harness.diagnose.plot import _pyplot
-
-        _pyplot()  # fail before the run, not after it, when matplotlib is missing
-
-
-def run_property(args: argparse.Namespace, pool, impl: str, allow_import: bool, backend: str,
-                 failed: list[CaseResult] = ()) -> fuzz.FuzzOutcome:
-    """The property-based part of `check`, with progress and a report; with --plot, heatmaps of the
+def run_property(opts: CheckOptions, pool, failed: list[CaseResult] = (),
+                 reporter: Reporter | None = None) -> fuzz.FuzzOutcome:
+    """The property-based part of `check`, with progress and a report; with opts.plot, heatmaps of the
     shrunk failure (or of the first failed battery case, `failed`, when the search found none)."""
-    prof = fuzz.PROFILES[args.profile]
-    n = prof.max_examples if args.max_examples is None else args.max_examples
-    budget = prof.time_budget_s if args.time_budget is None else args.time_budget
+    out_line = reporter or report.out
+    impl, allow_import, backend = opts.impl, opts.allow_import, pool.backend
+    prof = fuzz.PROFILES[opts.profile]
+    n = prof.max_examples if opts.max_examples is None else opts.max_examples
+    budget = prof.time_budget_s if opts.time_budget is None else opts.time_budget
     caps, version = fuzz.impl_info(impl, allow_import)
     from harness.search import strategies
 
     strategy = strategies.cases(caps, impl=impl, pool_size=pool.size, max_world=pool.size,
-                                deadline_s=args.deadline or 60.0)
-    seed_note = "" if args.seed is not None or prof.derandomize else " (random; pass --seed to repeat)"
-    with FuzzProgress(n, budget) as bar:
-        out = fuzz.fuzz(impl, pool, profile=args.profile, max_examples=n, time_budget_s=budget, seed=args.seed,
-                        caps=caps, save_dir=args.save_dir, allow_import=allow_import, strategy=strategy,
+                                deadline_s=opts.deadline or 60.0)
+    seed_note = "" if opts.seed is not None or prof.derandomize else " (random; pass --seed to repeat)"
+    with FuzzProgress(n, budget, stream=out_line.stream) as bar:
+        out = fuzz.fuzz(impl, pool, profile=opts.profile, max_examples=n, time_budget_s=budget, seed=opts.seed,
+                        caps=caps, save_dir=opts.save_dir, allow_import=allow_import, strategy=strategy,
                         progress=bar, impl_version=version, backend=backend)
-    report.out(f"property-based: profile {out.profile}, seed {out.seed}{seed_note}")
+    out_line(f"property-based: profile {out.profile}, seed {out.seed}{seed_note}")
     for line in outcome_lines(out):
-        report.out(line)
+        out_line(line)
     paths: list[Path] = []
-    if args.plot and out.localisation is not None and out.localisation.blocks:
-        paths = plot(out.localisation, args.plot, out.shrunk_path.stem)
-    elif args.plot and failed:
-        paths = plot_result(failed[0], pool, args.plot, f"battery-{failed[0].case.key()}")
+    if opts.plot and out.localisation is not None and out.localisation.blocks:
+        paths = plot(out.localisation, opts.plot, out.shrunk_path.stem)
+    elif opts.plot and failed:
+        paths = plot_result(failed[0], pool, opts.plot, f"battery-{failed[0].case.key()}")
     for p in paths:
-        report.out(f"        heatmap {p}")
+        out_line(f"        heatmap {p}")
     return out
 
 

@@ -1,16 +1,31 @@
 """Replaying a saved case: does the recorded verdict reproduce, and (for a deterministic
-implementation on the same torch) do the output hashes match bit for bit?"""
+implementation on the same torch) do the output hashes match bit for bit? `replay(ReplayOptions)` is
+`ring-harness replay` as a library call; `replay_on(pool, path)` re-runs a file on a pool you hold."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from harness import case as case_mod
-from harness.ranks.pool import RankPool
-from harness.runner import CaseResult, run_case
+from harness.checks import property as prop_stage
+from harness.checks import report
+from harness.checks.options import ReplayOptions
+from harness.checks.report import Reporter
+from harness.diagnose import localise
+from harness.errors import HarnessError
+from harness.impls import registry
+from harness.ranks.launch import open_pool
+from harness.result import CaseResult
+from harness.runner import run_case
+from harness.search.fuzz import impl_info
+
+if TYPE_CHECKING:
+    from harness.ranks.protocol import Pool
 
 
 @dataclass
@@ -22,6 +37,7 @@ class Replay:
     hash_mismatches: list[str] = field(default_factory=list)
     hashes_compared: int = 0
     hash_note: str = ""
+    localisation: object | None = None  # harness.diagnose.localise.Localisation of a failing replay
 
     @property
     def verdict_reproduced(self) -> bool:
@@ -41,7 +57,7 @@ def compare_hashes(recorded: dict, result: CaseResult) -> tuple[int, list[str]]:
     return compared, bad
 
 
-def replay(path: str | os.PathLike, pool: RankPool, impl: str | None = None, *, allow_import: bool = False) -> Replay:
+def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, allow_import: bool = False) -> Replay:
     """Re-run a case file (optionally under another implementation) and compare with its record."""
     case, data = case_mod.load(path)
     recorded = data.get("result") or {}
@@ -57,11 +73,11 @@ def replay(path: str | os.PathLike, pool: RankPool, impl: str | None = None, *, 
     return out
 
 
-def replay_expectations(path: str | os.PathLike, pool: RankPool) -> list[str]:
+def replay_expectations(path: str | os.PathLike, pool: Pool) -> list[str]:
     """Problems with a corpus case (empty list = fine): the recorded verdict must reproduce with
     identical hashes on the same torch, and a case recorded against any other implementation
     (a mutant, a third-party ring) must pass on the reference."""
-    rp = replay(path, pool)
+    rp = replay_on(pool, path)
     problems = []
     case = rp.result.case
     if not rp.verdict_reproduced:
@@ -76,3 +92,78 @@ def replay_expectations(path: str | os.PathLike, pool: RankPool) -> list[str]:
         if not ref.passed:
             problems.append(f"reference: expected pass, got {ref.verdict} ({ref.detail})")
     return problems
+
+
+def hash_line(rp: Replay, deterministic: bool) -> str:
+    """Whether the output hashes match the record, in words."""
+    if rp.recorded_verdict is None:
+        return "hashes: not compared (no record for this implementation)"
+    if not rp.hashes_compared:
+        return "hashes: none recorded to compare"
+    if not rp.hash_mismatches:
+        return f"hashes: all {rp.hashes_compared} output shards match the record bit for bit"
+    why = rp.hash_note or ("" if deterministic else "the implementation declares itself non-deterministic")
+    head = f"hashes: {len(rp.hash_mismatches)} of {rp.hashes_compared} output shards DIFFER from the record"
+    return head + (f" ({why})" if why else "") + "\n" + "\n".join(f"        {m}" for m in rp.hash_mismatches[:8])
+
+
+def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
+    """`ring-harness replay` as a library call: re-run the case file on fresh local ranks, print the
+    row, details, localisation and whether the record reproduces (write opts.json); `.result.passed`
+    is the exit status's verdict."""
+    opts = opts.validate()
+    out = reporter or report.out
+    path = Path(opts.case)
+    case, data = case_mod.load(path)
+    impl = opts.impl or case.impl
+    if opts.impl is None and registry.is_module_path(case.impl):
+        raise HarnessError(f"{path} names implementation {case.impl!r}, a module path; a case file never imports "
+                           f"code by itself, so give it on the command line: --impl {case.impl}")
+    allow_import = registry.is_module_path(impl)
+    recorded = data.get("result") or {}
+    _, version = impl_info(impl, allow_import)
+    deterministic = _deterministic(impl, allow_import)
+    out(f"replay {path}: impl {impl}" + (f" (recorded for {case.impl})" if impl != case.impl else ""))
+    if recorded:
+        v = recorded.get("versions", {})
+        out(f"recorded: {recorded.get('verdict')} (torch {v.get('torch')}, ring-harness "
+                   f"{v.get('ring-harness')}, impl {v.get('impl')}, backend {recorded.get('backend')})")
+    with open_pool("local", opts.backend, case.pool_size) as pool:
+        rp = replay_on(pool, path, impl if opts.impl else None, allow_import=allow_import)
+        r = rp.result
+        out(report.header())
+        out(report.row(1, 1, r))
+        for line in report.details(r):
+            out(line)
+        loc = None
+        if not r.passed and r.checks:
+            loc = localise.localise(r, pool, probes=bool(opts.plot))
+            for line in localise.lines(loc):
+                out(line)
+        if rp.recorded_verdict is None:
+            out(f"verdict: {r.verdict}")
+        elif rp.verdict_reproduced:
+            out(f"verdict: {r.verdict}: reproduces the recorded verdict")
+        else:
+            out(f"verdict: {r.verdict}: does NOT reproduce the recorded verdict {rp.recorded_verdict}")
+        out(hash_line(rp, deterministic))
+        if opts.plot and loc is not None and loc.blocks:
+            for p in prop_stage.plot(loc, opts.plot, path.stem):
+                out(f"heatmap {p}")
+    if opts.json:
+        report.write_json(opts.json, {"command": "replay", "case": str(path), "impl": impl, "impl_version": version,
+                                      "recorded_verdict": rp.recorded_verdict, "verdict": r.verdict,
+                                      "reproduced": rp.verdict_reproduced, "hashes_compared": rp.hashes_compared,
+                                      "hash_mismatches": rp.hash_mismatches, "result": r.to_dict(),
+                                      "localisation": None if loc is None else localise.summary(loc)})
+    rp.localisation = loc
+    return rp
+
+
+def _deterministic(impl: str, allow_import: bool) -> bool:
+    try:
+        from harness.impls import registry
+
+        return bool(registry.resolve(impl, allow_import=allow_import).deterministic)
+    except (ImportError, HarnessError):
+        return True

@@ -1,4 +1,5 @@
-"""Human-readable output: one row per case, a summary line, failure details, JSON results."""
+"""Human-readable output: the injectable `Reporter` every check writes its lines to, one row per
+case, a summary line, failure details, JSON results."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TextIO
 
-from harness.runner import CaseResult
+from harness.result import CaseResult
 
 TENSOR_COLS = ("out", "dq", "dk", "dv")
 
@@ -70,7 +72,32 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
     os.replace(tmp, p)
 
 
-def out(line: str = "") -> None:
-    """Print and flush (so progress shows when piped to a log)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+class Reporter:
+    """Where a check's human-readable lines go; call it with one line. Writes to `stream` (default:
+    the current sys.stdout) and flushes, so progress shows when piped to a log. Checks take one as
+    `reporter=` (selftest gives each mutant's check a log file's; tests a `ListReporter`)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream or sys.stdout
+
+    def __call__(self, line: str = "") -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+class ListReporter(Reporter):
+    """Keeps the lines (and writes nothing): for tests and for callers that print later."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        self.lines.append(line)
+
+
+out = Reporter()  # the default reporter: standard output

@@ -28,71 +28,32 @@ on which it and the reference differ (the corpus test replays both sides).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import statistics
+import os
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import case as case_mod
 from harness.case import Case
-from harness.checks.check import CheckOutcome, Failure, run_check
+from harness.checks import report
+from harness.checks.check import Failure, run_check
+from harness.checks.kill_matrix import REFERENCE, MutantRun, SelftestOutcome, short
+from harness.checks.options import CheckOptions, SelftestOptions
+from harness.checks.report import Reporter
 from harness.errors import HarnessError
 from harness.faults.schema import make_fault
 from harness.impls.adapters.reference import MUTANT_PREFIX
-from harness.result import result_record
-from harness.runner import CaseResult, run_case
+from harness.judging.verdicts import killed_by
+from harness.result import CaseResult, result_record
+from harness.runner import run_case
 from harness.search.fuzz import PROFILES, impl_info
 from harness.search.shrink import shrink
 
-REFERENCE = "reference"
-TENSORS = ("out", "lse", "dq", "dk", "dv")
 SHRINK_DEADLINE_S = 20.0  # a shrinking candidate that hangs costs at most this
 REPRODUCE_RUNS = 2  # extra runs a failure must reproduce bit for bit in to count (a race rarely does twice)
 
-# Declared-equivalent mutants: name -> the argument why no valid case can tell it from the reference.
-EQUIVALENT: dict[str, str] = {}
-
-
-@dataclass
-class MutantRun:
-    """What selftest found for one implementation (a mutant, or the reference as the control)."""
-
-    name: str
-    status: str = "survived"  # killed | survived | pass | false-alarm
-    stage: str = ""
-    killed_by: list[str] = field(default_factory=list)
-    verdict: str = ""
-    cases: int = 0  # cases the check ran until the first failure (or in all)
-    seconds: float | None = None  # from the check's start to the first failure
-    total_s: float = 0.0
-    racy: list[str] = field(default_factory=list)  # failures that did not reproduce
-    shrunk: CaseResult | None = None
-    shrink_tries: int = 0
-    path: Path | None = None
-    reference_verdict: str | None = None
-    comm: str = ""
-    note: str = ""
-    log: Path | None = None
-    check: CheckOutcome | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Killed (the reference: passed); a declared-equivalent mutant must survive instead."""
-        if self.name in EQUIVALENT:
-            return self.status == "survived"
-        return self.status in ("killed", "pass")
-
-
-def short(name: str) -> str:
-    """'mutant:NAME' -> 'NAME'."""
-    return name.removeprefix(MUTANT_PREFIX)
-
-
-def mutant_names(only: str | None = None) -> list[str]:
+def mutant_names(only: str | tuple[str, ...] | None = None) -> list[str]:
     """`mutant:NAME` of the zoo, or of the comma list `only` (bare names; 'reference' is the control)."""
     from harness.impls.registry import mutant_names as all_names
 
@@ -100,7 +61,8 @@ def mutant_names(only: str | None = None) -> list[str]:
     if only is None:
         return names + [REFERENCE]
     picked = []
-    for n in (t.strip() for t in only.split(",") if t.strip()):
+    items = only.split(",") if isinstance(only, str) else list(only)
+    for n in (t.strip() for t in items if t.strip()):
         full = n if n in (REFERENCE, *names) else MUTANT_PREFIX + n
         if full not in (*names, REFERENCE):
             raise HarnessError(f"--only: unknown mutant {n!r}; known: {', '.join(short(x) for x in names)}")
@@ -108,34 +70,6 @@ def mutant_names(only: str | None = None) -> list[str]:
     if not picked:
         raise HarnessError("--only: no mutant named")
     return list(dict.fromkeys(picked))
-
-
-def check_args(**overrides) -> argparse.Namespace:
-    """`check`'s own default options (the budgets a user gets), with `overrides`."""
-    from harness.commands import check
-
-    p = argparse.ArgumentParser()
-    check.add_arguments(p)
-    args = p.parse_args([])
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    return args
-
-
-def killed_by(r: CaseResult) -> list[str]:
-    """Which checks a failing result failed: tensors, leak check, send-buffer check, fault verdict, verdict."""
-    out = []
-    if r.case.faults:
-        out.append(f"fault verdict ({'+'.join(sorted({f['kind'] for f in r.case.faults}))})")
-    bad = {c.tensor for c in r.failed_checks()}
-    out += [t for t in TENSORS if t in bad]
-    if r.leak is not None and not r.leak.passed:
-        out.append("leak check")
-    if r.extra.get("violations"):
-        out.append("send-buffer check")
-    if r.verdict in ("fail-stop", "hang", "diverged", "invalid"):
-        out.append(r.verdict)
-    return out
 
 
 def perturbed(c: Case) -> Case:
@@ -200,7 +134,7 @@ def corpus_note(name: str, run: MutantRun, kill: Failure) -> str:
     return "\n".join(lines)
 
 
-def _minimal(pool, impl: str, kill: Failure, args: argparse.Namespace) -> tuple[CaseResult, int]:
+def _minimal(pool, impl: str, kill: Failure, opts: CheckOptions) -> tuple[CaseResult, int]:
     """The kill's minimal case: hypothesis's for a property-based failure, else greedy shrinking."""
     if kill.shrunk is not None:
         return kill.shrunk, 0
@@ -212,17 +146,18 @@ def _minimal(pool, impl: str, kill: Failure, args: argparse.Namespace) -> tuple[
             return None
         return r if reproduces(pool, impl, r, REPRODUCE_RUNS) else None
 
-    return shrink(kill.result, still_fails, budget_s=PROFILES[args.profile].shrink_budget_s)
+    return shrink(kill.result, still_fails, budget_s=PROFILES[opts.profile].shrink_budget_s)
 
 
-def run_one(pool, name: str, args: argparse.Namespace, work: Path, corpus: Path | None) -> MutantRun:
-    """Run the default check of `name`, stopped at its first reproducible failure; shrink and save it."""
+def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None) -> MutantRun:
+    """Run the default check of `name`, stopped at its first reproducible failure; shrink and save it.
+    The check's lines go to the mutant's log file (its own reporter)."""
     run = MutantRun(name=name, log=work / "logs" / f"{short(name)}.log")
     run.log.parent.mkdir(parents=True, exist_ok=True)
-    margs = argparse.Namespace(**{**vars(args), "impl": name, "save_dir": str(work / "found" / short(name))})
+    mopts = opts.with_(impl=name, save_dir=str(work / "found" / short(name)))
     t0 = time.perf_counter()
-    with open(run.log, "w", encoding="utf-8") as fh, contextlib.redirect_stdout(fh):
-        res = run_check(pool, name, margs, stop_at_first_failure=True,
+    with open(run.log, "w", encoding="utf-8") as fh:
+        res = run_check(pool, mopts, stop_at_first_failure=True, reporter=Reporter(fh),
                         accept=lambda r: reproduces(pool, name, r, REPRODUCE_RUNS))
     run.check, run.cases = res, res.cases
     racy = [f for f in res.failures if not f.accepted]
@@ -240,17 +175,17 @@ def run_one(pool, name: str, args: argparse.Namespace, work: Path, corpus: Path 
         run.stage, run.cases, run.seconds = f.stage, f.cases, f.seconds
         run.verdict, run.killed_by = f.result.verdict, killed_by(f.result)
         if kill is not None and name != REFERENCE:
-            _shrink_and_save(pool, name, run, kill, margs, corpus or work)
+            _shrink_and_save(pool, name, run, kill, mopts, corpus or work)
         elif kill is None:
             run.note = "no failure reproduced bit for bit: no regression case saved"
     run.total_s = time.perf_counter() - t0
     return run
 
 
-def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, args: argparse.Namespace,
+def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, opts: CheckOptions,
                      corpus: Path) -> None:
     """Shrink the kill, confirm it, run it on the reference, compare op counts, save the corpus case."""
-    r, run.shrink_tries = _minimal(pool, name, kill, args)
+    r, run.shrink_tries = _minimal(pool, name, kill, opts)
     run.shrunk = r
     if not reproduces(pool, name, r, REPRODUCE_RUNS):  # once more: it goes into a corpus replayed bit for bit
         run.note = "the minimal case did not reproduce bit for bit: no regression case saved"
@@ -266,24 +201,24 @@ def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, args: argpa
                              note=corpus_note(name, run, kill))
 
 
-def false_alarm_args(args: argparse.Namespace, cases: int | None) -> argparse.Namespace:
+def false_alarm_options(opts: CheckOptions, cases: int | None) -> CheckOptions:
     """The reference's options: `cases` property-based examples with no time limit (None: as given)."""
     if cases is None:
-        return args
-    return argparse.Namespace(**{**vars(args), "max_examples": cases, "time_budget": 7 * 24 * 3600.0})
+        return opts
+    return opts.with_(max_examples=cases, time_budget=7 * 24 * 3600.0)
 
 
-def run_selftest(pool, names: list[str], args: argparse.Namespace, work: Path, corpus: Path | None, *,
+def run_selftest(pool, names: list[str], opts: CheckOptions, work: Path, corpus: Path | None, *,
                  false_alarm_cases: int | None = None,
                  on_done: Callable[[MutantRun], None] | None = None) -> list[MutantRun]:
     """Every named implementation through `run_one`, in order (the reference with its false-alarm
     budget); `on_done` sees each as it finishes."""
     from harness.search.battery import default_battery
 
-    run_case(default_battery(args.world_size)[0], pool, REFERENCE)  # warm-up: no mutant pays the pool's start
+    run_case(default_battery(opts.world_size)[0], pool, REFERENCE)  # warm-up: no mutant pays the pool's start
     out = []
     for name in names:
-        a = false_alarm_args(args, false_alarm_cases) if name == REFERENCE else args
+        a = false_alarm_options(opts, false_alarm_cases) if name == REFERENCE else opts
         run = run_one(pool, name, a, work, corpus)
         out.append(run)
         if on_done is not None:
@@ -291,81 +226,65 @@ def run_selftest(pool, names: list[str], args: argparse.Namespace, work: Path, c
     return out
 
 
-def kill_times(runs: list[MutantRun]) -> tuple[float | None, float | None, str]:
-    """(median, worst seconds to the first failure over killed mutants, the slowest mutant)."""
-    killed = [r for r in runs if r.status == "killed" and r.seconds is not None]
-    if not killed:
-        return None, None, ""
-    worst = max(killed, key=lambda r: r.seconds)
-    return statistics.median(r.seconds for r in killed), worst.seconds, worst.name
+def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = None) -> SelftestOutcome:
+    """`ring-harness selftest` as a library call: every named mutant, then the reference, through the
+    default check on one pool; prints the kill matrix and the false-alarm figures (writes opts.json).
+    `outcome.passed`: every mutant killed, the reference passed, no worker process left behind."""
+    from harness.checks import kill_matrix as km
+    from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, parse_kinds
+    from harness.ranks.leftovers import leftover_workers
+    from harness.ranks.pool import RankPool
+    from harness.search.battery import battery_pool_size, default_battery
 
+    opts = (opts or SelftestOptions()).validate()
+    out = reporter or report.out
+    names = mutant_names(opts.only)
+    copts = opts.check
+    work = Path(opts.save_dir)
+    corpus = Path(opts.corpus) if opts.corpus else None
+    prof = PROFILES[copts.profile]
+    ref = ""
+    if REFERENCE in names:
+        n = opts.false_alarm_cases
+        ref = " and the reference" + (f" (with {n} property-based examples, no time limit)" if n else "")
+    stage = ",".join(parse_kinds(copts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT))
+    out(f"ring-harness selftest: {sum(n != REFERENCE for n in names)} mutant(s){ref} through the default check "
+        f"(battery W{copts.world_size}, fault stage {stage}, property-based {prof.name}: {prof.max_examples} "
+        f"examples / {prof.time_budget_s:g} s), {os.cpu_count()} cores; logs in {work / 'logs'}")
+    out(km.COLS)
+    pids: set[int] = set()
+    start = time.perf_counter()
 
-def worst_ratios(res: CheckOutcome) -> dict[str, dict[str, float]]:
-    """dtype -> tensor -> worst error ratio over every passing case of a check (all three stages)."""
-    out: dict[str, dict[str, float]] = {}
-    for r in res.results + res.fault_results:
-        if r.passed:
-            per = out.setdefault(r.case.dtype, {})
-            for t in TENSORS:
-                if r.worst(t) is not None:
-                    per[t] = max(per.get(t, 0.0), r.worst(t))
-    if res.prop is not None:
-        for dt, per_t in res.prop.worst_pass_tensor.items():
-            per = out.setdefault(dt, {})
-            for t, x in per_t.items():
-                per[t] = max(per.get(t, 0.0), x)
-    return out
+    def done(r: MutantRun) -> None:
+        pids.update(pool.pids())
+        if r.name != REFERENCE:
+            out(km.row(r))
+            for line in km.notes(r):
+                out(line)
 
-
-# -- report ----------------------------------------------------------------------------------------
-
-COLS = f"{'mutant':<27} {'verdict':<9} {'stage':<8} {'cases':>5} {'secs':>6}  {'killed by':<40}  shrunk case"
-
-
-def row(r: MutantRun) -> str:
-    """One line of the kill matrix."""
-    by = ", ".join(r.killed_by) or "-"
-    secs = f"{r.seconds:6.1f}" if r.seconds is not None else f"{r.total_s:6.1f}"
-    where = "-"
-    if r.shrunk is not None:
-        where = f"{r.path or 'not saved'}: {r.shrunk.case.summary()}"
-    status = r.status + ("*" if r.name in EQUIVALENT else "")
-    return f"{short(r.name):<27} {status:<9} {r.stage or '-':<8} {r.cases:>5} {secs}  {by:<40}  {where}"
-
-
-def notes(r: MutantRun) -> list[str]:
-    """Indented lines under a row: races seen, comm count, the reference's verdict, problems."""
-    lines = [f"    {x}" for x in r.racy]
-    if r.comm:
-        lines.append(f"    also caught by the {r.comm}")
-    if r.note:
-        lines.append(f"    {r.note}")
-    if r.name in EQUIVALENT:
-        lines.append(f"    declared equivalent: {EQUIVALENT[r.name]}")
-        if r.status == "killed":
-            lines.append("    CONTRADICTION: declared equivalent but killed: the written argument is wrong")
-    return lines
-
-
-def false_alarm_lines(r: MutantRun) -> list[str]:
-    """The reference's side: cases run, failures, worst passing ratio per dtype and tensor."""
-    res = r.check
-    n_prop = res.prop.examples if res.prop else 0
-    lines = [f"reference (false alarms): {res.cases} cases ({len(res.results)} battery, {len(res.fault_results)} "
-             f"fault stage, {n_prop} property-based) in {r.total_s:.0f} s: "
-             f"{'0 failures' if r.status == 'pass' else 'FAILED: ' + r.verdict + ' ' + ', '.join(r.killed_by)}"]
-    for dt, per in sorted(worst_ratios(res).items()):
-        cells = "  ".join(f"{t} {per[t]:.3f}" for t in TENSORS if t in per)
-        lines.append(f"    worst passing ratio (error / allowed), {dt}: max {max(per.values()):.3f}  [{cells}]")
-    return lines
-
-
-def run_json(r: MutantRun) -> dict:
-    """Machine-readable row."""
-    return {"name": r.name, "status": r.status, "ok": r.ok, "stage": r.stage, "killed_by": r.killed_by,
-            "verdict": r.verdict, "cases": r.cases, "seconds_to_first_failure": r.seconds, "total_s": r.total_s,
-            "racy_failures": r.racy, "shrunk": None if r.shrunk is None else r.shrunk.case.summary(),
-            "shrink_tries": r.shrink_tries, "path": None if r.path is None else str(r.path),
-            "reference_verdict": r.reference_verdict, "comm": r.comm, "note": r.note,
-            "log": None if r.log is None else str(r.log),
-            "worst_pass_ratio": worst_ratios(r.check) if r.check is not None and r.name == REFERENCE else None}
+    with RankPool(battery_pool_size(default_battery(copts.world_size))) as pool:
+        runs = run_selftest(pool, names, copts, work, corpus, false_alarm_cases=opts.false_alarm_cases, on_done=done)
+        pids.update(pool.pids())
+    res = SelftestOutcome(runs=runs, leftovers=leftover_workers(pids), seconds=time.perf_counter() - start)
+    mutants, ref_run = res.mutants, res.reference
+    median, worst, slowest = km.kill_times(runs)
+    out("")
+    if mutants:
+        out(f"{res.killed}/{len(mutants)} mutants killed"
+            + (f"; time to first failure: median {median:.1f} s, worst {worst:.1f} s ({short(slowest)})"
+               if median is not None else ""))
+        survivors = [short(r.name) for r in mutants if r.status != "killed"]
+        if survivors:
+            out(f"SURVIVED: {', '.join(survivors)}")
+    if ref_run is not None:
+        for line in km.false_alarm_lines(ref_run):
+            out(line)
+    out(f"selftest took {res.seconds:.0f} s; worker processes left behind: {len(res.leftovers)}")
+    for line in res.leftovers:
+        out(f"  {line}")
+    if opts.json:
+        report.write_json(opts.json, {"command": "selftest", "mutants": [km.run_json(r) for r in mutants],
+                                      "reference": None if ref_run is None else km.run_json(ref_run),
+                                      "killed": res.killed, "median_kill_s": median, "worst_kill_s": worst,
+                                      "leftovers": res.leftovers})
+    return res

@@ -1,53 +1,71 @@
-"""`ring-harness check`: the default check (harness.check_run: fixed battery, fault stage, property-based
-run) against one implementation on a pool of ranks, or the fault battery with --faults."""
+"""`ring-harness check`: the default check (harness.checks.check: fixed battery, fault stage,
+property-based run) against one implementation, or the fault battery with --faults."""
 
 from __future__ import annotations
 
 import argparse
 
-from harness.checks import check as check_run
-from harness.checks import fault_battery as fault_command
-from harness.checks import property as fuzz_report
-from harness.checks import report
-from harness.impls import registry
-from harness.ranks.launch import open_pool
-from harness.search.battery import battery_pool_size
+from harness.checks.options import FAULT_STAGE_KINDS, CheckOptions, FaultBatteryOptions
+from harness.commands._args import build, hint
+from harness.dtypes import DTYPES
+
+S = argparse.SUPPRESS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--impl", default="reference",
-                   help="implementation: a built-in name (see `ring-harness impls`) or package.module:attr")
-    p.add_argument("--world-size", type=int, default=4, help="main ring size of the battery (default 4)")
-    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), help="run every case in this dtype")
-    p.add_argument("--json", metavar="FILE", help="write machine-readable results here")
-    p.add_argument("--save-dir", default="ring-harness-failures", metavar="DIR",
-                   help="where failing cases are written as YAML (default ./ring-harness-failures)")
-    p.add_argument("--deadline", type=float, default=None, metavar="SECONDS", help="per-case deadline")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+    C = CheckOptions  # noqa: N806
+    p.add_argument("--impl", default=S,
+                   help="implementation: a built-in name (see `ring-harness impls`) or package.module:attr"
+                        + hint(C, "impl"))
+    p.add_argument("--world-size", type=int, default=S, help="main ring size of the battery" + hint(C, "world_size"))
+    p.add_argument("--dtype", choices=DTYPES, default=S, help="run every case in this dtype")
+    p.add_argument("--json", metavar="FILE", default=S, help="write machine-readable results here")
+    p.add_argument("--save-dir", metavar="DIR", default=S,
+                   help="where failing cases are written as YAML" + hint(C, "save_dir"))
+    p.add_argument("--deadline", type=float, default=S, metavar="SECONDS", help="per-case deadline")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=S,
                    help="default: gloo for the local pool; nccl under torchrun when CUDA is available")
-    p.add_argument("--launcher", choices=("local", "torchrun"), default="local",
-                   help="local: a pool of worker processes on this host; torchrun: the ranks torchrun started")
-    fuzz_report.add_arguments(p)
-    check_run.add_arguments(p)
-    fault_command.add_arguments(p)
+    p.add_argument("--launcher", choices=("local", "torchrun"), default=S,
+                   help="local: a pool of worker processes on this host; torchrun: the ranks torchrun started"
+                        + hint(C, "launcher"))
+    g = p.add_argument_group("property-based stage")
+    g.add_argument("--profile", choices=("ci", "nightly"), default=S,
+                   help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, large budget"
+                        + hint(C, "profile"))
+    g.add_argument("--max-examples", type=int, default=S, metavar="N",
+                   help="property-based examples (0 = battery only; default: the profile's)")
+    g.add_argument("--time-budget", type=float, default=S, metavar="SECONDS",
+                   help="seconds of property-based search (default: the profile's); shrinking a failure gets more")
+    g.add_argument("--seed", type=int, default=S, metavar="S",
+                   help="hypothesis seed (default: 0 for ci, random and printed for nightly)")
+    g.add_argument("--plot", default=S, metavar="DIR",
+                   help="write error heatmaps (PNG) of failing cases here (needs matplotlib)")
+    g = p.add_argument_group("fault stage and fault battery")
+    g.add_argument("--fault-stage", default=S, metavar="KINDS",
+                   help="benign faults the default check runs on every rank in both phases: comma list of "
+                        f"{', '.join(FAULT_STAGE_KINDS)}, or none" + hint(C, "fault_stage"))
+    g.add_argument("--faults", metavar="KINDS", default=S,
+                   help="run the fault battery instead: comma list of delay, drop, early-read, send-reuse, "
+                        "corrupt, straggler, crash, or 'all'")
+    g.add_argument("--fault-cases", type=int, default=S, metavar="N",
+                   help="faulted cases in the fault battery (default 4 per kind)")
+    g.add_argument("--fault-deadline", type=float, default=S, metavar="SECONDS",
+                   help="per-case deadline of the fault stage and the fault battery" + hint(C, "fault_deadline"))
+    g.add_argument("--fault-seed", type=int, default=S, metavar="N",
+                   help="seed of the fault battery" + hint(FaultBatteryOptions, "seed"))
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.errors import HarnessError
+    if hasattr(args, "faults"):
+        from harness.checks.fault_battery import fault_battery
 
-    if not 1 <= args.world_size <= 64:
-        raise HarnessError(f"--world-size must be in 1..64, got {args.world_size}")
-    if args.faults:
-        return fault_command.run(args)
-    fuzz_report.check_options(args)
-    check_run.parse_fault_stage(args.fault_stage)
-    caps = registry.resolve(args.impl, allow_import=":" in args.impl).capabilities
-    cases, probes = check_run.battery_plan(args, args.impl, caps)
-    with open_pool(args.launcher, args.backend, battery_pool_size(cases + probes)) as pool:
-        if pool is None:  # a torchrun follower rank: rank 0 reports
-            return 0
-        res = check_run.run_check(pool, args.impl, args)
-    report.out(report.summary(res.results + res.fault_results, res.seconds))
-    if args.json:
-        report.write_json(args.json, {"command": "check", **check_run.outcome_json(res)})
-    return 0 if res.passed else 1
+        opts = build(FaultBatteryOptions, args, kinds="faults", cases="fault_cases", deadline="fault_deadline",
+                     seed="fault_seed")
+        return 0 if fault_battery(opts).passed else 1
+    from harness.checks.check import check
+
+    if isinstance(getattr(args, "fault_stage", None), str):
+        from harness.checks.options import FAULT_STAGE_DEFAULT, parse_kinds
+
+        args.fault_stage = parse_kinds(args.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
+    return 0 if check(build(CheckOptions, args)).passed else 1

@@ -19,7 +19,8 @@ from harness.case import Case
 from harness.impls import probe
 from harness.judging import oracle
 from harness.ranks.pool import RankPool
-from harness.runner import CaseResult, run_case
+from harness.result import CaseResult
+from harness.runner import run_case
 from ring_impl.layouts import all_positions, zigzag_chunks
 from ring_impl.masks import full_mask
 

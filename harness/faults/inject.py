@@ -69,6 +69,7 @@ def delay_seconds(spec: FaultSpec, rng: random.Random) -> float:
 
 
 def sleep(seconds: float) -> None:
+    """Sleep for a fault's delay (nothing for zero or less)."""
     if seconds > 0:
         time.sleep(seconds)
 

@@ -5,183 +5,37 @@ op (kind, peer, bytes, order, phase) and apply the faults scheduled on this rank
 for one case and restores them afterwards. Every Work handed to the implementation is a `FaultWork`
 whose wait() completes the real op under the case's short timeout and turns a transport error or a
 timeout into a `CommError` naming the op, the peer and the phase.
+
+The pieces: `Interposer` and `active` here (scheduling, fault injection, completion); the Work
+objects in `work`; the op log and its readers in `oplog`; the replacement functions in `wrappers`;
+what each fault does to a tensor or the process in `inject`. Runs inside a rank process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import inspect
 import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from harness.errors import CommError
 from harness.faults import inject
+from harness.faults.oplog import Op, compact_log, overwrite, pending_text, phase_counts
 from harness.faults.schema import FaultSpec
+from harness.faults.work import Deferred, FaultWork, first_line, nbytes, overlaps, shares_storage, tensors_of
+from harness.faults.wrappers import COLLECTIVE_ARGS, P2P, WRAPPED, originals
+from harness.faults.wrappers import wrappers as make_wrappers
 
-P2P = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
-# collective -> (output argument, input arguments); an output that is also an input is in place
-COLLECTIVE_ARGS: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "all_gather": ("tensor_list", ("tensor",)),
-    "all_gather_into_tensor": ("output_tensor", ("input_tensor",)),
-    "all_gather_single": ("output_tensor", ("input_tensor",)),
-    "all_to_all": ("output_tensor_list", ("input_tensor_list",)),
-    "all_to_all_single": ("output", ("input",)),
-    "reduce_scatter": ("output", ("input_list",)),
-    "reduce_scatter_tensor": ("output", ("input",)),
-    "reduce_scatter_single": ("output", ("input",)),
-    "broadcast": ("tensor", ("tensor",)),
-    "all_reduce": ("tensor", ("tensor",)),
-    "barrier": (None, ()),
-}
-COLLECTIVE_ARGS = {k: v for k, v in COLLECTIVE_ARGS.items() if hasattr(c10d, k)}  # names vary across versions
-WRAPPED = P2P + tuple(COLLECTIVE_ARGS)
-
-
-class CommError(RuntimeError):
-    """A communication op failed or timed out on this rank; the message names op, peer and phase."""
-
-
-@dataclass
-class Op:
-    """One logged communication call on this rank."""
-
-    index: int
-    kind: str
-    direction: str  # send / recv / collective
-    peer: int | None  # global rank of the peer (None: a collective, or a receive from any rank)
-    nbytes: int
-    phase: str
-    state: str = "posted"  # posted / deferred / waiting / done / dropped / failed
-
-    def label(self) -> str:
-        """e.g. 'irecv from peer rank 2 (forward, op #3)'."""
-        who = ""
-        if self.direction != "collective":
-            peer = "any" if self.peer is None else self.peer
-            who = f" {'to' if self.direction == 'send' else 'from'} peer rank {peer}"
-        return f"{self.kind}{who} ({self.phase}, op #{self.index})"
-
-    def compact(self) -> list:
-        return [self.kind, self.peer, self.nbytes, self.phase, self.state]
-
-
-@dataclass
-class _Deferred:
-    """A send held back until this rank next blocks (send-reuse): the transport reads the buffer late."""
-
-    work: FaultWork
-    tensor: torch.Tensor
-    post: Callable[[torch.Tensor], Any]
-    corrupt: Callable[[torch.Tensor], None] | None
-
-
-class FaultWork:
-    """The Work the implementation gets: wait() completes the real op, then applies completion faults."""
-
-    def __init__(self, ip: Interposer, op: Op, *, outputs: Sequence[torch.Tensor] = (), hold: float = 0.0) -> None:
-        self._ip = ip
-        self.op = op
-        self.real: Any = None
-        self.done = False
-        self.after: list[Callable[[], None]] = []
-        self.hold = hold
-        self.keep: Any = None  # keeps a private payload/receive buffer alive while the op runs
-        self.outputs = list(outputs)
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        return self._ip.complete(self, timeout)
-
-    def is_completed(self) -> bool:
-        if not self.done and self.real is None:
-            self._ip.flush()  # polling a held send: hand it to the transport, as a blocking wait would
-        if not self.done and self.real is not None and self.real.is_completed():
-            self._ip.complete(self, None)
-        return self.done
-
-    def is_success(self) -> bool:
-        return self.is_completed()
-
-    def exception(self) -> Any:
-        return None if self.real is None else self.real.exception()
-
-    def source_rank(self) -> int:
-        return self._source_rank()
-
-    def _source_rank(self) -> int:
-        self.wait()
-        return self.real._source_rank() if self.real is not None else -1
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return list(self.outputs)
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self.result())
-        return fut
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for t in x if isinstance(t, torch.Tensor)]
-    return []
-
-
-def _nbytes(ts: Sequence[torch.Tensor]) -> int:
-    return int(sum(t.numel() * t.element_size() for t in ts))
-
-
-def _overwrite(path: str, text: str) -> None:
-    """Replace a small file's text in place, padded with spaces (readers strip): written before every
-    wait, and open(path, "w") on ext4 costs ~1 ms there (truncate + flush on close) against ~20 us."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, text.encode().ljust(os.fstat(fd).st_size), 0)
-    finally:
-        os.close(fd)
-
-
-def _shares_storage(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
-    ptr = t.untyped_storage().data_ptr()
-    return any(o.untyped_storage().data_ptr() == ptr for o in others)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' memory ranges intersect (both on one device)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    if line.startswith("[") and "] " in line:  # drop gloo's '[/path/to/file.cc:78] ' prefix
-        line = line.split("] ", 1)[1]
-    return line
-
-
-def _global_peer(group: Any, peer: int | None, group_peer: int | None) -> int | None:
-    if peer is not None:
-        return int(peer)
-    if group_peer is None:
-        return None
-    return int(group_peer) if group is None else c10d.get_global_rank(group, group_peer)
+# what other code imports from here (the mechanism's entry points), wherever it is defined now
+__all__ = ["COLLECTIVE_ARGS", "P2P", "WRAPPED", "CommError", "FaultWork", "Interposer", "Op", "active",
+           "phase_counts"]
 
 
 class Interposer:
@@ -203,7 +57,7 @@ class Interposer:
         self.fired: Counter[int] = Counter()
         self.seen: Counter[int] = Counter()
         self.violations: list[str] = []
-        self.deferred: list[_Deferred] = []
+        self.deferred: list[Deferred] = []
         self.watch: dict[int, tuple[Op, torch.Tensor, torch.Tensor]] = {}
         self.last_exit = self.start
         self._nested = False  # inside an original collective that calls another wrapped one
@@ -212,10 +66,9 @@ class Interposer:
         self.down: set[tuple] = set()  # (group, peer, tag) channels a drop took down
         self.exit_fn = exit_fn
         self.case_id = case_id
-        self.orig = {name: getattr(c10d, name) for name in WRAPPED}
-        self.orig["_check_op"] = c10d._check_op
+        self.orig = originals()
         if pending_path and os.path.exists(pending_path):
-            _overwrite(pending_path, "")  # blanked in place: cheaper than unlink + create per case
+            overwrite(pending_path, "")  # blanked in place: cheaper than unlink + create per case
         if note_path and os.path.exists(note_path):
             os.unlink(note_path)
 
@@ -251,7 +104,7 @@ class Interposer:
         """Log the op and find the faults scheduled on it; crash and post-delays happen here."""
         self._stretch()
         self._check_watch()
-        op = Op(len(self.ops), kind, direction, peer, _nbytes(tensors), self.phase)
+        op = Op(len(self.ops), kind, direction, peer, nbytes(tensors), self.phase)
         self.ops.append(op)
         matched: list[FaultSpec] = []
         for f in self.faults:
@@ -337,7 +190,7 @@ class Interposer:
                 self.watch[op.index] = (op, tensor, tensor.clone())
                 fw.after.append(lambda: self._unwatch(op.index))
             op.state = "deferred"
-            self.deferred.append(_Deferred(fw, tensor, post, corrupt))
+            self.deferred.append(Deferred(fw, tensor, post, corrupt))
         else:
             payload = tensor
             if corrupt is not None:
@@ -403,7 +256,7 @@ class Interposer:
         """send-reuse: an op that will write into a buffer still being sent is a violation, whether or
         not its data has landed by the next content check (that would be a race)."""
         for idx, (sop, t, _snap) in list(self.watch.items()):
-            if any(_overlaps(o, t) for o in outs):
+            if any(overlaps(o, t) for o in outs):
                 self._violation(sop, f"before the send completed: {op.label()} writes into it")
                 del self.watch[idx]
 
@@ -418,8 +271,8 @@ class Interposer:
         if self._nested:  # e.g. all_gather_into_tensor calling all_gather_single: log the outer call only
             return self.orig[kind](**args)
         out_name, in_names = COLLECTIVE_ARGS[kind]
-        outs = _tensors(args.get(out_name)) if out_name else []
-        ins = [t for n in in_names for t in _tensors(args.get(n))]
+        outs = tensors_of(args.get(out_name)) if out_name else []
+        ins = [t for n in in_names for t in tensors_of(args.get(n))]
         blocking = not args.get("async_op", False)
         self.flush()  # a collective may block: held sends must be on the wire first
         t_open = time.monotonic()
@@ -430,7 +283,7 @@ class Interposer:
         poisoned: list[torch.Tensor] = []
         if "early-read" in hits and not blocking and outs:
             inplace = out_name in in_names
-            privates = [o.clone() if inplace else (o if _shares_storage(o, ins) else torch.empty_like(o))
+            privates = [o.clone() if inplace else (o if shares_storage(o, ins) else torch.empty_like(o))
                         for o in outs]
             pairs = [(o, p) for o, p in zip(outs, privates, strict=True) if p is not o]
             if pairs:
@@ -486,7 +339,7 @@ class Interposer:
         except RuntimeError as e:
             op.state = "failed"
             raise CommError(f"rank {self.rank}: {op.label()} failed after {time.monotonic() - t0:.1f} s: "
-                            f"{_first_line(e)}") from None
+                            f"{first_line(e)}") from None
         if ok is False:
             op.state = "failed"
             raise CommError(f"rank {self.rank}: {op.label()} timed out after {time.monotonic() - t0:.1f} s")
@@ -503,10 +356,8 @@ class Interposer:
         """Leave this rank's pending ops on disk before blocking, for the parent's hang report."""
         if not self.pending_path:
             return
-        lines = [f"rank {self.rank} last blocked waiting on {waiting.label()}"]
-        lines += [f"  pending {o.label()} [{o.state}]" for o in self.pending.values() if o is not waiting]
         try:
-            _overwrite(self.pending_path, "\n".join(lines) + "\n")
+            overwrite(self.pending_path, pending_text(self.rank, waiting, self.pending.values()))
         except OSError:
             pass
 
@@ -518,69 +369,10 @@ class Interposer:
 
     def compact_log(self) -> list[list]:
         """The op log as small lists: [kind, peer, bytes, phase, state], in order."""
-        return [o.compact() for o in self.ops]
-
-    # -- the patched functions ---------------------------------------------------------------------
+        return compact_log(self.ops)
     def wrappers(self) -> dict[str, Callable]:
         """Replacements for the torch.distributed functions, bound to this interposer."""
-        orig = self.orig
-
-        def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-            peer = _global_peer(group, dst, group_dst)
-            return self.post_send("isend", tensor, peer,
-                                  lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
-                                  (id(group), peer, tag))
-
-        def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-            return self.post_recv("irecv", tensor, _global_peer(group, src, group_src),
-                                  lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
-
-        def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-            peer = _global_peer(group, dst, group_dst)
-            fw = self.post_send("send", tensor, peer,
-                                lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
-                                (id(group), peer, tag))
-            self.complete(fw)
-
-        def recv(tensor, src=None, group=None, tag=0, group_src=None):
-            fw = self.post_recv("recv", tensor, _global_peer(group, src, group_src),
-                                lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
-            if fw.real is None:
-                return -1
-            self.complete(fw)
-            if src is not None:
-                return src
-            g = group_src if group_src is not None else fw.real._source_rank()
-            return g if group is None else c10d.get_global_rank(group, g)
-
-        sends = {orig["isend"], isend}
-
-        def batch_isend_irecv(p2p_op_list):
-            c10d._check_p2p_op_list(p2p_op_list)
-            return [(isend if p.op in sends else irecv)(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
-
-        def check_op(op):
-            if op not in (orig["isend"], orig["irecv"], isend, irecv):
-                orig["_check_op"](op)
-
-        out: dict[str, Callable] = {"isend": isend, "irecv": irecv, "send": send, "recv": recv,
-                                    "batch_isend_irecv": batch_isend_irecv, "_check_op": check_op}
-        for name in COLLECTIVE_ARGS:
-            out[name] = self._collective_wrapper(name)
-        for name, fn in out.items():
-            fn.__name__ = name
-        return out
-
-    def _collective_wrapper(self, name: str) -> Callable:
-        sig = inspect.signature(self.orig[name])
-
-        def wrapper(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return self.collective(name, dict(bound.arguments))
-
-        wrapper.__doc__ = self.orig[name].__doc__
-        return wrapper
+        return make_wrappers(self)
 
 
 @contextlib.contextmanager
@@ -597,10 +389,3 @@ def active(ip: Interposer) -> Iterator[Interposer]:
             setattr(mod, name, fn)
         ip.deferred.clear()
 
-
-def phase_counts(log: Sequence[Sequence]) -> dict[str, dict[str, int]]:
-    """{phase: {kind: count}} of a compact op log (e.g. forward isend = W-1 for the reference ring)."""
-    out: dict[str, Counter] = {}
-    for kind, _peer, _nbytes, phase, _state in log:
-        out.setdefault(phase, Counter())[kind] += 1
-    return {p: dict(c) for p, c in out.items()}

@@ -199,14 +199,3 @@ def make_fault(kind: str, **fields: Any) -> dict:
     d = {"kind": kind, **fields}
     world = (d["rank"] + 1) if _is_int(d.get("rank")) else 1
     return to_dict(parse_fault(0, d, max(world, 1)))
-
-
-def expected_verdict(specs: tuple[FaultSpec, ...]) -> str | None:
-    """What a correct implementation must end in: fail-stop under drop/crash, pass under benign faults,
-    anything (None) when a corrupt fault is involved."""
-    kinds = {s.kind for s in specs}
-    if kinds & FATAL:
-        return "fail-stop"
-    if kinds and kinds <= BENIGN:
-        return "pass"
-    return None

@@ -1,17 +1,95 @@
-"""Which features a case uses, whether an implementation declares them, and the capability matrix
-(feature x declared / passed / failed, plus what an undeclared feature really does when probed)."""
+"""The capability rule, written once: which features a run asks for that an implementation does not
+declare. The case side (`unsupported`, before a run: check, fault battery) and the rank side (the
+adapters' `require_supported`, inside a run) both call `missing_features`.
+
+Also here: the nearest supported variant of a case (`adapt`) and the capability matrix (feature x
+declared / passed / failed, plus what an undeclared feature really does when probed).
+
+Feature keys are `kind:value` strings or bare flags: "layout:zigzag", "mask:window", "dtype:fp32",
+"world:9", "gqa" / "mqa", "uneven", "head_dim:13", "subgroup", "backend:nccl".
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from harness.case import Case
 from harness.context import Capabilities
+
+if TYPE_CHECKING:  # annotations only: the adapters import this module inside the ranks
+    from harness.case import Case
+
+
+def missing_features(
+    caps: Capabilities,
+    *,
+    layout: str,
+    mask_kind: str,
+    dtype: str,
+    world_size: int,
+    heads_q: int,
+    heads_kv: int,
+    lengths: Sequence[int],
+    head_dim: int,
+    subgroup: bool | None,
+    backend: str | None,
+) -> list[str]:
+    """The feature keys of a run that `caps` does not declare, in a fixed order (empty: supported).
+
+    `subgroup` (the ring is not global ranks 0..W-1) and `backend` may be None: not known at this
+    point, so not checked.
+    """
+    missing = []
+    if layout not in caps.layouts:
+        missing.append(f"layout:{layout}")
+    if mask_kind not in caps.masks:
+        missing.append(f"mask:{mask_kind}")
+    if dtype not in caps.dtypes:
+        missing.append(f"dtype:{dtype}")
+    lo, hi = caps.world_sizes
+    if not lo <= world_size <= hi:
+        missing.append(f"world:{world_size}")
+    if heads_q != heads_kv and not caps.gqa:
+        missing.append("gqa" if heads_kv > 1 else "mqa")
+    if len({int(n) for n in lengths}) > 1 and not caps.uneven:
+        missing.append("uneven")
+    if caps.head_dims is not None and head_dim not in caps.head_dims:
+        missing.append(f"head_dim:{head_dim}")
+    if subgroup and not caps.subgroups:
+        missing.append("subgroup")
+    if backend is not None and backend not in caps.backends:
+        missing.append(f"backend:{backend}")
+    return missing
+
+
+def feature_words(
+    feature: str,
+    caps: Capabilities,
+    *,
+    heads_q: int | None = None,
+    heads_kv: int | None = None,
+    lengths: Sequence[int] | None = None,
+    global_ranks: Sequence[int] | None = None,
+) -> str:
+    """A missing feature key in words for a one-line refusal, e.g. "uneven split [5, 1]"."""
+    kind, _, value = feature.partition(":")
+    if kind == "world":
+        lo, hi = caps.world_sizes
+        return f"world size {value} (supports {lo}..{hi})"
+    if kind in ("gqa", "mqa"):
+        return f"GQA ({heads_q} query heads, {heads_kv} kv heads)"
+    if kind == "uneven":
+        return f"uneven split {[int(n) for n in lengths or ()]}"
+    if kind == "subgroup":
+        return (f"ring in a subgroup (global ranks {list(global_ranks or ())}): "
+                "runs only on the whole default process group")
+    if kind == "backend":
+        return f"backend {value} (supports {', '.join(sorted(caps.backends))})"
+    return f"{kind} {value}" if value else kind  # layout, mask, dtype, head_dim
 
 
 def case_features(c: Case) -> list[str]:
-    """The features a case exercises, as `kind:value` strings."""
+    """The features a case exercises, as `kind:value` strings (the capability matrix's rows)."""
     feats = [f"layout:{c.layout}", f"mask:{c.mask.kind}", f"dtype:{c.dtype}", f"world:{c.world_size}"]
     if c.heads_q != c.heads_kv:
         feats.append("gqa" if c.heads_kv > 1 else "mqa")
@@ -22,27 +100,24 @@ def case_features(c: Case) -> list[str]:
     return feats
 
 
-def unsupported(caps: Capabilities, c: Case) -> list[str]:
-    """Features of the case that the implementation does not declare (empty: fully supported)."""
-    missing = []
-    if c.layout not in caps.layouts:
-        missing.append(f"layout:{c.layout}")
-    if c.mask.kind not in caps.masks:
-        missing.append(f"mask:{c.mask.kind}")
-    if c.dtype not in caps.dtypes:
-        missing.append(f"dtype:{c.dtype}")
-    lo, hi = caps.world_sizes
-    if not lo <= c.world_size <= hi:
-        missing.append(f"world:{c.world_size}")
-    if c.heads_q != c.heads_kv and not caps.gqa:
-        missing.append("gqa" if c.heads_kv > 1 else "mqa")
-    if len(set(c.seq_lens)) > 1 and not caps.uneven:
-        missing.append("uneven")
-    if caps.head_dims is not None and c.head_dim not in caps.head_dims:
-        missing.append(f"head_dim:{c.head_dim}")
-    if c.group_offset and not caps.subgroups:
-        missing.append("subgroup")
-    return missing
+def unsupported(caps: Capabilities, c: Case, backend: str | None = None) -> list[str]:
+    """Features of the case that the implementation does not declare (empty: fully supported).
+
+    The backend is checked only when given (a case does not name one; the pool decides it).
+    """
+    return missing_features(
+        caps,
+        layout=c.layout,
+        mask_kind=c.mask.kind,
+        dtype=c.dtype,
+        world_size=c.world_size,
+        heads_q=c.heads_q,
+        heads_kv=c.heads_kv,
+        lengths=c.seq_lens,
+        head_dim=c.head_dim,
+        subgroup=bool(c.group_offset),
+        backend=backend,
+    )
 
 
 def adapt(caps: Capabilities, c: Case) -> Case | None:
@@ -60,50 +135,3 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
         c = c.replace(head_dim=min(caps.head_dims, key=lambda d: abs(d - c.head_dim)))
     return c if not unsupported(caps, c) else None
-
-
-PROBE_OUTCOMES = {
-    "fail-stop": "rejected with an error (right)",
-    "pass": "works although undeclared",
-    "silent-corruption": "FINDING: accepted and returned wrong numbers",
-    "diverged": "FINDING: accepted and returned wrong shapes",
-    "hang": "FINDING: hangs",
-}
-
-
-@dataclass
-class MatrixRow:
-    feature: str
-    declared: bool
-    passed: int = 0
-    failed: int = 0
-    probes: dict[str, int] = field(default_factory=dict)  # verdict -> count, for undeclared probes
-
-
-def matrix(caps: Capabilities, results: list, probe_results: list) -> list[MatrixRow]:
-    """Aggregate case results by feature; probe results are cases using undeclared features."""
-    rows: dict[str, MatrixRow] = {}
-    probed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for r in results:
-        for f in case_features(r.case):
-            row = rows.setdefault(f, MatrixRow(f, True))
-            if r.passed:
-                row.passed += 1
-            else:
-                row.failed += 1
-    for r in probe_results:
-        for f in unsupported(caps, r.case):
-            rows.setdefault(f, MatrixRow(f, False))
-            probed[f][r.verdict] += 1
-    for f, counts in probed.items():
-        rows[f].probes = dict(counts)
-    return [rows[k] for k in sorted(rows, key=lambda k: (k.split(":")[0], k))]
-
-
-def format_matrix(rows: list[MatrixRow]) -> list[str]:
-    lines = [f"{'feature':<20} {'declared':<9} {'passed':>6} {'failed':>6}  probe of an undeclared feature"]
-    for row in rows:
-        probe = ", ".join(f"{n} x {PROBE_OUTCOMES.get(v, v)}" for v, n in sorted(row.probes.items()))
-        lines.append(f"{row.feature:<20} {'yes' if row.declared else 'no':<9} {row.passed:>6} {row.failed:>6}  "
-                     f"{probe or '-'}")
-    return lines

@@ -32,7 +32,7 @@ def spec(inner: str, kind: str, block: int) -> str:
 def _inner(name: str) -> Impl:
     from harness.impls import registry
 
-    return registry.resolve(name, allow_import=":" in name)
+    return registry.resolve(name, allow_import=registry.is_module_path(name))
 
 
 def _split(res):

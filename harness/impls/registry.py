@@ -1,8 +1,11 @@
 """Resolve an implementation name to an `Impl`: built-ins, entry points, or `package.module:attr`.
 
-Built-ins are "module:factory" strings imported only when asked for, so importing the registry
-imports no third-party library. Installed packages add names through the entry-point group
-`ring_harness.impls`. An explicit `package.module:attr` imports arbitrary code, so it is accepted
+Built-ins come from the adapter modules in ADAPTER_MODULES (listing order): each declares its names
+once, in `VARIANTS` (name -> `Variant`: capabilities and a per-variant option), and one factory
+`make(name)`. An adapter module imports torch and the harness only (never this registry); its
+third-party library is imported inside `make`, so listing the built-ins or reading their
+capabilities imports no third-party library. Installed packages add names through the entry-point
+group `ring_harness.impls`. An explicit `package.module:attr` imports arbitrary code, so it is accepted
 only with `allow_import=True` (the command line); a case file may only *name* an implementation.
 `mutant:NAME` names a bug variant of the reference ring (ring_impl.mutants, for `ring-harness
 selftest` and the regression corpus): ours, so no import permission is needed, but never a default
@@ -15,48 +18,81 @@ import importlib
 import importlib.metadata as md
 import inspect
 import re
+from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 from harness.context import Capabilities, Impl
-from harness.errors import HarnessError
+from harness.errors import ImplError, MissingDependency
 from harness.impls.adapters.reference import MUTANT_PREFIX  # ring_impl.mutants: resolved without an import permission
 
-ENTRY_POINT_GROUP = "ring_harness.impls"
+__all__ = [
+    "ADAPTER_MODULES",
+    "BUILTINS",
+    "ENTRY_POINT_GROUP",
+    "ImplError",
+    "MissingDependency",
+    "builtin_names",
+    "declared_capabilities",
+    "describe",
+    "entry_point_names",
+    "mutant_names",
+    "resolve",
+]
 
-_A = "harness.impls.adapters."
-BUILTINS: dict[str, str] = {
-    "reference": _A + "reference:impl",
-    "ring-attention-pytorch": _A + "ring_attention_pytorch:impl",
-    "torch-ring": _A + "torch_ring:impl_allgather",
-    "torch-ring-alltoall": _A + "torch_ring:impl_alltoall",
-    "ring-flash-attn": _A + "ring_flash_attn:impl_ring",
-    "ring-flash-attn-zigzag": _A + "ring_flash_attn:impl_zigzag",
-    "ring-flash-attn-stripe": _A + "ring_flash_attn:impl_stripe",
-    "ring-flash-attn-llama3": _A + "ring_flash_attn:impl_llama3",
-    "torch-cp": _A + "torch_cp:impl_allgather",
-    "torch-cp-alltoall": _A + "torch_cp:impl_alltoall",
-    "te-cp-p2p": _A + "te_cp:impl_p2p",
-    "te-cp-a2a": _A + "te_cp:impl_a2a",
-    "te-cp-all-gather": _A + "te_cp:impl_all_gather",
-    "yunchang-ring": _A + "yunchang:impl_ring",
-    "yunchang-ulysses": _A + "yunchang:impl_ulysses",
-    "yunchang-usp": _A + "yunchang:impl_usp",
-}
+ENTRY_POINT_GROUP = "ring_harness.impls"
+ADAPTER_PACKAGE = "harness.impls.adapters"
+# the built-in adapter modules, in listing order; each declares VARIANTS, EXTRA and make(name)
+ADAPTER_MODULES = ("reference", "ring_attention_pytorch", "torch_ring", "ring_flash_attn", "torch_cp", "te_cp",
+                   "yunchang")
 
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 
-class ImplError(HarnessError):
-    """An implementation cannot be resolved or cannot run as asked; the message is one line."""
+def _builtin_modules() -> dict[str, ModuleType]:
+    """Built-in name -> its adapter module, from the modules' VARIANTS, in listing order."""
+    table: dict[str, ModuleType] = {}
+    for short in ADAPTER_MODULES:
+        mod_name = f"{ADAPTER_PACKAGE}.{short}"
+        try:
+            module = importlib.import_module(mod_name)  # our adapter: imports torch and the harness only
+        except ImportError as e:
+            raise ImplError(f"built-in adapter module {mod_name!r} failed to import: {_one_line(e)}") from None
+        for name in module.VARIANTS:
+            if name in table:
+                raise ImplError(f"built-in {name!r} is declared by both {table[name].__name__} and {mod_name}")
+            table[name] = module
+    return table
 
 
-class MissingDependency(ImplError):
-    """A built-in adapter's third-party library is not installed (or failed to import)."""
+class _BuiltinTargets(Mapping[str, str]):
+    """Read-only view: built-in name -> "module:make", derived from ADAPTER_MODULES on each access."""
+
+    def __getitem__(self, name: str) -> str:
+        return f"{_builtin_modules()[name].__name__}:make"
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_builtin_modules())
+
+    def __len__(self) -> int:
+        return len(_builtin_modules())
+
+    def __repr__(self) -> str:
+        return f"BUILTINS({dict(self)!r})"
+
+
+BUILTINS: Mapping[str, str] = _BuiltinTargets()
 
 
 def builtin_names() -> list[str]:
     """Names of the built-in implementations, in listing order (mutants are never among them)."""
-    return list(BUILTINS)
+    return list(_builtin_modules())
+
+
+def declared_capabilities(name: str) -> Capabilities | None:
+    """A built-in's declared capabilities, read without its third-party library (None: not a built-in)."""
+    module = _builtin_modules().get(name)
+    return None if module is None else module.VARIANTS[name].capabilities
 
 
 def mutant_names() -> list[str]:
@@ -68,7 +104,7 @@ def mutant_names() -> list[str]:
 
 def entry_point_names() -> list[str]:
     """Names installed packages register under `ring_harness.impls` (built-ins excluded)."""
-    return sorted({ep.name for ep in _entry_points()} - set(BUILTINS))
+    return sorted({ep.name for ep in _entry_points()} - set(_builtin_modules()))
 
 
 def _entry_points() -> list[md.EntryPoint]:
@@ -115,14 +151,9 @@ def _as_impl(obj: Any, name: str) -> Impl:
     raise ImplError(f"implementation {name!r} is neither an Impl nor a callable run(q, k, v, ctx)")
 
 
-def _resolve_builtin(name: str) -> Impl:
-    target = BUILTINS[name]
+def _resolve_builtin(name: str, module: ModuleType) -> Impl:
     try:
-        module = importlib.import_module(target.partition(":")[0])  # our adapter: imports torch only
-    except ImportError as e:
-        raise ImplError(f"built-in adapter for {name!r} failed to import: {_one_line(e)}") from None
-    try:
-        return _as_impl(_import_target(target), name)
+        impl = module.make(name)
     except ImplError:
         raise
     except ImportError as e:
@@ -133,6 +164,9 @@ def _resolve_builtin(name: str) -> Impl:
             f"implementation {name!r} needs the optional extra: "
             f"pip install 'ring-harness[{extra}]' ({_one_line(e)})"
         ) from None
+    if not isinstance(impl, Impl):
+        raise ImplError(f"implementation {name!r}: factory returned {type(impl).__name__}, not an Impl")
+    return impl
 
 
 def _resolve_mutant(name: str) -> Impl:
@@ -167,6 +201,13 @@ def _resolve_module_attr(name: str) -> Impl:
     return _as_impl(obj, name)
 
 
+def is_module_path(name: str) -> bool:
+    """True for `package.module:attr` names, whose resolution imports arbitrary code (only allowed from
+    the caller, never from a case file); `mutant:NAME` and built-in or entry-point names are not."""
+    name = name.strip() if isinstance(name, str) else ""
+    return ":" in name and not name.startswith(MUTANT_PREFIX) and name not in BUILTINS
+
+
 def resolve(name: str, allow_import: bool = True) -> Impl:
     """The Impl for `name`: a built-in, an entry point, or (with allow_import) `package.module:attr`.
 
@@ -176,8 +217,9 @@ def resolve(name: str, allow_import: bool = True) -> Impl:
     if not isinstance(name, str) or not name.strip():
         raise ImplError(f"implementation name must be a non-empty string, got {name!r}")
     name = name.strip()
-    if name in BUILTINS:
-        return _resolve_builtin(name)
+    builtins = _builtin_modules()
+    if name in builtins:
+        return _resolve_builtin(name, builtins[name])
     if name.startswith(MUTANT_PREFIX):
         return _resolve_mutant(name)
     if any(ep.name == name for ep in _entry_points()):
@@ -192,7 +234,7 @@ def resolve(name: str, allow_import: bool = True) -> Impl:
             )
         return _resolve_module_attr(name)
     installed = entry_point_names()
-    known = f"built-in: {', '.join(BUILTINS)}" + (f"; installed: {', '.join(installed)}" if installed else "")
+    known = f"built-in: {', '.join(builtins)}" + (f"; installed: {', '.join(installed)}" if installed else "")
     raise ImplError(f"unknown implementation {name!r}; {known}; or give package.module:attr "
                     "(or mutant:NAME for selftest's bug variants)")
 
@@ -209,22 +251,11 @@ def _runnable_backends() -> set[str]:
     return out
 
 
-def _static_capabilities(name: str) -> Capabilities | None:
-    """A built-in adapter's declared capabilities, readable without its third-party library."""
-    if name not in BUILTINS:
-        return None
-    try:
-        module = importlib.import_module(BUILTINS[name].partition(":")[0])
-    except ImportError:
-        return None
-    return getattr(module, "CAPABILITIES", {}).get(name)
-
-
 def describe() -> list[dict]:
     """Rows for `ring-harness impls`: name, source, available (and why not), version, capabilities."""
     here = _runnable_backends()
     rows = []
-    names = [(n, "built-in") for n in BUILTINS] + [(n, "entry point") for n in entry_point_names()]
+    names = [(n, "built-in") for n in builtin_names()] + [(n, "entry point") for n in entry_point_names()]
     for name, source in names:
         row: dict[str, Any] = {
             "name": name,
@@ -237,7 +268,7 @@ def describe() -> list[dict]:
         try:
             impl = resolve(name, allow_import=False)
         except Exception as e:  # describe lists every problem instead of stopping at the first
-            caps = _static_capabilities(name)
+            caps = declared_capabilities(name)
             row.update(why=_one_line(e), capabilities=caps.to_dict() if caps else None)
             rows.append(row)
             continue

@@ -3,51 +3,15 @@ causality-leak check. Produces per-rank, per-tensor checks with error ratios and
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 
 from harness import inputs
 from harness.case import Case
 from harness.judging import tolerance
 from harness.judging.oracle import Reference
+from harness.result import LeakCheck, TensorCheck
 from ring_impl.layouts import all_positions
 from ring_impl.masks import visible_keys
-
-
-@dataclass
-class TensorCheck:
-    """One tensor on one rank: worst error, allowed bound, ratio, where the worst error sits."""
-
-    tensor: str
-    rank: int
-    error: float
-    allowed: float
-    nonfinite: int
-    position: dict  # {"batch", "token" (global), "head"} of the worst error
-    passed: bool
-
-    @property
-    def ratio(self) -> float:
-        return float("inf") if self.nonfinite else self.error / self.allowed
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["ratio"] = self.ratio
-        return d
-
-
-@dataclass
-class LeakCheck:
-    """Keys that no query of S may see must get dk = dv = 0 exactly."""
-
-    queries: list[int]
-    hidden_keys: int
-    leaks: list[dict] = field(default_factory=list)  # {"rank", "tensor", "token", "count"}
-
-    @property
-    def passed(self) -> bool:
-        return not self.leaks
 
 
 def _as_bnhd(t: torch.Tensor, name: str) -> torch.Tensor:

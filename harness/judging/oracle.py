@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness import inputs
+from harness.dtypes import TORCH_DTYPES
 from ring_impl.masks import MaskSpec, allowed
 
 QUERY_BLOCK = 1024
@@ -88,3 +90,22 @@ def attention(q, k, v, dout, mask: MaskSpec, scale: float, compute: torch.dtype)
         dv[:, lo:hi] += gv
     return Reference(torch.cat(outs, 1), torch.cat(lses, 2), torch.cat(dqs, 1), dk, dv,
                      term_scales(q, k, v, dout, scale))
+
+
+_CACHE: dict[str, tuple[Reference, Reference]] = {}
+_CACHE_MAX = 8
+
+
+def references(case) -> tuple[Reference, Reference]:
+    """(float64 reference, same-dtype base) for a case; cached because shrinking and replays
+    re-run the same inputs under other implementations or faults."""
+    key = case.replace(impl="-", faults=(), tolerance={}, deadline_s=1.0).key()
+    if key not in _CACHE:
+        g = inputs.make_global(case)
+        args = (g["q"], g["k"], g["v"], g["dout"], case.mask, case.scale)
+        ref = attention(*args, compute=torch.float64)
+        base = attention(*args, compute=TORCH_DTYPES[case.dtype])
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = (ref, base)
+    return _CACHE[key]

@@ -1,28 +1,175 @@
-"""Fault-aware verdicts: was every scheduled fault seen to fire, did the run end the way it must under
-its faults, and did benign faults leave the results bit-identical to the fault-free run.
+"""Every rule that decides or reads a verdict, in one module.
 
-A case whose faults did not all fire is `invalid` (never `pass`): it tested nothing. A send buffer
-overwritten while its send was in flight makes a completed run `silent-corruption` (a transport that
-reads the buffer late delivers the new data). Under delay / straggler / early-read / send-reuse a
-deterministic implementation must reproduce the fault-free hashes bit for bit, else `diverged`.
+- `judge`: the ranks' replies of one case -> a `CaseResult` with exactly one `Verdict`: hang (a rank
+  passed the deadline), fail-stop (a rank raised or died), diverged (wrong shape), silent-corruption
+  (a tensor over its tolerance, or a causality leak), else pass; then, for a faulted case,
+  `apply_faults` accounts for its faults.
+- Faults: a case whose faults did not all fire is `invalid` (never `pass`: it tested nothing). A
+  send buffer overwritten while its send was in flight makes a completed run `silent-corruption` (a
+  transport that reads the buffer late delivers the new data). Under delay / straggler / early-read /
+  send-reuse a deterministic implementation must reproduce the fault-free hashes bit for bit, else
+  `diverged`. `expected_verdict` says what a correct implementation must end in under given faults.
+- How the checks read verdicts: `fault_ok` (a fault-stage case), `PROBE_OUTCOMES` (a probe of an
+  undeclared feature), `killed_by` (which checks a failing result failed: selftest's kill matrix).
+
+The fault-free baseline a benign-fault case is compared with is run by the caller
+(`harness.runner.baseline_for`) and passed in: judging never runs a case.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from harness.faults.schema import FaultSpec, expected_verdict, parse_faults
+from harness.case import Case
+from harness.faults.schema import BENIGN, FATAL, FaultSpec, parse_faults
+from harness.judging.judge import check_leak, check_tensors
+from harness.judging.oracle import references
+from harness.result import TENSORS, CaseResult, Verdict
 
-if TYPE_CHECKING:
-    from harness.case import Case
-    from harness.ranks.pool import PoolReply
-    from harness.runner import CaseResult
-
+MAP_LIMIT = 1 << 22  # error maps are kept when batch * tokens * heads is at most this
 DEATH_OF = {"exit0": "exit 0", "exit1": "exit 1", "sigkill": "killed by signal 9"}
-_BASELINES: dict[tuple[str, str], dict] = {}
-_BASELINES_MAX = 64
 
+PROBE_OUTCOMES = {
+    Verdict.FAIL_STOP: "rejected with an error (right)",
+    Verdict.PASS: "works although undeclared",
+    Verdict.SILENT_CORRUPTION: "FINDING: accepted and returned wrong numbers",
+    Verdict.DIVERGED: "FINDING: accepted and returned wrong shapes",
+    Verdict.HANG: "FINDING: hangs",
+}
+
+
+def expected_verdict(specs: tuple[FaultSpec, ...]) -> Verdict | None:
+    """What a correct implementation must end in: fail-stop under drop/crash, pass under benign faults,
+    anything (None) when a corrupt fault is involved."""
+    kinds = {s.kind for s in specs}
+    if kinds & FATAL:
+        return Verdict.FAIL_STOP
+    if kinds and kinds <= BENIGN:
+        return Verdict.PASS
+    return None
+
+
+def case_expected(case: Case) -> Verdict | None:
+    """`expected_verdict` of a case's faults; pass for a fault-free case."""
+    return expected_verdict(parse_faults(case.faults, case.world_size)) if case.faults else Verdict.PASS
+
+
+def probe_acceptable(r: CaseResult) -> bool:
+    """A probe of an undeclared feature ended well: it worked, or it was refused with an error."""
+    return r.verdict in (Verdict.PASS, Verdict.FAIL_STOP)
+
+
+def fault_ok(r: CaseResult) -> bool:
+    """A fault-stage case ended the way its faults require (benign faults: pass, bit-identical), or
+    tested nothing (`invalid`: the implementation makes no op the fault applies to, e.g. send-reuse
+    on an all-gather ring; reported as not applicable, not as the implementation's failure)."""
+    return r.verdict == Verdict.INVALID or bool(r.extra.get("as_expected", False))
+
+
+def killed_by(r: CaseResult) -> list[str]:
+    """Which checks a failing result failed: tensors, leak check, send-buffer check, fault verdict, verdict."""
+    out = []
+    if r.case.faults:
+        out.append(f"fault verdict ({'+'.join(sorted({f['kind'] for f in r.case.faults}))})")
+    bad = {c.tensor for c in r.failed_checks()}
+    out += [t for t in TENSORS if t in bad]
+    if r.leak is not None and not r.leak.passed:
+        out.append("leak check")
+    if r.extra.get("violations"):
+        out.append("send-buffer check")
+    if r.verdict in (Verdict.FAIL_STOP, Verdict.HANG, Verdict.DIVERGED, Verdict.INVALID):
+        out.append(str(r.verdict))
+    return out
+
+
+# -- judging one case ------------------------------------------------------------------------------
+
+def judge(case: Case, impl: str, reply: Any, oracle_s: float = 0.0, keep_shards: bool = False,
+          baseline: dict | None = None) -> CaseResult:
+    """Turn the ranks' replies (a `harness.ranks.protocol.PoolReply`) into a CaseResult with exactly
+    one verdict; a faulted case's verdict then accounts for its faults (unfired: invalid; benign:
+    bit-identical to the `baseline` run)."""
+    res = _judge(case, impl, reply, oracle_s, keep_shards)
+    if case.faults:
+        apply_faults(res, case, reply, baseline)
+    return res
+
+
+def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool) -> CaseResult:
+    """The fault-unaware verdict: hang, fail-stop, diverged, silent-corruption or pass."""
+    off = case.group_offset
+    in_group = range(off, off + case.world_size)
+    res = CaseResult(case=case, impl=impl, verdict=Verdict.PASS)
+    res.timings = {"wall_s": reply.wall_s, "oracle_s": oracle_s, "pool_restarted": reply.restarted}
+    res.hung = {r - off: s for r, s in reply.hung.items() if r in in_group}
+    res.dead = {r - off: s for r, s in reply.dead.items()}
+    outside = {r: s for r, s in {**reply.hung, **reply.dead}.items() if r not in in_group}
+    shards, leak_shards, statuses = {}, {}, {}
+    for r, rep in reply.replies.items():
+        if r not in in_group:
+            continue
+        g = r - off
+        statuses[g] = rep.get("status")
+        if rep.get("status") == "ok":
+            shards[g] = rep["tensors"]
+            res.hashes[g] = rep["hashes"]
+            res.timings[f"rank{g}"] = rep.get("timings", {})
+            if "leak" in rep:
+                leak_shards[g] = rep["leak"]
+        elif rep.get("error"):
+            res.errors[g] = rep["error"]
+        for k in ("comm", "faults"):
+            if k in rep:
+                res.extra.setdefault(k, {})[g] = rep[k]
+    if res.hung:
+        res.verdict = Verdict.HANG
+        res.detail = f"deadline {case.deadline_s:g} s passed; rank(s) {sorted(res.hung)} still running"
+        res.detail += "".join(f"; {w}" for w in _pending_ops(res.hung))
+        return res
+    if outside:
+        res.verdict = Verdict.FAIL_STOP
+        res.detail = f"ranks outside the ring group failed: {sorted(outside)}"
+        return res
+    if any(s == "diverged" for s in statuses.values()):
+        res.verdict = Verdict.DIVERGED
+        res.detail = "; ".join(f"rank {g}: {res.errors[g]}" for g in sorted(res.errors))
+        return res
+    if res.errors or res.dead:
+        res.verdict = Verdict.FAIL_STOP
+        parts = [f"rank {g}: {e}" for g, e in sorted(res.errors.items())]
+        parts += [f"rank {g} died ({d.split(';')[0]})" for g, d in sorted(res.dead.items())]
+        res.detail = "; ".join(parts)
+        return res
+    ref, base = references(case)
+    small = case.batch * case.total_len * case.heads_q <= MAP_LIMIT
+    res.checks = check_tensors(case, shards, ref, base, maps=res.maps if small else None)
+    if keep_shards:
+        res.shards = shards
+    res.leak = check_leak(case, leak_shards)
+    bad = res.failed_checks()
+    if bad or (res.leak is not None and not res.leak.passed):
+        res.verdict = Verdict.SILENT_CORRUPTION
+        parts = [f"{c.tensor}@rank{c.rank} x{c.ratio:.3g}" for c in sorted(bad, key=lambda c: -c.ratio)[:4]]
+        if res.leak is not None and res.leak.leaks:
+            lk = res.leak.leaks[0]
+            parts.append(f"leak: {lk['tensor']} nonzero at hidden key {lk['token']} on rank {lk['rank']}")
+        res.detail = "; ".join(parts)
+    return res
+
+
+def _pending_ops(hung: dict[int, str]) -> list[str]:
+    """'rank g last blocked waiting on <op>, pending <op>, ...' from the hung ranks' reports."""
+    head, out = "pending ops: ", []
+    for _, text in sorted(hung.items()):
+        lines = text.splitlines()
+        if lines and lines[0].startswith(head):
+            rest = [ln.strip() for ln in lines[1:] if ln.startswith("  pending ")]
+            out.append(", ".join([lines[0][len(head):], *rest]))
+    return out
+
+
+# -- faults ----------------------------------------------------------------------------------------
 
 def fired_counts(res: CaseResult, notes: dict[int, dict]) -> Counter[int]:
     """Fault id -> times fired over every rank: the survivors' reports plus dead ranks' crash notes."""
@@ -49,7 +196,7 @@ def _crash_checks(specs: tuple[FaultSpec, ...], res: CaseResult, notes: dict[int
     return bad
 
 
-def apply(res: CaseResult, case: Case, reply: PoolReply, baseline: dict | None = None) -> None:
+def apply_faults(res: CaseResult, case: Case, reply: Any, baseline: dict | None = None) -> None:
     """Adjust a judged faulted run in place: invalid / violations / bit identity / expected verdict."""
     specs = parse_faults(case.faults, case.world_size)
     if not specs:
@@ -72,42 +219,42 @@ def apply(res: CaseResult, case: Case, reply: PoolReply, baseline: dict | None =
         res.detail = "; ".join([detail] * bool(detail) + [f"unverified (its rank died or hung): {s.describe()}"
                                                              for s in unknown])
     why = [f"fault never fired: {s.describe()}" for s in missing] + crash_bad
-    if why and outcome == "hang":  # a hang is the finding whatever else happened
+    if why and outcome == Verdict.HANG:  # a hang is the finding whatever else happened
         res.detail = "; ".join([res.detail, *why])
     elif why:
         res.extra["outcome"] = outcome
-        res.verdict = "invalid"
+        res.verdict = Verdict.INVALID
         res.detail = "; ".join(why) + f" (the run was otherwise {outcome}{': ' + detail if detail else ''})"
     elif violations:
         res.extra["violations"] = violations
         more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
-        if res.verdict == "pass":
-            res.verdict = "silent-corruption"
+        if res.verdict == Verdict.PASS:
+            res.verdict = Verdict.SILENT_CORRUPTION
             res.detail = f"{violations[0]}{more}; a transport that reads the buffer at completion sends the new data"
         else:
             res.detail = f"{detail}; {violations[0]}{more}" if detail else violations[0] + more
-    if res.verdict == "pass" and expected == "pass" and baseline is not None:
+    if res.verdict == Verdict.PASS and expected == Verdict.PASS and baseline is not None:
         _compare_baseline(res, baseline, _deterministic(reply))
-    if res.verdict == "fail-stop":
+    if res.verdict == Verdict.FAIL_STOP:
         _fail_stop_detail(res)
-    res.extra["as_expected"] = res.verdict != "invalid" and (expected is None or res.verdict == expected)
+    res.extra["as_expected"] = res.verdict != Verdict.INVALID and (expected is None or res.verdict == expected)
 
 
-def _deterministic(reply: PoolReply) -> bool:
+def _deterministic(reply: Any) -> bool:
     return all(rep.get("deterministic", True) for rep in reply.replies.values() if rep.get("status") == "ok")
 
 
 def _compare_baseline(res: CaseResult, baseline: dict, deterministic: bool) -> None:
     """Benign faults must not change a deterministic implementation's bits (else: diverged)."""
     res.extra["baseline_verdict"] = baseline.get("verdict")
-    if baseline.get("verdict") != "pass" or not deterministic:
+    if baseline.get("verdict") != Verdict.PASS or not deterministic:
         return
     hashes = baseline.get("hashes", {})
     diffs = [f"{t}@rank{g}" for g, hs in sorted(res.hashes.items()) for t, h in sorted(hs.items())
              if hashes.get(g, {}).get(t) != h]
     res.extra["bit_identical"] = not diffs
     if diffs:
-        res.verdict = "diverged"
+        res.verdict = Verdict.DIVERGED
         res.detail = f"results differ bit-wise from the fault-free run: {', '.join(diffs[:6])}"
 
 
@@ -120,28 +267,3 @@ def _fail_stop_detail(res: CaseResult) -> None:
     res.extra["completed_ranks"] = completed
     if completed and "completed" not in res.detail:
         res.detail += f"; rank(s) {completed} completed before the failure reached them"
-
-
-def baseline_for(case: Case, pool: Any, impl: str, allow_import: bool = False) -> dict | None:
-    """The fault-free run of a case whose faults must not change results: {verdict, hashes}; cached."""
-    if not case.faults or expected_verdict(parse_faults(case.faults, case.world_size)) != "pass":
-        return None
-    from harness.runner import run_case
-
-    plain = case.replace(faults=())
-    key = (impl, plain.key())
-    if key not in _BASELINES:
-        r = run_case(plain, pool, impl, allow_import=allow_import, leak=False)
-        if len(_BASELINES) >= _BASELINES_MAX:
-            _BASELINES.pop(next(iter(_BASELINES)))
-        _BASELINES[key] = {"verdict": r.verdict, "hashes": r.hashes, "wall_s": r.timings.get("wall_s", 0.0),
-                           "timings": r.timings}
-    return _BASELINES[key]
-
-
-def comm_steps(res: CaseResult, phase: str = "forward", kinds: tuple[str, ...] = ("isend", "send")) -> dict[int, int]:
-    """Group rank -> number of ops of `kinds` in `phase` (reference ring: W-1 K/V sends in forward)."""
-    out = {}
-    for g, log in res.extra.get("comm", {}).items():
-        out[g] = sum(1 for kind, _peer, _n, ph, _state in log if ph == phase and kind in kinds)
-    return out

@@ -1,7 +1,8 @@
 """Where the ranks come from: a local pool of worker processes (default), or torchrun's processes.
 
-`open_pool` yields an object with the pool interface (submit/collect) on the process that judges,
+`open_pool` yields a `Pool` (harness.ranks.protocol: submit/collect/...) on the process that judges,
 and None on torchrun's follower ranks once rank 0 has finished (they have nothing to report).
+Runs in the parent.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import contextlib
 from collections.abc import Iterator
 
 from harness.errors import HarnessError
+from harness.ranks.protocol import Pool
 
 LAUNCHERS = ("local", "torchrun")
 
 
 @contextlib.contextmanager
-def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4) -> Iterator[object | None]:
+def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4) -> Iterator[Pool | None]:
+    """The ranks for a command: `size` local workers (`local`), or torchrun's processes (`torchrun`)."""
     if launcher == "local":
         from harness.ranks.pool import RankPool
 

@@ -18,36 +18,38 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, wait
 from pathlib import Path
 
 from harness import case as case_mod
+from harness.errors import PoolError
 from harness.ranks import wire
+from harness.ranks.protocol import RUN, SETTLED, STOP, LocalTicket, PoolReply, RunMessage, StopMessage
+
+__all__ = ["PoolError", "PoolReply", "RankPool", "TMPDIR_ENV"]
 
 START_TIMEOUT_S = 120.0
 MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
 STACK_GRACE_S = 1.0
+TMPDIR_ENV = "RING_HARNESS_TMPDIR"  # where the pool's ring-harness-* dir goes (default: tempfile.gettempdir())
+_SOCKET_PATH_MAX = 107  # AF_UNIX paths: 108 bytes with the terminating NUL; rank<N>.sock must fit
 
 
-@dataclass
-class PoolReply:
-    """What came back from the ranks of one case."""
-
-    replies: dict[int, dict] = field(default_factory=dict)  # global rank -> reply
-    hung: dict[int, str] = field(default_factory=dict)  # global rank -> stack dump
-    dead: dict[int, str] = field(default_factory=dict)  # global rank -> exit status + log tail
-    notes: dict[int, dict] = field(default_factory=dict)  # dead global rank -> the faults it saw fire (its note)
-    wall_s: float = 0.0
-    restarted: bool = False
-
-
-class PoolError(RuntimeError):
-    """The pool could not start (e.g. workers failed to rendezvous)."""
 
 
 def _project_root() -> str:
     return str(Path(__file__).resolve().parents[2])
+
+
+def temp_root() -> str:
+    """Where a pool makes its private dir: $RING_HARNESS_TMPDIR (created if missing; tests point it at
+    pytest's tmp_path), else tempfile.gettempdir(). A root too deep for the ranks' Unix socket paths
+    falls back to tempfile.gettempdir()."""
+    root = os.environ.get(TMPDIR_ENV) or tempfile.gettempdir()
+    if len(os.path.join(os.path.abspath(root), "ring-harness-xxxxxxxx", "rank9999.sock")) > _SOCKET_PATH_MAX:
+        return tempfile.gettempdir()
+    os.makedirs(root, exist_ok=True)
+    return root
 
 
 class RankPool:
@@ -70,27 +72,27 @@ class RankPool:
     def start(self) -> None:
         """Spawn the workers and wait (with a deadline) until every one is ready."""
         self.close()
-        self.dir = tempfile.mkdtemp(prefix="ring-harness-")
+        self.dir = tempfile.mkdtemp(prefix="ring-harness-", dir=temp_root())
+        # registered before anything can fail: close(), garbage collection or interpreter exit always
+        # kill what was spawned (the list fills below) and remove the dir
+        self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.dir)
         authkey = os.urandom(16)
         env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_project_root(), env.get("PYTHONPATH")]))
-        for r in range(self.size):
-            log = open(os.path.join(self.dir, f"log-{r}.txt"), "wb")  # noqa: SIM115
-            cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(self.size),
-                   "--dir", self.dir, "--backend", self.backend, "--parent", str(os.getpid())]
-            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
-        self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), self.dir)
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
+            for r in range(self.size):
+                self.procs.append(self._spawn(r, env))
             for r in range(self.size):
                 self.conns.append(self._connect(r, authkey, deadline))
             for r, c in enumerate(self.conns):
                 if not c.poll(max(0.0, deadline - time.monotonic())):
                     raise PoolError(f"rank {r} did not finish rendezvous within {START_TIMEOUT_S:.0f} s: "
                                     f"{self._log_tail(r)}")
-                wire.recv(c)
+                try:
+                    wire.recv(c)
+                except EOFError:
+                    raise PoolError(f"rank {r} exited during rendezvous: {self._death(r)}") from None
         except (PoolError, EOFError, OSError) as e:
             self.close()
             raise PoolError(f"rank pool failed to start: {e}") from None
@@ -98,6 +100,14 @@ class RankPool:
         self.starts += 1
         self.heals = 0
         self.fresh_group = False
+
+    def _spawn(self, r: int, env: dict[str, str]) -> subprocess.Popen:
+        """Start worker rank r in its own session, its output to log-<r>.txt in the pool's dir."""
+        cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(self.size),
+               "--dir", self.dir, "--backend", self.backend, "--parent", str(os.getpid())]
+        with open(os.path.join(self.dir, f"log-{r}.txt"), "wb") as log:
+            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
 
     def _connect(self, r: int, authkey: bytes, deadline: float) -> Connection:
         path = os.path.join(self.dir, f"rank{r}.sock")
@@ -117,15 +127,17 @@ class RankPool:
         """Stop every worker (politely, then SIGTERM, then SIGKILL) and remove the temp dir."""
         for c in self.conns:
             try:
-                wire.send(c, {"op": "stop"})
+                wire.send(c, StopMessage(op=STOP))
             except OSError:
                 pass
         for c in self.conns:
             c.close()
         self.conns = []
         if self._finalizer is not None:
-            self._finalizer()
+            self._finalizer()  # kills self.procs, removes self.dir
             self._finalizer = None
+        elif self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
         self.procs = []
         self.dir = None
         self.broken = True
@@ -137,6 +149,7 @@ class RankPool:
         self.close()
 
     def pids(self) -> list[int]:
+        """The worker processes' pids (each leads its own session and process group)."""
         return [p.pid for p in self.procs]
 
     def ensure(self, size: int, exact: bool = False) -> bool:
@@ -156,17 +169,16 @@ class RankPool:
         return self.collect(self.submit(case, impl, allow_import=allow_import, leak=leak))
 
     def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
-               leak: bool = True, whole_world: bool = False) -> dict:
+               leak: bool = True, whole_world: bool = False) -> LocalTicket:
         """Send a case to every rank (restarting the pool if needed); the deadline starts now."""
         restarted = self.ensure(case.pool_size, exact=whole_world)
         self._case_id += 1
-        msg = {"op": "run", "case": case_mod.to_dict(case), "impl": impl or case.impl,
-               "allow_import": allow_import, "leak": leak, "case_id": self._case_id,
-               "fresh_group": self.fresh_group and not restarted}
+        msg = RunMessage(op=RUN, case=case_mod.to_dict(case), impl=impl or case.impl, allow_import=allow_import,
+                         leak=leak, case_id=self._case_id, fresh_group=self.fresh_group and not restarted)
         self.fresh_group = False
-        ticket = {"start": time.monotonic(), "deadline_s": case.deadline_s, "pending": {}, "dead": {},
-                  "case_id": self._case_id,
-                  "stacks": {r: self._stack_size(r) for r in range(self.size)}, "restarted": restarted}
+        ticket = LocalTicket(start=time.monotonic(), deadline_s=case.deadline_s, pending={}, dead={},
+                             case_id=self._case_id, stacks={r: self._stack_size(r) for r in range(self.size)},
+                             restarted=restarted)
         for r, c in enumerate(self.conns):
             try:
                 wire.send(c, msg)
@@ -175,7 +187,7 @@ class RankPool:
                 ticket["dead"][r] = self._death(r)
         return ticket
 
-    def collect(self, ticket: dict) -> PoolReply:
+    def collect(self, ticket: LocalTicket) -> PoolReply:
         """Wait for every rank's reply until the deadline; report hung ranks' stacks and dead ranks."""
         out = PoolReply(restarted=ticket["restarted"], dead=dict(ticket["dead"]))
         pending: dict[Connection, int] = ticket["pending"]
@@ -194,7 +206,7 @@ class RankPool:
         out.notes = {r: n for r in out.dead if (n := self._fault_note(r, ticket.get("case_id"))) is not None}
         if pending or out.dead:
             self.broken = True
-        if any(rep.get("status") not in ("ok", "idle") for rep in out.replies.values()):
+        if any(rep.get("status") not in SETTLED for rep in out.replies.values()):
             # a rank raised mid-ring: its group may hold stale messages. Every rank is alive and
             # idle, so the next case heals by building a fresh group (restart after MAX_HEALS).
             self.heals += 1
@@ -269,7 +281,16 @@ class RankPool:
 
 
 def _kill_all(procs: list[subprocess.Popen], workdir: str | None) -> None:
-    """SIGTERM every worker's process group, then SIGKILL what is left; remove the temp dir."""
+    """SIGTERM every worker's process group, then SIGKILL what is left; remove the temp dir (always,
+    even when killing raised)."""
+    try:
+        _kill_groups(procs)
+    finally:
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -289,6 +310,4 @@ def _kill_all(procs: list[subprocess.Popen], workdir: str | None) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
             p.wait()
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
 

@@ -21,13 +21,14 @@ import torch
 
 from harness import case as case_mod
 from harness.ranks.backend import choose_backend, device_for
-from harness.ranks.pool import PoolReply
+from harness.ranks.protocol import RUN, STOP, PoolReply, ResultMessage, RunMessage, StopMessage, TorchrunTicket
 from harness.ranks.worker import Groups, handle_case
 
 HANG_EXIT = 124
 
 
 def launched_by_torchrun() -> bool:
+    """Whether torchrun started this process (its rendezvous variables are set)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
@@ -52,7 +53,8 @@ class _Watchdog:
 
 
 class TorchrunPool:
-    """The pool interface over torchrun's processes (use on rank 0; other ranks call `follow`)."""
+    """The `Pool` interface (harness.ranks.protocol) over torchrun's processes: use on rank 0; the
+    other ranks call `follow`. A `Pool[TorchrunTicket]`."""
 
     def __init__(self, backend: str | None = None) -> None:
         import torch.distributed as dist
@@ -68,16 +70,17 @@ class TorchrunPool:
         self.impls: dict = {}
         self._case_id = 0
         self.starts = 1
-        self.broken = False
+        self.broken = False  # never: a hang ends the whole job instead
+        self.fresh_group = False  # never: groups are not rebuilt under torchrun
 
-    def _broadcast(self, msg: dict | None) -> dict:
+    def _broadcast(self, msg: RunMessage | StopMessage | None) -> RunMessage | StopMessage:
         import torch.distributed as dist
 
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    def _gather(self, reply: dict) -> list[dict] | None:
+    def _gather(self, reply: ResultMessage) -> list[ResultMessage] | None:
         import torch.distributed as dist
 
         out = [None] * self.size if self.rank == 0 else None
@@ -85,6 +88,7 @@ class TorchrunPool:
         return out
 
     def ensure(self, size: int, exact: bool = False) -> bool:
+        """Torchrun's ranks are fixed: fine when they fit the case, a HarnessError otherwise."""
         if size > self.size or (exact and size != self.size):
             from harness.errors import HarnessError
 
@@ -92,18 +96,20 @@ class TorchrunPool:
         return False
 
     def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
-               leak: bool = True, whole_world: bool = False) -> dict:
+               leak: bool = True, whole_world: bool = False) -> TorchrunTicket:
+        """Broadcast the case and run rank 0's share of it now (under the case's watchdog)."""
         self.ensure(case.pool_size, exact=whole_world)
         self._case_id += 1
-        msg = {"op": "run", "case": case_mod.to_dict(case), "impl": impl or case.impl,
-               "allow_import": allow_import, "leak": leak, "case_id": self._case_id}
+        msg = RunMessage(op=RUN, case=case_mod.to_dict(case), impl=impl or case.impl, allow_import=allow_import,
+                         leak=leak, case_id=self._case_id)
         self._broadcast(msg)
         start = time.monotonic()
         dog = _Watchdog(self.rank, case.deadline_s, f"case {self._case_id} ({case.summary()})")
         reply = handle_case(msg, self.rank, self.groups, self.device, self.impls)
-        return {"start": start, "reply": reply, "dog": dog}
+        return TorchrunTicket(start=start, reply=reply, dog=dog)
 
-    def collect(self, ticket: dict) -> PoolReply:
+    def collect(self, ticket: TorchrunTicket) -> PoolReply:
+        """Gather every rank's result of the case (the watchdog still guards the wait)."""
         replies = self._gather(ticket["reply"])
         ticket["dog"].cancel()
         return PoolReply(replies={r: rep for r, rep in enumerate(replies)}, wall_s=time.monotonic() - ticket["start"])
@@ -112,7 +118,7 @@ class TorchrunPool:
         """Non-zero ranks: run every case rank 0 broadcasts until it says stop."""
         while True:
             msg = self._broadcast(None)
-            if msg["op"] == "stop":
+            if msg["op"] == STOP:
                 return
             case = case_mod.from_dict(msg["case"])
             dog = _Watchdog(self.rank, case.deadline_s, f"case {msg['case_id']} ({case.summary()})")
@@ -121,14 +127,16 @@ class TorchrunPool:
             dog.cancel()
 
     def close(self) -> None:
+        """Rank 0 tells the followers to stop; every rank leaves the process group."""
         import torch.distributed as dist
 
         if self.rank == 0 and dist.is_initialized():
-            self._broadcast({"op": "stop"})
+            self._broadcast(StopMessage(op=STOP))
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def pids(self) -> list[int]:
+        """This process only: torchrun owns the others."""
         return [os.getpid()]
 
     def __enter__(self) -> TorchrunPool:

@@ -39,6 +39,7 @@ _DISPATCH[torch.Tensor] = _reduce_tensor
 
 
 def dumps(obj: Any) -> bytes:
+    """Pickle a message, CPU tensors as raw bytes."""
     buf = io.BytesIO()
     p = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     p.dispatch_table = _DISPATCH
@@ -47,8 +48,10 @@ def dumps(obj: Any) -> bytes:
 
 
 def send(conn: Connection, obj: Any) -> None:
+    """Send one message (a protocol.Message dict) over the rank's connection."""
     conn.send_bytes(dumps(obj))
 
 
 def recv(conn: Connection) -> Any:
+    """Receive one message; EOFError / OSError when the other side is gone."""
     return pickle.loads(conn.recv_bytes())

@@ -1,7 +1,9 @@
 """One rank of the persistent pool: receives cases from the parent, runs them, sends back shards.
 
-Started by `harness.pool` as `python -m harness.ranks.worker`; dies with its parent (PDEATHSIG plus a
-watchdog thread), dumps its Python stack on SIGUSR1 (faulthandler) so a hang names where it waits.
+Started by `harness.ranks.pool` as `python -m harness.ranks.worker`; dies with its parent (PDEATHSIG
+plus a watchdog thread), dumps its Python stack on SIGUSR1 (faulthandler) so a hang names where it
+waits. Runs inside a rank process: see `harness.ranks` for what it may import. The messages it
+answers (`HANDLERS`, one handler per op) are declared in `harness.ranks.protocol`.
 """
 
 from __future__ import annotations
@@ -17,15 +19,35 @@ import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Listener
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener
 
 import torch
 
 from harness import case as case_mod
 from harness import inputs
 from harness.context import RunContext
+from harness.errors import ShapeError
 from harness.ranks import wire
 from harness.ranks.backend import choose_backend, device_for
+from harness.ranks.protocol import (
+    DIVERGED,
+    ERROR,
+    IDLE,
+    OK,
+    PING,
+    PONG,
+    READY,
+    RESULT,
+    RUN,
+    STOP,
+    Message,
+    PongMessage,
+    ReadyMessage,
+    ResultMessage,
+    RunMessage,
+)
 from ring_impl.layouts import all_positions
 
 
@@ -131,8 +153,6 @@ def _forward_backward(impl, q, k, v, dout, ctx, phase=_no_phase):
     return out, lse, grads[0], grads[1], grads[2], {"forward_s": t1 - t0, "backward_s": t2 - t1}
 
 
-class ShapeError(RuntimeError):
-    """An implementation returned a tensor of the wrong shape (verdict: diverged)."""
 
 
 def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bool, phase=_no_phase) -> dict:
@@ -180,7 +200,7 @@ def comm_budget(case: case_mod.Case) -> float:
     return max(0.5, case.deadline_s - max(0.5, min(2.0, 0.1 * case.deadline_s)))
 
 
-def _interposer(case: case_mod.Case, rank: int, msg: dict, workdir: str | None):
+def _interposer(case: case_mod.Case, rank: int, msg: RunMessage, workdir: str | None):
     """This rank's torch.distributed interposer for the case: op log, faults, short timeouts."""
     from harness.faults import interpose, schema
 
@@ -194,8 +214,8 @@ def _interposer(case: case_mod.Case, rank: int, msg: dict, workdir: str | None):
     )
 
 
-def handle_case(msg: dict, rank: int, groups: Groups, device: torch.device, impls: dict,
-                workdir: str | None = None) -> dict:
+def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device, impls: dict,
+                workdir: str | None = None) -> ResultMessage:
     """Run one 'run' message on this (global) rank and build the reply; never raises for an
     implementation's error (that is a result). Shared by the pool worker and the torchrun driver.
     The case runs inside the fault interposer; the reply carries its op log and fired faults."""
@@ -203,14 +223,14 @@ def handle_case(msg: dict, rank: int, groups: Groups, device: torch.device, impl
     from harness.impls import registry
 
     case = case_mod.from_dict(msg["case"])
-    reply = {"op": "result", "rank": rank, "case_id": msg["case_id"]}
+    reply = ResultMessage(op=RESULT, rank=rank, case_id=msg["case_id"], status=OK)
     ip = _interposer(case, rank, msg, workdir)
     try:
         if msg.get("fresh_group"):
             groups.reset()
         group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
         if not (case.group_offset <= rank < case.group_offset + case.world_size):
-            reply["status"] = "idle"
+            reply["status"] = IDLE
             return reply
         spec = msg["impl"]
         if spec not in impls:
@@ -218,11 +238,11 @@ def handle_case(msg: dict, rank: int, groups: Groups, device: torch.device, impl
         reply["deterministic"] = bool(getattr(impls[spec], "deterministic", True))
         with interpose.active(ip):
             reply.update(run_on_rank(case, impls[spec], group, device, msg.get("leak", True), ip.set_phase))
-        reply["status"] = "ok"
+        reply["status"] = OK
     except ShapeError as e:
-        reply.update(status="diverged", error=_error_text(e))
+        reply.update(status=DIVERGED, error=_error_text(e))
     except Exception as e:  # the implementation's error is a result, not a worker crash
-        reply.update(status="error", error=_error_text(e), traceback=traceback.format_exc()[-4000:])
+        reply.update(status=ERROR, error=_error_text(e), traceback=traceback.format_exc()[-4000:])
     reply.update(comm=ip.compact_log(), faults=ip.report())
     return reply
 
@@ -235,8 +255,41 @@ def _warm_up() -> None:
     torch.autograd.backward(x * 2, torch.ones(1))
 
 
+@dataclass
+class Serving:
+    """What a pool worker keeps between messages."""
+
+    rank: int
+    conn: Connection
+    groups: Groups
+    device: torch.device
+    workdir: str
+    impls: dict[str, object]
+
+
+def on_run(st: Serving, msg: RunMessage) -> bool:
+    """Run the case and send its result."""
+    wire.send(st.conn, handle_case(msg, st.rank, st.groups, st.device, st.impls, st.workdir))
+    return True
+
+
+def on_ping(st: Serving, msg: Message) -> bool:
+    """Answer that this rank is alive and idle."""
+    wire.send(st.conn, PongMessage(op=PONG, rank=st.rank))
+    return True
+
+
+def on_stop(st: Serving, msg: Message) -> bool:
+    """Leave the loop (the caller tears the process group down and exits)."""
+    return False
+
+
+# every message a worker answers, one handler each; a handler returns whether to keep serving
+HANDLERS: dict[str, Callable[[Serving, Message], bool]] = {RUN: on_run, PING: on_ping, STOP: on_stop}
+
+
 def serve(rank: int, size: int, workdir: str, backend: str) -> None:
-    """Rendezvous, then loop: receive a case, run it, reply. Exits on 'stop' or parent death."""
+    """Rendezvous, then loop: receive a message, hand it to its handler. Exits on 'stop' or parent death."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -252,25 +305,24 @@ def serve(rank: int, size: int, workdir: str, backend: str) -> None:
         backend, store=dist.FileStore(os.path.join(workdir, "store"), size), rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=60),
     )
-    groups = Groups(backend)
-    impls: dict[str, object] = {}
-    wire.send(conn, {"op": "ready", "rank": rank, "pid": os.getpid()})
+    st = Serving(rank, conn, Groups(backend), device, workdir, {})
+    wire.send(conn, ReadyMessage(op=READY, rank=rank, pid=os.getpid()))
     while True:
         try:
             msg = wire.recv(conn)
         except (EOFError, OSError):
             os._exit(0)
-        if msg["op"] == "stop":
+        handler = HANDLERS.get(msg.get("op"))
+        if handler is None:
+            raise ValueError(f"rank {rank}: unknown message op {msg.get('op')!r} (known: {', '.join(HANDLERS)})")
+        if not handler(st, msg):
             break
-        if msg["op"] == "ping":
-            wire.send(conn, {"op": "pong", "rank": rank})
-            continue
-        wire.send(conn, handle_case(msg, rank, groups, device, impls, workdir))
     dist.destroy_process_group()
     conn.close()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Entry point of a worker process (arguments given by RankPool)."""
     p = argparse.ArgumentParser(prog="harness.ranks.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)

@@ -28,8 +28,8 @@ from harness.context import Capabilities
 from harness.diagnose import localise as localise_mod
 from harness.errors import HarnessError
 from harness.ranks.pool import RankPool
-from harness.result import result_record
-from harness.runner import CaseResult, run_case
+from harness.result import CaseResult, result_record
+from harness.runner import run_case
 from harness.search import strategies
 
 

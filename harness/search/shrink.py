@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.case import Case
 from harness.errors import HarnessError
-from harness.runner import CaseResult
+from harness.result import CaseResult
 from harness.search.strategies import DTYPE_ORDER, VALUE_KINDS
 from ring_impl.layouts import LAYOUTS, split_lengths
 from ring_impl.masks import MASK_KINDS, MaskSpec

@@ -1,17 +1,42 @@
-"""Helpers shared by the adapters: refusing what an implementation does not support, versions,
-tensor layout conversions. Imports torch and the harness only, never a third-party library."""
+"""Helpers shared by the adapters: the variant declaration, refusing what an implementation does not
+support, versions, tensor layout conversions. Imports torch and the harness only, never a third-party
+library, and never the registry (the registry imports the adapters)."""
 
 from __future__ import annotations
 
 import importlib.metadata as md
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from harness.context import Capabilities, RunContext
-from harness.impls.registry import ImplError
+from harness.dtypes import dtype_name
+from harness.errors import ImplError
+from harness.impls.capabilities import feature_words, missing_features
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FLASH_HEAD_DIMS = tuple(range(8, 257, 8))  # flash-attn 2 / cuDNN fused attention: multiples of 8 up to 256
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One built-in implementation an adapter module offers, declared once in its `VARIANTS`.
+
+    `capabilities`: what it declares it supports. `option`: the one setting that tells it apart from
+    its siblings in the same module (a rotation method, a library function, a comm type, a mode), read
+    by the module's `make(name)`; empty when the module has a single variant.
+    """
+
+    capabilities: Capabilities
+    option: str = ""
+
+
+def variant(variants: Mapping[str, Variant], name: str) -> Variant:
+    """`variants[name]`, or ImplError naming the variants the module declares (for `make(name)`)."""
+    try:
+        return variants[name]
+    except KeyError:
+        raise ImplError(f"no built-in variant {name!r} here; declared: {', '.join(variants)}") from None
 
 
 def installed_version(dist_name: str) -> str:
@@ -27,33 +52,35 @@ def backend_of(ctx: RunContext) -> str:
     return "nccl" if ctx.device.type == "cuda" else "gloo"
 
 
-def is_uneven(ctx: RunContext) -> bool:
-    return len(set(int(n) for n in ctx.lengths)) > 1
+def is_subgroup(ctx: RunContext) -> bool:
+    """Whether the ring is not global ranks 0..W-1 (the capability rule's "subgroup")."""
+    return tuple(ctx.global_ranks) != tuple(range(ctx.world_size))
 
 
-def unsupported(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor) -> list[str]:
-    """What this run asks for that `caps` does not declare (empty when everything is supported)."""
-    why = []
-    if ctx.layout not in caps.layouts:
-        why.append(f"layout {ctx.layout}")
-    if ctx.mask.kind not in caps.masks:
-        why.append(f"mask {ctx.mask.kind}")
-    name = DTYPE_NAMES.get(q.dtype, str(q.dtype))
-    if name not in caps.dtypes:
-        why.append(f"dtype {name}")
-    if not caps.gqa and q.shape[2] != k.shape[2]:
-        why.append(f"GQA ({q.shape[2]} query heads, {k.shape[2]} kv heads)")
-    if not caps.uneven and is_uneven(ctx):
-        why.append(f"uneven split {list(ctx.lengths)}")
-    lo, hi = caps.world_sizes
-    if not lo <= ctx.world_size <= hi:
-        why.append(f"world size {ctx.world_size} (supports {lo}..{hi})")
-    backend = backend_of(ctx)
-    if backend not in caps.backends:
-        why.append(f"backend {backend} (supports {', '.join(sorted(caps.backends))})")
-    if caps.head_dims is not None and q.shape[-1] not in caps.head_dims:
-        why.append(f"head_dim {q.shape[-1]}")
-    return why
+def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor) -> list[str]:
+    """What this run asks for that `caps` does not declare, in words (empty when all is supported).
+
+    The rule is `capabilities.missing_features`, the one the case side uses; here the subgroup and the
+    backend are known, so they are checked too.
+    """
+    missing = missing_features(
+        caps,
+        layout=ctx.layout,
+        mask_kind=ctx.mask.kind,
+        dtype=dtype_name(q.dtype),
+        world_size=ctx.world_size,
+        heads_q=q.shape[2],
+        heads_kv=k.shape[2],
+        lengths=ctx.lengths,
+        head_dim=q.shape[-1],
+        subgroup=is_subgroup(ctx),
+        backend=backend_of(ctx),
+    )
+    return [
+        feature_words(f, caps, heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths,
+                      global_ranks=ctx.global_ranks)
+        for f in missing
+    ]
 
 
 def require_supported(
@@ -65,7 +92,7 @@ def require_supported(
     send/recv sizes) or return silently wrong numbers. Probing a library outside its contract is a
     separate, deliberate experiment, not something an adapter does by accident.
     """
-    why = unsupported(ctx, caps, q, k)
+    why = unsupported_reasons(ctx, caps, q, k)
     if why:
         raise ImplError(f"{name}: unsupported here: {'; '.join(why)}")
 

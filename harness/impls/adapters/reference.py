@@ -1,7 +1,7 @@
 """The project's own reference ring (`ring_impl.ring_attention`): every layout, mask, dtype, split.
 
-`wrap` turns any function with the `ring_attention` signature into an `Impl`; the registry uses it
-for the reference and for the bug variants in `ring_impl.mutants` (`mutant:NAME`, selftest only).
+`wrap` turns any function with the `ring_attention` signature into an `Impl`; `make` uses it for the
+reference and `mutant` for the bug variants in `ring_impl.mutants` (`mutant:NAME`, selftest only).
 """
 
 from __future__ import annotations
@@ -10,16 +10,18 @@ from collections.abc import Callable
 from typing import Any
 
 from harness.context import Capabilities, Impl, RunContext
+from harness.impls.adapters._common import Variant, installed_version, variant
 
 EXTRA = None  # part of the project itself
-CAPABILITIES = {"reference": Capabilities(returns_lse=True)}
+REFERENCE_CAPABILITIES = Capabilities(returns_lse=True)  # the mutants' too: they are wrapped alike
+VARIANTS = {"reference": Variant(REFERENCE_CAPABILITIES)}
 MUTANT_PREFIX = "mutant:"
 
 
 def wrap(ring_attention: Callable[..., Any], name: str) -> Impl:
     """An Impl calling `ring_attention` with everything the context says; returns (out, lse)."""
 
-    def run(q, k, v, ctx: RunContext):
+    def run(q: Any, k: Any, v: Any, ctx: RunContext) -> Any:
         return ring_attention(
             q,
             k,
@@ -32,16 +34,15 @@ def wrap(ring_attention: Callable[..., Any], name: str) -> Impl:
             return_lse=True,
         )
 
-    from harness.impls.adapters._common import installed_version
-
-    return Impl(name=name, run=run, capabilities=CAPABILITIES["reference"], version=installed_version("ring-harness"))
+    return Impl(name=name, run=run, capabilities=REFERENCE_CAPABILITIES, version=installed_version("ring-harness"))
 
 
-def impl() -> Impl:
-    """The reference ring."""
+def make(name: str) -> Impl:
+    """The reference ring (`name` is "reference", the one entry of VARIANTS)."""
     from ring_impl import ring_attention
 
-    return wrap(ring_attention, "reference")
+    variant(VARIANTS, name)
+    return wrap(ring_attention, name)
 
 
 def mutant_names() -> list[str]:

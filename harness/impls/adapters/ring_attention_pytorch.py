@@ -22,30 +22,35 @@ from __future__ import annotations
 import math
 import warnings
 
+import torch
+
 from harness.context import Capabilities, Impl, RunContext
 from harness.impls.adapters._common import (
+    Variant,
     grouped_to_tiled,
     installed_version,
     require_supported,
     require_whole_world,
     tiled_to_grouped,
+    variant,
 )
 
-NAME = "ring-attention-pytorch"
 EXTRA = "ring-attention-pytorch"
-CAPABILITIES = {
-    NAME: Capabilities(
-        layouts=frozenset({"contiguous", "striped"}),
-        masks=frozenset({"none", "causal"}),
-        dtypes=frozenset({"fp32"}),
-        gqa=True,
-        uneven=False,
-        world_sizes=(2, 8),
-        backward=True,
-        backends=frozenset({"gloo", "nccl"}),
-        returns_lse=False,
-        subgroups=False,  # addresses peers by global rank and barriers on the whole world
-    )
+VARIANTS = {
+    "ring-attention-pytorch": Variant(
+        Capabilities(
+            layouts=frozenset({"contiguous", "striped"}),
+            masks=frozenset({"none", "causal"}),
+            dtypes=frozenset({"fp32"}),
+            gqa=True,
+            uneven=False,
+            world_sizes=(2, 8),
+            backward=True,
+            backends=frozenset({"gloo", "nccl"}),
+            returns_lse=False,
+            subgroups=False,  # addresses peers by global rank and barriers on the whole world
+        )
+    ),
 }
 
 
@@ -65,18 +70,17 @@ def q_prescale(softmax_scale: float, head_dim: int) -> float:
     return softmax_scale * math.sqrt(head_dim)
 
 
-def impl() -> Impl:
+def make(name: str) -> Impl:
     """The adapter; imports the library (ImportError when it is not installed)."""
+    caps = variant(VARIANTS, name).capabilities
     with warnings.catch_warnings():  # its beartype hints warn on import (PEP 585 deprecations)
         warnings.simplefilter("ignore", DeprecationWarning)
         from ring_attention_pytorch import distributed as lib_dist
         from ring_attention_pytorch import ring_flash_attn
 
-    caps = CAPABILITIES[NAME]
-
-    def run(q, k, v, ctx: RunContext):
-        require_supported(NAME, ctx, caps, q, k)
-        require_whole_world(NAME, ctx)
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        require_supported(name, ctx, caps, q, k)
+        require_whole_world(name, ctx)
         # its rank / world size are lru-cached on first use; read them fresh for this process group
         lib_dist.get_rank.cache_clear()
         lib_dist.get_world_size.cache_clear()
@@ -85,4 +89,4 @@ def impl() -> Impl:
         out = ring_flash_attn(qs, k, v, **library_args(ctx, q.shape[1]))
         return tiled_to_grouped(out, kv_heads)
 
-    return Impl(name=NAME, run=run, capabilities=caps, version=installed_version("ring-attention-pytorch"))
+    return Impl(name=name, run=run, capabilities=caps, version=installed_version("ring-attention-pytorch"))

@@ -21,30 +21,27 @@ global sliding window, so only llama3 declares the window mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from harness.context import Capabilities, Impl, RunContext
-from harness.impls.adapters._common import FLASH_HEAD_DIMS, installed_version, require_supported
-from harness.impls.registry import ImplError
+from harness.context import Capabilities, Impl, RunContext, RunFn
+from harness.errors import ImplError
+from harness.impls.adapters._common import (
+    FLASH_HEAD_DIMS,
+    Variant,
+    installed_version,
+    require_supported,
+    variant,
+)
 
 EXTRA = "ring-flash-attn"
-FUNCS = {
-    "ring-flash-attn": "ring_flash_attn_func",
-    "ring-flash-attn-zigzag": "zigzag_ring_flash_attn_func",
-    "ring-flash-attn-stripe": "stripe_flash_attn_func",
-    "ring-flash-attn-llama3": "llama3_flash_attn_varlen_func",
-}
-LAYOUT = {
-    "ring-flash-attn": "contiguous",
-    "ring-flash-attn-zigzag": "zigzag",
-    "ring-flash-attn-stripe": "striped",
-    "ring-flash-attn-llama3": "contiguous",
-}
 
 
-def _caps(name: str, masks: set[str]) -> Capabilities:
+def _caps(layout: str, masks: set[str]) -> Capabilities:
     return Capabilities(
-        layouts=frozenset({LAYOUT[name]}),
+        layouts=frozenset({layout}),
         masks=frozenset(masks),
         dtypes=frozenset({"fp16", "bf16"}),  # flash-attn 2 kernels
         gqa=True,
@@ -57,11 +54,15 @@ def _caps(name: str, masks: set[str]) -> Capabilities:
     )
 
 
-CAPABILITIES = {
-    "ring-flash-attn": _caps("ring-flash-attn", {"none", "causal"}),
-    "ring-flash-attn-zigzag": _caps("ring-flash-attn-zigzag", {"causal"}),
-    "ring-flash-attn-stripe": _caps("ring-flash-attn-stripe", {"causal"}),
-    "ring-flash-attn-llama3": _caps("ring-flash-attn-llama3", {"none", "causal", "window", "document"}),
+LLAMA3 = "llama3_flash_attn_varlen_func"  # all-gathers K/V over packed documents: driven differently
+# option: the library function
+VARIANTS = {
+    "ring-flash-attn": Variant(_caps("contiguous", {"none", "causal"}), option="ring_flash_attn_func"),
+    "ring-flash-attn-zigzag": Variant(_caps("zigzag", {"causal"}), option="zigzag_ring_flash_attn_func"),
+    "ring-flash-attn-stripe": Variant(_caps("striped", {"causal"}), option="stripe_flash_attn_func"),
+    "ring-flash-attn-llama3": Variant(
+        _caps("contiguous", {"none", "causal", "window", "document"}), option=LLAMA3
+    ),
 }
 
 
@@ -71,6 +72,7 @@ def window_size(ctx: RunContext) -> tuple[int, int]:
 
 
 def is_causal(ctx: RunContext) -> bool:
+    """Whether the mask is causal (flash-attn's `causal` flag)."""
     return ctx.mask.is_causal
 
 
@@ -80,8 +82,8 @@ def cu_seqlens(ctx: RunContext) -> torch.Tensor:
     return torch.tensor(starts + [ctx.total_len], dtype=torch.int32)
 
 
-def _ring_run(fn, name: str, caps: Capabilities):
-    def run(q, k, v, ctx: RunContext):
+def _ring_run(fn: Callable[..., Any], name: str, caps: Capabilities) -> RunFn:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
         out, lse, _ = fn(
             q,
@@ -100,8 +102,8 @@ def _ring_run(fn, name: str, caps: Capabilities):
     return run
 
 
-def _llama3_run(fn, prepare, name: str, caps: Capabilities):
-    def run(q, k, v, ctx: RunContext):
+def _llama3_run(fn: Callable[..., Any], prepare: Callable[..., Any], name: str, caps: Capabilities) -> RunFn:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
         causal = is_causal(ctx)
         cu_q, cu_k, max_q, max_k, k_slice = prepare(
@@ -134,16 +136,17 @@ def _llama3_run(fn, prepare, name: str, caps: Capabilities):
     return run
 
 
-def _make(name: str) -> Impl:
+def make(name: str) -> Impl:
+    """The variant's library function behind our run signature; imports ring_flash_attn (ImportError
+    when absent), ImplError when this version lacks the function."""
+    declared = variant(VARIANTS, name)
     import ring_flash_attn as lib
 
-    fn = getattr(lib, FUNCS[name], None)
+    func, caps = declared.option, declared.capabilities
+    fn = getattr(lib, func, None)
     if fn is None:
-        raise ImplError(
-            f"{name}: ring_flash_attn {installed_version('ring-flash-attn')} has no {FUNCS[name]}"
-        )
-    caps = CAPABILITIES[name]
-    if name == "ring-flash-attn-llama3":
+        raise ImplError(f"{name}: ring_flash_attn {installed_version('ring-flash-attn')} has no {func}")
+    if func == LLAMA3:
         run = _llama3_run(fn, lib.llama3_flash_attn_prepare_cu_seqlens, name, caps)
     else:
         run = _ring_run(fn, name, caps)
@@ -154,22 +157,6 @@ def _make(name: str) -> Impl:
         version=installed_version("ring-flash-attn"),
         deterministic=False,
     )
-
-
-def impl_ring() -> Impl:
-    return _make("ring-flash-attn")
-
-
-def impl_zigzag() -> Impl:
-    return _make("ring-flash-attn-zigzag")
-
-
-def impl_stripe() -> Impl:
-    return _make("ring-flash-attn-stripe")
-
-
-def impl_llama3() -> Impl:
-    return _make("ring-flash-attn-llama3")
 
 
 def extract_local(layout: str, x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:

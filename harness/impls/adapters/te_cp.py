@@ -16,11 +16,16 @@ from __future__ import annotations
 import torch
 
 from harness.context import Capabilities, Impl, RunContext
-from harness.impls.adapters._common import FLASH_HEAD_DIMS, installed_version, require_supported
-from harness.impls.registry import ImplError
+from harness.errors import ImplError
+from harness.impls.adapters._common import (
+    FLASH_HEAD_DIMS,
+    Variant,
+    installed_version,
+    require_supported,
+    variant,
+)
 
 EXTRA = "te"
-COMM = {"te-cp-p2p": "p2p", "te-cp-a2a": "a2a", "te-cp-all-gather": "all_gather"}
 
 
 def _caps(masks: set[str]) -> Capabilities:
@@ -38,10 +43,11 @@ def _caps(masks: set[str]) -> Capabilities:
     )
 
 
-CAPABILITIES = {
-    "te-cp-p2p": _caps({"none", "causal"}),
-    "te-cp-a2a": _caps({"none", "causal", "window"}),
-    "te-cp-all-gather": _caps({"none", "causal", "window"}),
+# option: TE's cp_comm_type
+VARIANTS = {
+    "te-cp-p2p": Variant(_caps({"none", "causal"}), option="p2p"),
+    "te-cp-a2a": Variant(_caps({"none", "causal", "window"}), option="a2a"),
+    "te-cp-all-gather": Variant(_caps({"none", "causal", "window"}), option="all_gather"),
 }
 
 
@@ -62,20 +68,22 @@ def check_shapes(name: str, ctx: RunContext, heads_q: int, heads_kv: int) -> Non
         raise ImplError(
             f"{name}: total length {ctx.total_len} is not divisible by 2*W = {2 * ctx.world_size}"
         )
-    if COMM[name] == "a2a" and (heads_q % ctx.world_size or heads_kv % ctx.world_size):
+    if variant(VARIANTS, name).option == "a2a" and (heads_q % ctx.world_size or heads_kv % ctx.world_size):
         raise ImplError(
             f"{name}: a2a needs head counts divisible by W={ctx.world_size} "
             f"(got {heads_q} query, {heads_kv} kv heads)"
         )
 
 
-def _make(name: str) -> Impl:
+def make(name: str) -> Impl:
+    """TE's DotProductAttention with the variant's cp_comm_type; imports TE (ImportError when absent)."""
+    declared = variant(VARIANTS, name)
     from transformer_engine.pytorch import DotProductAttention
 
-    caps = CAPABILITIES[name]
+    comm, caps = declared.option, declared.capabilities
     modules: dict[tuple, torch.nn.Module] = {}
 
-    def module_for(ctx: RunContext, q, k) -> torch.nn.Module:
+    def module_for(ctx: RunContext, q: torch.Tensor, k: torch.Tensor) -> torch.nn.Module:
         key = (
             id(ctx.group),
             tuple(ctx.global_ranks),
@@ -95,11 +103,11 @@ def _make(name: str) -> Impl:
                 softmax_scale=ctx.softmax_scale,
                 **mask_args(ctx),
             )
-            m.set_context_parallel_group(ctx.group, list(ctx.global_ranks), torch.cuda.Stream(), COMM[name])
+            m.set_context_parallel_group(ctx.group, list(ctx.global_ranks), torch.cuda.Stream(), comm)
             modules[key] = m.to(ctx.device)
         return modules[key]
 
-    def run(q, k, v, ctx: RunContext):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         check_shapes(name, ctx, q.shape[2], k.shape[2])
         out = module_for(ctx, q, k)(q, k, v)
@@ -112,18 +120,6 @@ def _make(name: str) -> Impl:
         version=installed_version("transformer-engine"),
         deterministic=False,
     )
-
-
-def impl_p2p() -> Impl:
-    return _make("te-cp-p2p")
-
-
-def impl_a2a() -> Impl:
-    return _make("te-cp-a2a")
-
-
-def impl_all_gather() -> Impl:
-    return _make("te-cp-all-gather")
 
 
 def dual_chunk_positions(total: int, world_size: int, rank: int) -> torch.Tensor:

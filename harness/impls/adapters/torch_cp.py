@@ -20,12 +20,11 @@ from collections.abc import Iterator
 import torch
 
 from harness.context import Capabilities, Impl, RunContext
-from harness.impls.adapters._common import installed_version, require_supported, to_bhsd
+from harness.errors import ImplError
+from harness.impls.adapters._common import Variant, installed_version, require_supported, to_bhsd, variant
 from harness.impls.adapters.torch_ring import load_balance
-from harness.impls.registry import ImplError
 
 EXTRA = None  # torch itself (CUDA build)
-ROTATE = {"torch-cp": "allgather", "torch-cp-alltoall": "alltoall"}
 _CAPS = Capabilities(
     layouts=frozenset({"contiguous", "zigzag"}),
     masks=frozenset({"none", "causal"}),
@@ -37,7 +36,11 @@ _CAPS = Capabilities(
     backends=frozenset({"nccl"}),
     returns_lse=False,
 )
-CAPABILITIES = {name: _CAPS for name in ROTATE}
+# option: torch's `set_rotate_method` argument, "allgather" (its default) or "alltoall"
+VARIANTS = {
+    "torch-cp": Variant(_CAPS, option="allgather"),
+    "torch-cp-alltoall": Variant(_CAPS, option="alltoall"),
+}
 
 
 def _api():
@@ -98,15 +101,16 @@ class _TorchCP(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def _make(name: str) -> Impl:
+def make(name: str) -> Impl:
+    """torch's public CP with the variant's rotation; ImplError when this torch lacks the API."""
+    declared = variant(VARIANTS, name)
     try:
         _api()
     except ImportError as e:
         raise ImplError(f"{name}: unsupported torch version {torch.__version__} ({e})") from None
-    rotate = ROTATE[name]
-    caps = CAPABILITIES[name]
+    rotate, caps = declared.option, declared.capabilities
 
-    def run(q, k, v, ctx: RunContext):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         out = _TorchCP.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), ctx, rotate)
         return to_bhsd(out)
@@ -118,11 +122,3 @@ def _make(name: str) -> Impl:
         version=f"torch {installed_version('torch')}",
         deterministic=False,
     )
-
-
-def impl_allgather() -> Impl:
-    return _make("torch-cp")
-
-
-def impl_alltoall() -> Impl:
-    return _make("torch-cp-alltoall")

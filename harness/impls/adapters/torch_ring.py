@@ -27,11 +27,10 @@ from types import ModuleType
 import torch
 
 from harness.context import Capabilities, Impl, RunContext
-from harness.impls.adapters._common import require_supported, to_bhsd
-from harness.impls.registry import ImplError
+from harness.errors import ImplError
+from harness.impls.adapters._common import Variant, require_supported, to_bhsd, variant
 
 EXTRA = None  # torch itself
-ROTATE = {"torch-ring": "allgather", "torch-ring-alltoall": "alltoall"}
 NEEDED = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "_RotateMethod")
 MODULES = (
     "torch.distributed.tensor.experimental._context_parallel._attention",  # torch >= 2.9
@@ -53,7 +52,11 @@ _CAPS = Capabilities(
     backends=frozenset({"gloo"}),
     returns_lse=True,
 )
-CAPABILITIES = {name: _CAPS for name in ROTATE}
+# option: the K/V rotation, "allgather" (torch's default: all-gather K/V once) or "alltoall" (permute each step)
+VARIANTS = {
+    "torch-ring": Variant(_CAPS, option="allgather"),
+    "torch-ring-alltoall": Variant(_CAPS, option="alltoall"),
+}
 
 
 def load_private_api() -> ModuleType:
@@ -165,12 +168,13 @@ class _TorchRing(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _make(name: str) -> Impl:
+def make(name: str) -> Impl:
+    """torch's ring with the variant's rotation; ImplError when this torch lacks the private API."""
+    declared = variant(VARIANTS, name)
     mod = load_private_api()
-    rotate = ROTATE[name]
-    caps = CAPABILITIES[name]
+    rotate, caps = declared.option, declared.capabilities
 
-    def run(q, k, v, ctx: RunContext):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
         if ctx.group is None:
             raise ImplError(f"{name}: needs a process group")
@@ -189,13 +193,3 @@ def _make(name: str) -> Impl:
         return to_bhsd(out), lse.float()
 
     return Impl(name=name, run=run, capabilities=caps, version=f"torch {torch.__version__}")
-
-
-def impl_allgather() -> Impl:
-    """torch's ring with its default rotation (all-gather the K/V once)."""
-    return _make("torch-ring")
-
-
-def impl_alltoall() -> Impl:
-    """torch's ring rotating K/V with all-to-all (permute) each step."""
-    return _make("torch-ring-alltoall")

@@ -18,9 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from harness.context import Capabilities, Impl, RunContext
-from harness.impls.adapters._common import FLASH_HEAD_DIMS, installed_version, require_supported
-from harness.impls.registry import ImplError
+from harness.context import Capabilities, Impl, RunContext, RunFn
+from harness.errors import ImplError
+from harness.impls.adapters._common import (
+    FLASH_HEAD_DIMS,
+    Variant,
+    installed_version,
+    require_supported,
+    variant,
+)
 
 EXTRA = "yunchang"
 RING_TYPE = {"contiguous": "basic", "zigzag": "zigzag", "striped": "strip"}
@@ -41,12 +47,14 @@ def _caps(layouts: set[str], masks: set[str], world: tuple[int, int]) -> Capabil
     )
 
 
-CAPABILITIES = {
+# option: the mode, "ring" (RING_IMPL_DICT by layout), "ulysses" (UlyssesAttention) or "usp"
+# (LongContextAttention over Ulysses x ring groups)
+VARIANTS = {
     # zigzag and strip assert causal; "basic" also runs non-causal, but the product of layouts and masks
     # is what a capability set promises, so non-causal is left to the contiguous variants
-    "yunchang-ring": _caps(set(RING_TYPE), {"causal"}, (1, 8)),
-    "yunchang-ulysses": _caps({"contiguous"}, {"none", "causal", "window"}, (1, 8)),
-    "yunchang-usp": _caps({"contiguous"}, {"none", "causal"}, (4, 8)),
+    "yunchang-ring": Variant(_caps(set(RING_TYPE), {"causal"}, (1, 8)), option="ring"),
+    "yunchang-ulysses": Variant(_caps({"contiguous"}, {"none", "causal", "window"}, (1, 8)), option="ulysses"),
+    "yunchang-usp": Variant(_caps({"contiguous"}, {"none", "causal"}, (4, 8)), option="usp"),
 }
 
 
@@ -70,7 +78,7 @@ def usp_groups(global_ranks: tuple[int, ...], ulysses: int) -> tuple[list[list[i
     return uly, rng
 
 
-def _check_heads(name: str, ctx: RunContext, q, k) -> None:
+def _check_heads(name: str, ctx: RunContext, q: torch.Tensor, k: torch.Tensor) -> None:
     if q.shape[2] % ctx.world_size or k.shape[2] % ctx.world_size:
         raise ImplError(
             f"{name}: Ulysses needs head counts divisible by W={ctx.world_size} "
@@ -81,7 +89,7 @@ def _check_heads(name: str, ctx: RunContext, q, k) -> None:
 _GROUPS: dict[tuple, object] = {}
 
 
-def _group(ranks: list[int]):
+def _group(ranks: list[int]) -> object:
     import torch.distributed as dist
 
     key = tuple(ranks)
@@ -90,13 +98,11 @@ def _group(ranks: list[int]):
     return _GROUPS[key]
 
 
-def impl_ring() -> Impl:
+def _ring_run(name: str, caps: Capabilities) -> RunFn:
     from yunchang.hybrid.utils import RING_IMPL_DICT
     from yunchang.kernels import AttnType
 
-    name, caps = "yunchang-ring", CAPABILITIES["yunchang-ring"]
-
-    def run(q, k, v, ctx: RunContext):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         fn = RING_IMPL_DICT[RING_TYPE[ctx.layout]]
         out = fn(
@@ -114,18 +120,14 @@ def impl_ring() -> Impl:
         )
         return out[0] if isinstance(out, tuple) else out
 
-    return Impl(
-        name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
-    )
+    return run
 
 
-def impl_ulysses() -> Impl:
+def _ulysses_run(name: str, caps: Capabilities) -> RunFn:
     from yunchang import UlyssesAttention
     from yunchang.kernels import AttnType
 
-    name, caps = "yunchang-ulysses", CAPABILITIES["yunchang-ulysses"]
-
-    def run(q, k, v, ctx: RunContext):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         _check_heads(name, ctx, q, k)
         attn = UlyssesAttention(ctx.group, scatter_idx=2, gather_idx=1, attn_type=AttnType.FA)
@@ -141,19 +143,15 @@ def impl_ulysses() -> Impl:
             deterministic=True,
         )
 
-    return Impl(
-        name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
-    )
+    return run
 
 
-def impl_usp() -> Impl:
+def _usp_run(name: str, caps: Capabilities) -> RunFn:
     from yunchang import LongContextAttention
     from yunchang.globals import PROCESS_GROUP
     from yunchang.kernels import AttnType
 
-    name, caps = "yunchang-usp", CAPABILITIES["yunchang-usp"]
-
-    def run(q, k, v, ctx: RunContext):
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         u, _ = usp_degrees(ctx.world_size, q.shape[2], k.shape[2])
         uly, rng = usp_groups(tuple(ctx.global_ranks), u)
@@ -174,6 +172,17 @@ def impl_usp() -> Impl:
             deterministic=True,
         )
 
+    return run
+
+
+_RUNS = {"ring": _ring_run, "ulysses": _ulysses_run, "usp": _usp_run}
+
+
+def make(name: str) -> Impl:
+    """The variant's mode behind our run signature; imports yunchang (ImportError when absent)."""
+    declared = variant(VARIANTS, name)
+    caps = declared.capabilities
+    run = _RUNS[declared.option](name, caps)
     return Impl(
         name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
     )

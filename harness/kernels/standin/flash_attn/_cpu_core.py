@@ -50,13 +50,15 @@ def normalise_window(causal: bool, left: int, right: int, seqlen_k: int) -> Wind
     return left, right
 
 
-def visible(seqlen_q: int, seqlen_k: int, start: int, stop: int, window: Window) -> torch.Tensor:
+def visible(
+    seqlen_q: int, seqlen_k: int, start: int, stop: int, window: Window, device: torch.device | None = None
+) -> torch.Tensor:
     """(seqlen_q, stop - start) bool: query i sees key j (start <= j < stop), bottom-right aligned.
 
     mask.h apply_mask_local: masked iff j >= i + 1 + sk - sq + right or j < i + sk - sq - left.
     """
-    rows = torch.arange(seqlen_q).unsqueeze(1)
-    cols = torch.arange(start, stop).unsqueeze(0)
+    rows = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    cols = torch.arange(start, stop, device=device).unsqueeze(0)
     if window is None:
         return (cols < seqlen_k).expand(seqlen_q, stop - start)
     left, right = window
@@ -82,12 +84,12 @@ def forward(
     kf = _heads_first(k, group)
     vf = _heads_first(v, group)
     neg_inf = float("-inf")
-    row_max = torch.full((batch, heads_q, seqlen_q), neg_inf)
-    row_sum = torch.zeros(batch, heads_q, seqlen_q)
-    acc = torch.zeros(batch, heads_q, seqlen_q, v.shape[-1])
+    row_max = torch.full((batch, heads_q, seqlen_q), neg_inf, device=q.device)
+    row_sum = torch.zeros(batch, heads_q, seqlen_q, device=q.device)
+    acc = torch.zeros(batch, heads_q, seqlen_q, v.shape[-1], device=q.device)
     for start in range(0, seqlen_k, block):
         stop = min(seqlen_k, start + block)
-        vis = visible(seqlen_q, seqlen_k, start, stop, window)
+        vis = visible(seqlen_q, seqlen_k, start, stop, window, q.device)
         if not bool(vis.any()):
             continue  # flash-attn skips key blocks outside the window (n_block_min / n_block_max)
         s = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2)) * scale
@@ -144,7 +146,7 @@ def backward(
     dv = torch.zeros_like(vf)
     for start in range(0, seqlen_k, block):
         stop = min(seqlen_k, start + block)
-        vis = visible(seqlen_q, seqlen_k, start, stop, window)
+        vis = visible(seqlen_q, seqlen_k, start, stop, window, q.device)
         if not bool(vis.any()):
             continue
         k_blk, v_blk = kf[:, :, start:stop], vf[:, :, start:stop]

@@ -40,7 +40,7 @@ def round_multiple(x: int, m: int) -> int:
 
 
 def _scalars(op: str, **values: object) -> None:
-    """The custom op schema's type check: a float/int/bool argument may not be None."""
+    """The custom op schema's type check (torch.library): a float argument may not be None."""
     for name, value in values.items():
         if value is None:
             raise RuntimeError(
@@ -96,7 +96,7 @@ def _check_grad_buffer(buf: torch.Tensor | None, name: str, dtype: torch.dtype, 
     if buf is None:
         return
     _check(buf.dtype == dtype, f"{name} must have the same dtype as q")
-    _check(buf.dim() == 0 or buf.stride(-1) == 1, f"{name} must have contiguous last dimension")
+    _check(buf.stride(-1) == 1, f"{name} must have contiguous last dimension")
     _check_shape(buf, name, shape, names)
 
 
@@ -126,7 +126,7 @@ def _flash_attn_forward(
     _check(not return_softmax, "return_softmax is only supported when p_dropout > 0.0")
     window = _cpu_core.normalise_window(bool(causal), int(window_size_left), int(window_size_right), seqlen_k)
     out, lse = _cpu_core.forward(q, k, v, float(softmax_scale), window)
-    return out, lse, torch.empty((0,), dtype=q.dtype), torch.zeros((2,), dtype=torch.int64)
+    return out, lse, *_no_softmax_no_rng(q)
 
 
 def _flash_attn_varlen_forward(
@@ -153,7 +153,8 @@ def _flash_attn_varlen_forward(
     """out (total_q, h, d), softmax_lse (h, total_q) float32, S_dmask (empty), rng_state (2,) int64.
 
     Each document b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] against k/v[cu_seqlens_k[b]:cu_seqlens_k[b+1]],
-    causal/window bottom-right aligned per document; window sides are clamped against max_seqlen_k.
+    causal/window bottom-right aligned per document; window sides are clamped against max_seqlen_k. Rows of q
+    outside every document (flash-attn leaves them unwritten): out 0, lse +inf (-inf with zero_tensors).
     """
     _scalars("_flash_attn_varlen_forward", dropout_p=dropout_p, softmax_scale=softmax_scale, softcap=softcap)
     total_q, num_heads, head_size = q.shape
@@ -173,13 +174,18 @@ def _flash_attn_varlen_forward(
     _check(not return_softmax, "return_softmax is only supported when p_dropout > 0.0")
     window = _cpu_core.normalise_window(bool(causal), int(window_size_left), int(window_size_right), max_seqlen_k)
     out = torch.zeros_like(q)
-    lse = torch.full((num_heads, total_q), float("-inf") if zero_tensors else float("inf"))
+    lse = torch.full((num_heads, total_q), float("-inf") if zero_tensors else float("inf"), device=q.device)
     for qs, k_slice in _documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
-        o, l = _cpu_core.forward(q[qs].unsqueeze(0), k[k_slice].unsqueeze(0), v[k_slice].unsqueeze(0),
-                                 float(softmax_scale), window)
-        out[qs] = o[0]
-        lse[:, qs] = l[0]
-    return out, lse, torch.empty((0,), dtype=q.dtype), torch.zeros((2,), dtype=torch.int64)
+        doc_out, doc_lse = _cpu_core.forward(q[qs].unsqueeze(0), k[k_slice].unsqueeze(0), v[k_slice].unsqueeze(0),
+                                             float(softmax_scale), window)
+        out[qs] = doc_out[0]
+        lse[:, qs] = doc_lse[0]
+    return out, lse, *_no_softmax_no_rng(q)
+
+
+def _no_softmax_no_rng(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """S_dmask (empty without dropout) and rng_state (2,) int64 (meaningless without dropout)."""
+    return torch.empty((0,), dtype=q.dtype, device=q.device), torch.zeros((2,), dtype=torch.int64, device=q.device)
 
 
 def _documents(cu_q: torch.Tensor, cu_k: torch.Tensor, max_seqlen_q: int) -> list[tuple[slice, slice]]:
@@ -240,7 +246,7 @@ def _flash_attn_backward(
     for buf, grad in ((dq, gq), (dk, gk), (dv, gv)):
         if buf is not None:
             buf.copy_(grad)
-    softmax_d = torch.zeros((batch, num_heads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
+    softmax_d = torch.zeros((batch, num_heads, round_multiple(seqlen_q, 128)), dtype=torch.float32, device=q.device)
     softmax_d[:, :, :seqlen_q] = delta
     return softmax_d
 
@@ -300,7 +306,7 @@ def _flash_attn_varlen_backward(
             if buf is not None:
                 buf.zero_()
     window = _cpu_core.normalise_window(bool(causal), int(window_size_left), int(window_size_right), max_seqlen_k)
-    softmax_d = torch.zeros((num_heads, total_q + 128 * batch), dtype=torch.float32)
+    softmax_d = torch.zeros((num_heads, total_q + 128 * batch), dtype=torch.float32, device=q.device)
     for b, (qs, ks) in enumerate(_documents(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)):
         one = [x[s].unsqueeze(0) for x, s in ((dout, qs), (q, qs), (k, ks), (v, ks), (out, qs))]
         lse = softmax_lse[:, qs].unsqueeze(0)

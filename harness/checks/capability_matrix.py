@@ -1,0 +1,52 @@
+"""The capability matrix `check` prints: per feature, declared or not, how many battery cases used it
+and passed or failed, and what a probe of an undeclared feature really did (`PROBE_OUTCOMES`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from harness.context import Capabilities
+from harness.impls.capabilities import case_features, unsupported
+from harness.judging.verdicts import PROBE_OUTCOMES
+
+
+@dataclass
+class MatrixRow:
+    """One row of the capability matrix: a feature, whether it is declared, and how runs using it went."""
+
+    feature: str
+    declared: bool
+    passed: int = 0
+    failed: int = 0
+    probes: dict[str, int] = field(default_factory=dict)  # verdict -> count, for undeclared probes
+
+
+def matrix(caps: Capabilities, results: list, probe_results: list) -> list[MatrixRow]:
+    """Aggregate case results by feature; probe results are cases using undeclared features."""
+    rows: dict[str, MatrixRow] = {}
+    probed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in results:
+        for f in case_features(r.case):
+            row = rows.setdefault(f, MatrixRow(f, True))
+            if r.passed:
+                row.passed += 1
+            else:
+                row.failed += 1
+    for r in probe_results:
+        for f in unsupported(caps, r.case):
+            rows.setdefault(f, MatrixRow(f, False))
+            probed[f][r.verdict] += 1
+    for f, counts in probed.items():
+        rows[f].probes = dict(counts)
+    return [rows[k] for k in sorted(rows, key=lambda k: (k.split(":")[0], k))]
+
+
+def format_matrix(rows: list[MatrixRow]) -> list[str]:
+    """The matrix as text lines, one per feature, with a header."""
+    lines = [f"{'feature':<20} {'declared':<9} {'passed':>6} {'failed':>6}  probe of an undeclared feature"]
+    for row in rows:
+        probe = ", ".join(f"{n} x {PROBE_OUTCOMES.get(v, v)}" for v, n in sorted(row.probes.items()))
+        lines.append(f"{row.feature:<20} {'yes' if row.declared else 'no':<9} {row.passed:>6} {row.failed:>6}  "
+                     f"{probe or '-'}")
+    return lines

@@ -1,0 +1,188 @@
+"""Options of every check, as dataclasses holding each default once.
+
+The command line builds these (harness/commands/ is argparse and nothing else); Python callers
+build them directly: `harness.check(CheckOptions(impl="mypkg.attn:my_ring", max_examples=50))`.
+`validate()` rejects a bad value with one `HarnessError` line naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from harness.dtypes import DTYPES
+from harness.errors import HarnessError
+from harness.faults.schema import KINDS
+
+# Faults that must not change results; the default check runs the first two on every rank, both phases.
+FAULT_STAGE_KINDS = ("early-read", "send-reuse", "delay", "straggler")
+FAULT_STAGE_DEFAULT = ("early-read", "send-reuse")
+PROFILES = ("ci", "nightly")  # hypothesis budgets: harness.search.fuzz.PROFILES
+LAUNCHERS = ("local", "torchrun")
+BACKENDS = ("gloo", "nccl")
+FAULT_BATTERY_PER_KIND = 4
+
+
+def default(cls: type, name: str):
+    """The default of option `name` of an options dataclass (for help texts)."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def parse_kinds(text: str | tuple[str, ...] | None, allowed: tuple[str, ...], what: str,
+                default_kinds: tuple[str, ...], allow_all: bool = False) -> tuple[str, ...]:
+    """A comma list (or tuple) of fault kinds -> kinds in canonical order; 'none' -> (); 'all' -> every
+    allowed kind (when `allow_all`); one clear error otherwise."""
+    if text is None:
+        return default_kinds
+    names = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
+    names = [n for n in names if n]
+    if allow_all and names == ["all"]:
+        return allowed
+    if names in ([], ["none"]) and not allow_all:
+        return ()
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        if allow_all:
+            raise HarnessError(f"{what}: unknown fault kind {bad[0] if bad else text!r}; "
+                               f"expected 'all' or some of {', '.join(allowed)}")
+        raise HarnessError(f"{what}: {bad[0] if bad else text!r} is not one of {', '.join(allowed)} (or none); "
+                           "drop and crash belong to the --faults battery")
+    return tuple(k for k in allowed if k in names)
+
+
+def _check_common(impl: str, world_size: int, deadline: float | None, launcher: str, backend: str | None) -> None:
+    if not isinstance(impl, str) or not impl.strip():
+        raise HarnessError(f"impl must be an implementation name, got {impl!r}")
+    if not 1 <= world_size <= 64:
+        raise HarnessError(f"--world-size must be in 1..64, got {world_size}")
+    if deadline is not None and not 0 < deadline <= 3600:
+        raise HarnessError(f"--deadline must be in (0, 3600] seconds, got {deadline:g}")
+    if launcher not in LAUNCHERS:
+        raise HarnessError(f"unknown launcher {launcher!r}; expected one of {', '.join(LAUNCHERS)}")
+    if backend is not None and backend not in BACKENDS:
+        raise HarnessError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """The default check (`ring-harness check`): fixed battery, fault stage, property-based run."""
+
+    impl: str = "reference"  # a built-in name, an installed entry point, or package.module:attr
+    world_size: int = 4  # main ring size of the battery
+    dtype: str | None = None  # run every case in this dtype
+    deadline: float | None = None  # per-case deadline, seconds (None: each case's own, 60 s)
+    save_dir: str = "ring-harness-failures"  # failing cases are written here as YAML
+    json: str | None = None  # machine-readable results
+    backend: str | None = None  # gloo for the local pool; nccl under torchrun when CUDA is available
+    launcher: str = "local"  # local: a pool of worker processes; torchrun: the ranks torchrun started
+    profile: str = "ci"  # hypothesis profile: ci (derandomised, fixed budget) or nightly (random, large)
+    max_examples: int | None = None  # property-based examples (0: battery only; None: the profile's)
+    time_budget: float | None = None  # seconds of property-based search (None: the profile's)
+    seed: int | None = None  # hypothesis seed (None: 0 for ci, random and printed for nightly)
+    plot: str | None = None  # write error heatmaps (PNG) of failing cases here (needs matplotlib)
+    fault_stage: tuple[str, ...] = FAULT_STAGE_DEFAULT  # benign faults on every rank and op, both phases
+    fault_deadline: float = 8.0  # per-case deadline of the fault stage
+
+    @property
+    def allow_import(self) -> bool:
+        """A module path may be imported: it came from the caller, not from a case file."""
+        from harness.impls.registry import is_module_path
+
+        return is_module_path(self.impl)
+
+    def validate(self) -> CheckOptions:
+        _check_common(self.impl, self.world_size, self.deadline, self.launcher, self.backend)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise HarnessError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.profile not in PROFILES:
+            raise HarnessError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        if self.max_examples is not None and self.max_examples < 0:
+            raise HarnessError(f"--max-examples must be >= 0, got {self.max_examples}")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise HarnessError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise HarnessError(f"--seed must be in [0, 2**63), got {self.seed}")
+        parse_kinds(self.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
+        if not 1 <= self.fault_deadline <= 600:
+            raise HarnessError(f"--fault-deadline must be in [1, 600] seconds, got {self.fault_deadline:g}")
+        if self.plot:
+            from harness.diagnose.plot import _pyplot
+
+            _pyplot()  # fail before the run, not after it, when matplotlib is missing
+        return self
+
+    def with_(self, **changes) -> CheckOptions:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class FaultBatteryOptions:
+    """The fault battery (`ring-harness check --faults KINDS`): many small cases, one fault kind each."""
+
+    impl: str = "reference"
+    kinds: tuple[str, ...] = KINDS  # fault kinds, in turn
+    cases: int | None = None  # faulted cases (None: FAULT_BATTERY_PER_KIND per kind)
+    deadline: float = 8.0  # per-case deadline; drop/crash cases end by it
+    seed: int = 0
+    world_size: int = 4  # rings of 2..min(world_size, 4) ranks
+    save_dir: str = "ring-harness-failures"
+    json: str | None = None
+    launcher: str = "local"  # the battery kills and restarts ranks: local pool only
+
+    @property
+    def allow_import(self) -> bool:
+        from harness.impls.registry import is_module_path
+
+        return is_module_path(self.impl)
+
+    def validate(self) -> FaultBatteryOptions:
+        _check_common(self.impl, self.world_size, None, self.launcher, None)
+        if self.launcher != "local":
+            raise HarnessError("--faults runs on the local pool (it kills and restarts ranks); drop --launcher")
+        parse_kinds(self.kinds, KINDS, "--faults", KINDS, allow_all=True)
+        if self.cases is not None and self.cases < 1:
+            raise HarnessError(f"--fault-cases must be at least 1, got {self.cases}")
+        if not 1 <= self.deadline <= 600:
+            raise HarnessError(f"--fault-deadline must be in [1, 600] seconds, got {self.deadline:g}")
+        return self
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """Replaying one saved case file (`ring-harness replay CASE.yaml`)."""
+
+    case: str = ""  # the case file
+    impl: str | None = None  # run under this implementation instead of the case's own
+    plot: str | None = None  # heatmaps of a failing replay
+    backend: str | None = None
+    json: str | None = None
+
+    def validate(self) -> ReplayOptions:
+        if not self.case:
+            raise HarnessError("replay needs a case file")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise HarnessError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
+        if self.plot:
+            from harness.diagnose.plot import _pyplot
+
+            _pyplot()
+        return self
+
+
+@dataclass(frozen=True)
+class SelftestOptions:
+    """`ring-harness selftest`: the default check against every mutant (kill matrix) and the reference."""
+
+    only: tuple[str, ...] | None = None  # these mutants only (bare names; 'reference' is the control)
+    false_alarm_cases: int | None = None  # property-based examples for the reference, no time limit
+    save_dir: str = "ring-harness-selftest"  # per-mutant check logs and found cases
+    corpus: str | None = None  # write each mutant's minimal case here as mutant-NAME.yaml
+    json: str | None = None
+    check: CheckOptions = field(default_factory=CheckOptions)  # what every mutant gets: check's defaults
+
+    def validate(self) -> SelftestOptions:
+        if self.false_alarm_cases is not None and self.false_alarm_cases < 1:
+            raise HarnessError(f"--false-alarm-cases must be at least 1, got {self.false_alarm_cases}")
+        self.check.validate()
+        return self

@@ -1,0 +1,44 @@
+"""Deliberately broken implementations used by the harness's own tests (loaded as tests.helpers.impls:NAME)."""
+
+from __future__ import annotations
+
+import time
+
+from harness.context import Impl
+from ring_impl import ring_attention
+from ring_impl.masks import MaskSpec
+
+
+def _reference(q, k, v, ctx):
+    return ring_attention(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths,
+                          mask=ctx.mask, softmax_scale=ctx.softmax_scale)
+
+
+def _hang(q, k, v, ctx):
+    time.sleep(3600)
+
+
+def _raise(q, k, v, ctx):
+    raise RuntimeError(f"deliberate failure on rank {ctx.rank}")
+
+
+def _wrong_shape(q, k, v, ctx):
+    return _reference(q, k, v, ctx)[:, :-1] if q.shape[1] > 1 else _reference(q, k, v, ctx)[:, :, :1]
+
+
+def _leaky(q, k, v, ctx):
+    """Ignores the case's mask: every query sees every key (a causality leak)."""
+    return ring_attention(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths,
+                          mask=MaskSpec("none"), softmax_scale=ctx.softmax_scale)
+
+
+def _perturbed(q, k, v, ctx):
+    """The reference output plus a small constant: wrong, but only by ~1e-3."""
+    return _reference(q, k, v, ctx) + 1e-3
+
+
+hang = Impl("tests-hang", _hang)
+raises = Impl("tests-raise", _raise)
+wrong_shape = Impl("tests-wrong-shape", _wrong_shape)
+leaky = Impl("tests-leaky", _leaky)
+perturbed = Impl("tests-perturbed", _perturbed)

@@ -1,0 +1,39 @@
+"""A planted bug for the property-based tests (loaded as tests.helpers.planted_impls:NAME).
+
+`late_diagonal`: from ring step 2 on, the causal diagonal is one token late (key q + 1 is visible
+to query q). At W = 2 the only block past the diagonal arrives at step 1, so the bug needs W >= 3
+to show; the smallest failing case is W = 3 with one token per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harness.context import Impl
+from ring_impl.masks import allowed, block_is_empty
+from ring_impl.ring import REFERENCE_PARTS, make_ring_attention, position_mask, skip_empty_block
+
+
+def _late(spec, q_pos, at) -> bool:
+    return at.step >= 2 and spec.is_causal
+
+
+def _late_mask(spec, q_pos, k_pos, at):
+    return allowed(spec, q_pos + 1, k_pos) if _late(spec, q_pos, at) else position_mask(spec, q_pos, k_pos, at)
+
+
+def _late_skip(spec, q_pos, k_pos, at) -> bool:
+    if _late(spec, q_pos, at):
+        return block_is_empty(spec, q_pos + 1, k_pos)
+    return skip_empty_block(spec, q_pos, k_pos, at)
+
+
+_ring = make_ring_attention(replace(REFERENCE_PARTS, block_mask=_late_mask, skip_block=_late_skip))
+
+
+def _run(q, k, v, ctx):
+    return _ring(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
+                 softmax_scale=ctx.softmax_scale, return_lse=True)
+
+
+late_diagonal = Impl("planted-late-diagonal", _run)

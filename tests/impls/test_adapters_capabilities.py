@@ -1,0 +1,279 @@
+"""Declared capabilities, mask/argument mappings, and refusals outside the declaration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.context import DTYPES, Capabilities, RunContext
+from harness.impls import registry
+from harness.impls.adapters import (
+    _common,
+    ring_attention_pytorch,
+    ring_flash_attn,
+    te_cp,
+    torch_cp,
+    torch_ring,
+    yunchang,
+)
+from harness.impls.registry import ImplError
+from ring_impl.layouts import LAYOUTS, all_positions
+from ring_impl.masks import MASK_KINDS, MaskSpec
+
+
+def make_ctx(layout="contiguous", lengths=(8, 8), mask=None, rank=0, device="cpu", scale=0.25):
+    mask = MaskSpec("causal") if mask is None else mask
+    pos = tuple(all_positions(layout, list(lengths)))
+    return RunContext(
+        group=None,
+        rank=rank,
+        world_size=len(lengths),
+        global_ranks=tuple(range(len(lengths))),
+        layout=layout,
+        lengths=tuple(lengths),
+        all_positions=pos,
+        mask=mask,
+        softmax_scale=scale,
+        dtype=torch.float32,
+        device=torch.device(device),
+    )
+
+
+def caps_of(name: str) -> Capabilities:
+    caps = registry.declared_capabilities(name)
+    assert caps is not None, name
+    return caps
+
+
+@pytest.mark.parametrize("name", registry.builtin_names())
+def test_declarations_are_well_formed(name):
+    c = caps_of(name)
+    assert c.layouts and c.layouts <= set(LAYOUTS)
+    assert c.masks and c.masks <= set(MASK_KINDS)
+    assert c.dtypes and c.dtypes <= set(DTYPES)
+    assert c.backends and c.backends <= {"gloo", "nccl"}
+    assert 1 <= c.world_sizes[0] <= c.world_sizes[1]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in registry.builtin_names()
+        if n.startswith(("ring-flash-attn", "te-cp", "yunchang", "torch-cp"))
+    ],
+)
+def test_gpu_only_adapters_declare_nccl_and_no_fp32_flash(name):
+    c = caps_of(name)
+    assert c.backends == {"nccl"}
+    if not name.startswith("torch-cp"):
+        assert c.dtypes == {"fp16", "bf16"} and c.head_dims is not None and 64 in c.head_dims
+
+
+def test_specific_claims():
+    assert caps_of("reference").returns_lse and caps_of("reference") == Capabilities(returns_lse=True)
+    rap = caps_of("ring-attention-pytorch")
+    assert rap.dtypes == {"fp32"} and not rap.uneven and rap.world_sizes[0] == 2
+    assert rap.layouts == {"contiguous", "striped"} and rap.masks == {"none", "causal"}
+    tr = caps_of("torch-ring")
+    assert tr.backends == {"gloo"} and tr.returns_lse and tr.layouts == {"contiguous", "zigzag"}
+    assert caps_of("torch-ring-alltoall") == tr
+    assert caps_of("ring-flash-attn-zigzag").masks == {"causal"}
+    assert caps_of("ring-flash-attn-stripe").masks == {"causal"}
+    assert caps_of("ring-flash-attn").masks == {"none", "causal"}
+    assert caps_of("ring-flash-attn-llama3").masks == {"none", "causal", "window", "document"}
+    assert "window" not in caps_of("te-cp-p2p").masks
+    assert "window" in caps_of("te-cp-a2a").masks and "window" in caps_of("te-cp-all-gather").masks
+    assert all(caps_of(n).layouts == {"zigzag"} for n in te_cp.VARIANTS)
+    assert caps_of("yunchang-usp").layouts == {"contiguous"} and caps_of("yunchang-usp").world_sizes[0] == 4
+    assert not any(caps_of(n).uneven for n in registry.builtin_names() if n != "reference")
+
+
+def test_require_supported_lists_every_reason_on_one_line():
+    caps = caps_of("ring-attention-pytorch")
+    ctx = make_ctx(layout="zigzag", lengths=(9, 7), mask=MaskSpec("window", window=2))
+    q = torch.zeros(1, 9, 4, 8, dtype=torch.bfloat16)
+    k = torch.zeros(1, 9, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ImplError) as e:
+        _common.require_supported("ring-attention-pytorch", ctx, caps, q, k)
+    msg = str(e.value)
+    assert msg.startswith("ring-attention-pytorch: unsupported here: ")
+    for part in ("layout zigzag", "mask window", "dtype bf16", "uneven split [9, 7]"):
+        assert part in msg
+    assert "GQA" not in msg and "\n" not in msg
+    assert _common.unsupported_reasons(make_ctx(), caps, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8)) == []
+
+
+def test_require_supported_backend_and_world():
+    caps = caps_of("ring-flash-attn")
+    why = _common.unsupported_reasons(
+        make_ctx(lengths=(8,) * 9), caps, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8)
+    )
+    assert any(w.startswith("backend gloo") for w in why)
+    assert any(w.startswith("world size 9") for w in why)
+    assert any(w.startswith("dtype fp32") for w in why)
+
+
+def test_gqa_refused_only_where_undeclared():
+    q, k = torch.zeros(1, 8, 4, 16), torch.zeros(1, 8, 2, 16)
+    assert any("GQA" in w for w in _common.unsupported_reasons(make_ctx(), caps_of("torch-cp"), q, k))
+    assert not any("GQA" in w for w in _common.unsupported_reasons(make_ctx(), caps_of("torch-ring"), q, k))
+
+
+def test_whole_world_refusal():
+    ctx = make_ctx()
+    ctx = RunContext(**{**ctx.__dict__, "global_ranks": (1, 2)})
+    with pytest.raises(ImplError, match="runs only on the whole default process group"):
+        _common.require_whole_world("ring-attention-pytorch", ctx)
+
+
+def test_ring_attention_pytorch_arguments():
+    ctx = make_ctx(layout="striped", lengths=(6, 6, 6), mask=MaskSpec("causal"))
+    args = ring_attention_pytorch.library_args(ctx, 6)
+    assert args == {
+        "causal": True,
+        "bucket_size": 6,
+        "ring_reduce_col": True,
+        "striped_ring_attn": True,
+        "ring_size": 3,
+    }
+    args = ring_attention_pytorch.library_args(make_ctx(mask=MaskSpec()), 8)
+    assert args["causal"] is False and args["striped_ring_attn"] is False and args["bucket_size"] == 8
+    assert ring_attention_pytorch.q_prescale(64**-0.5, 64) == pytest.approx(1.0)
+    assert ring_attention_pytorch.q_prescale(0.1, 16) == pytest.approx(0.4)
+
+
+def test_gqa_head_permutation_round_trip_and_convention():
+    q = torch.randn(2, 3, 6, 4)
+    assert torch.equal(_common.tiled_to_grouped(_common.grouped_to_tiled(q, 2), 2), q)
+    assert torch.equal(_common.grouped_to_tiled(q, 6), q)  # no GQA: untouched
+    for heads, kv in ((6, 2), (8, 2), (8, 4), (4, 1)):
+        g = heads // kv
+        src = _common.grouped_to_tiled(torch.arange(heads).float().view(1, 1, heads, 1), kv).view(-1).long()
+        # tiled slot j uses kv head j % kv; it holds grouped head src[j], whose kv head is src[j] // G
+        assert torch.equal(src // g, torch.arange(heads) % kv), (heads, kv)
+
+
+def test_torch_ring_load_balance_rule():
+    assert torch_ring.load_balance(make_ctx(layout="zigzag", mask=MaskSpec("causal")))
+    assert not torch_ring.load_balance(make_ctx(layout="zigzag", mask=MaskSpec()))
+    assert not torch_ring.load_balance(make_ctx(layout="contiguous", mask=MaskSpec("causal")))
+    assert torch_cp.load_balance is torch_ring.load_balance
+
+
+def test_torch_ring_unsupported_torch_version_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch_ring, "MODULES", ("no_such_module_xyz",))
+    with pytest.raises(ImplError) as e:
+        torch_ring.load_private_api()
+    msg = str(e.value)
+    assert msg.startswith(f"torch-ring: unsupported torch version {torch.__version__} (missing ")
+    assert "_templated_ring_attention" in msg and "\n" not in msg
+    with pytest.raises(ImplError, match="unsupported torch version"):
+        registry.resolve("torch-ring")
+
+
+def test_torch_ring_missing_symbol(monkeypatch):
+    mod = torch_ring.load_private_api()
+    monkeypatch.delattr(mod, "_templated_ring_attention_backward")
+    with pytest.raises(ImplError, match=r"missing _templated_ring_attention_backward\)$"):
+        torch_ring.load_private_api()
+
+
+def test_ring_flash_attn_mask_arguments():
+    assert ring_flash_attn.window_size(make_ctx(mask=MaskSpec("window", window=5))) == (5, 0)
+    assert ring_flash_attn.window_size(make_ctx(mask=MaskSpec("causal"))) == (-1, -1)
+    doc = MaskSpec("document", doc_starts=(0, 3, 10), causal=False)
+    assert ring_flash_attn.cu_seqlens(make_ctx(mask=doc)).tolist() == [0, 3, 10, 16]
+    assert ring_flash_attn.cu_seqlens(make_ctx(mask=doc)).dtype == torch.int32
+    assert ring_flash_attn.cu_seqlens(make_ctx(mask=MaskSpec())).tolist() == [0, 16]
+    assert not ring_flash_attn.is_causal(make_ctx(mask=doc))
+    assert ring_flash_attn.is_causal(make_ctx(mask=MaskSpec("window", window=1)))
+
+
+def test_te_mask_arguments_and_preconditions():
+    assert te_cp.mask_args(make_ctx(mask=MaskSpec())) == {
+        "attn_mask_type": "no_mask",
+        "window_size": (-1, -1),
+    }
+    assert te_cp.mask_args(make_ctx(mask=MaskSpec("causal")))["attn_mask_type"] == "causal"
+    assert te_cp.mask_args(make_ctx(mask=MaskSpec("window", window=7))) == {
+        "attn_mask_type": "causal",
+        "window_size": (7, 0),
+    }
+    with pytest.raises(ImplError):
+        te_cp.mask_args(make_ctx(mask=MaskSpec("document", doc_starts=(0, 4))))
+    with pytest.raises(ImplError, match="not divisible by 2\\*W"):
+        te_cp.check_shapes("te-cp-p2p", make_ctx(lengths=(5, 5)), 4, 4)
+    with pytest.raises(ImplError, match="a2a needs head counts divisible"):
+        te_cp.check_shapes("te-cp-a2a", make_ctx(lengths=(4, 4, 4)), 4, 4)
+    te_cp.check_shapes("te-cp-p2p", make_ctx(lengths=(4, 4, 4)), 4, 4)
+
+
+def test_yunchang_ring_types_cover_declared_layouts():
+    assert set(yunchang.RING_TYPE) == caps_of("yunchang-ring").layouts
+
+
+def test_require_supported_refuses_a_subgroup_where_undeclared():
+    caps = caps_of("ring-attention-pytorch")
+    ctx = RunContext(**{**make_ctx().__dict__, "global_ranks": (1, 2)})
+    q = torch.zeros(1, 8, 2, 8)
+    why = _common.unsupported_reasons(ctx, caps, q, q)
+    assert why == ["ring in a subgroup (global ranks [1, 2]): runs only on the whole default process group"]
+    assert _common.unsupported_reasons(ctx, caps_of("torch-ring"), q, q) == []
+
+
+CASE_VS_RUN = [
+    # (implementation, case fields) -> the same feature keys on the case side and inside the run
+    ("ring-attention-pytorch", dict(layout="zigzag", seq_lens=(9, 7), mask=MaskSpec("window", window=2),
+                                    dtype="bf16", heads_q=4, heads_kv=2)),
+    ("ring-flash-attn", dict(seq_lens=(8,) * 9, heads_q=4, heads_kv=1, head_dim=13)),
+    ("torch-cp", dict(seq_lens=(8, 8), heads_q=4, heads_kv=1)),
+    ("ring-attention-pytorch", dict(seq_lens=(8, 8), group_offset=1)),
+    ("reference", dict(seq_lens=(5, 1), layout="striped", dtype="fp16", heads_q=6, heads_kv=3)),
+]
+
+
+@pytest.mark.parametrize("name,fields", CASE_VS_RUN)
+def test_one_rule_for_cases_and_runs(name, fields):
+    """`capabilities.unsupported` (case) and `require_supported` (run) are one rule: the same keys,
+    apart from the backend, which only the run side knows."""
+    from harness.case import make_case
+    from harness.dtypes import TORCH_DTYPES
+    from harness.impls.capabilities import missing_features, unsupported
+
+    caps = caps_of(name)
+    c = make_case(impl=name, world_size=len(fields["seq_lens"]), **fields)
+    case_keys = unsupported(caps, c)
+    ctx = RunContext(**{**make_ctx(layout=c.layout, lengths=c.seq_lens, mask=c.mask).__dict__,
+                        "global_ranks": tuple(range(c.group_offset, c.group_offset + c.world_size))})
+    q = torch.zeros(1, c.seq_lens[0], c.heads_q, c.head_dim, dtype=TORCH_DTYPES[c.dtype])
+    k = torch.zeros(1, c.seq_lens[0], c.heads_kv, c.head_dim, dtype=TORCH_DTYPES[c.dtype])
+    run_keys = missing_features(
+        caps, layout=ctx.layout, mask_kind=ctx.mask.kind, dtype=c.dtype, world_size=ctx.world_size,
+        heads_q=c.heads_q, heads_kv=c.heads_kv, lengths=ctx.lengths, head_dim=c.head_dim,
+        subgroup=_common.is_subgroup(ctx), backend=_common.backend_of(ctx),
+    )
+    assert [f for f in run_keys if not f.startswith("backend:")] == case_keys
+    assert unsupported(caps, c, backend="gloo") == run_keys
+    assert len(_common.unsupported_reasons(ctx, caps, q, k)) == len(run_keys)
+    if name == "reference":
+        assert case_keys == run_keys == []
+
+
+def test_feature_keys_and_words():
+    from harness.impls.capabilities import feature_words, missing_features
+
+    caps = Capabilities(layouts=frozenset({"contiguous"}), masks=frozenset({"causal"}), dtypes=frozenset({"bf16"}),
+                        gqa=False, uneven=False, backends=frozenset({"nccl"}), head_dims=(64,), subgroups=False)
+    keys = missing_features(caps, layout="zigzag", mask_kind="window", dtype="fp32", world_size=9, heads_q=4,
+                            heads_kv=1, lengths=(5, 1), head_dim=13, subgroup=None, backend=None)
+    assert keys == ["layout:zigzag", "mask:window", "dtype:fp32", "world:9", "mqa", "uneven", "head_dim:13"]
+    assert "gqa" in missing_features(caps, layout="contiguous", mask_kind="causal", dtype="bf16", world_size=2,
+                                     heads_q=4, heads_kv=2, lengths=(8, 8), head_dim=64, subgroup=None, backend=None)
+    words = [feature_words(f, caps, heads_q=4, heads_kv=1, lengths=(5, 1)) for f in keys]
+    assert words == ["layout zigzag", "mask window", "dtype fp32", "world size 9 (supports 1..8)",
+                     "GQA (4 query heads, 1 kv heads)", "uneven split [5, 1]", "head_dim 13"]
+    assert missing_features(caps, layout="contiguous", mask_kind="causal", dtype="bf16", world_size=2, heads_q=2,
+                            heads_kv=2, lengths=(8, 8), head_dim=64, subgroup=True, backend="gloo") == [
+        "subgroup", "backend:gloo"]
+    assert feature_words("backend:gloo", caps) == "backend gloo (supports nccl)"

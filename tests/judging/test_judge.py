@@ -1,0 +1,117 @@
+"""The oracle, the tolerance rule and the leak check, on synthetic shards (no ranks needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.case import make_case
+from harness.judging import oracle, tolerance
+from harness.judging.judge import check_leak, check_tensors
+from harness.judging.oracle import references
+from ring_impl.layouts import all_positions
+from ring_impl.masks import MaskSpec
+
+
+def _shards(case, ref, perturb=None):
+    out = {}
+    for r, pos in enumerate(all_positions(case.layout, case.seq_lens)):
+        t = {n: getattr(ref, n).index_select(1, pos).clone() for n in ("out", "dq", "dk", "dv")}
+        if perturb:
+            perturb(r, t)
+        out[r] = t
+    return out
+
+
+def test_blockwise_oracle_equals_one_block(monkeypatch):
+    c = make_case(world_size=1, total_len=50, heads_q=4, heads_kv=2, mask={"kind": "window", "window": 7})
+    whole = references(c)[0]
+    monkeypatch.setattr(oracle, "QUERY_BLOCK", 8)
+    from harness import inputs
+
+    g = inputs.make_global(c)
+    blocked = oracle.attention(g["q"], g["k"], g["v"], g["dout"], c.mask, c.scale, torch.float64)
+    for n in ("out", "lse", "dq", "dk", "dv"):
+        torch.testing.assert_close(getattr(blocked, n), getattr(whole, n), rtol=1e-12, atol=1e-12)
+
+
+def test_oracle_matches_sdpa_float64():
+    c = make_case(world_size=1, total_len=33, mask={"kind": "causal"})
+    from harness import inputs
+
+    g = {k: v.double() for k, v in inputs.make_global(c).items()}
+    ref = oracle.attention(g["q"], g["k"], g["v"], g["dout"], c.mask, c.scale, torch.float64)
+    q, k, v = (g[n].transpose(1, 2).requires_grad_() for n in ("q", "k", "v"))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(g["dout"].transpose(1, 2))
+    torch.testing.assert_close(ref.out, out.transpose(1, 2).detach())
+    torch.testing.assert_close(ref.dk, k.grad.transpose(1, 2))
+
+
+def test_exact_reference_passes_and_small_error_fails():
+    for dtype in ("fp32", "bf16"):
+        c = make_case(world_size=2, total_len=20, dtype=dtype, mask={"kind": "causal"}, layout="zigzag")
+        ref, base = references(c)
+        assert all(ch.passed for ch in check_tensors(c, _shards(c, ref), ref, base))
+        # an error twice the allowed bound on one element of one rank's dk is caught, with its position
+        probe = check_tensors(c, _shards(c, ref), ref, base)
+        allowed = next(ch.allowed for ch in probe if ch.tensor == "dk")
+
+        def bump(r, t, allowed=allowed):
+            if r == 1:
+                t["dk"][0, 2, 1, 3] += 2 * allowed
+
+        checks = check_tensors(c, _shards(c, ref, bump), ref, base)
+        bad = [ch for ch in checks if not ch.passed]
+        assert [(ch.tensor, ch.rank) for ch in bad] == [("dk", 1)]
+        pos = all_positions(c.layout, c.seq_lens)[1]
+        assert bad[0].position == {"batch": 0, "token": int(pos[2]), "head": 1}
+        assert 1.9 < bad[0].ratio < 2.1
+
+
+def test_nan_is_a_failure():
+    c = make_case(world_size=2, total_len=8)
+    ref, base = references(c)
+
+    def nan(r, t):
+        t["out"][0, 0, 0, 0] = float("nan")
+
+    checks = check_tensors(c, _shards(c, ref, nan), ref, base)
+    assert sum(not ch.passed for ch in checks) == 2 and all(ch.ratio == float("inf") for ch in checks if not ch.passed)
+
+
+def test_bound_scales_with_base_error():
+    e32, e16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+    close = pytest.approx
+    assert tolerance.bound("out", "fp32", 0.0, 1.0) == close(2 * e32)
+    assert tolerance.bound("out", "fp32", 0.0, 2.0, world_size=4) == close(2.0 * 5 * e32)
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0) == close(3 * 0.01 + e16 + e32)
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0, {"dq": 5}) == close(5 * 0.01 + e16 + e32)
+    # a result that is exactly 0 still allows float32 rounding at the scale of its terms
+    assert tolerance.bound("dq", "fp32", 0.0, 0.0, world_size=1, lse_absmax=1.0, term_scale=0.5) == close(e32)
+
+
+def test_leak_check_is_exact():
+    c = make_case(world_size=2, total_len=16, mask={"kind": "causal"}, seed=5)
+    from harness import inputs
+
+    s = inputs.leak_queries(c)
+    pos_all = all_positions(c.layout, c.seq_lens)
+    clean = {r: {"dk": torch.zeros(1, len(p), 2, 16), "dv": torch.zeros(1, len(p), 2, 16)}
+             for r, p in enumerate(pos_all)}
+    assert check_leak(c, clean).passed
+    from ring_impl.masks import visible_keys
+
+    hidden_keys = (~visible_keys(c.mask, s, 16)).nonzero().view(-1)
+    assert hidden_keys.numel() > 0, "seed 5 must leave some keys hidden"
+    hidden = int(hidden_keys[-1])
+    r = next(r for r, p in enumerate(pos_all) if hidden in p.tolist())
+    i = pos_all[r].tolist().index(hidden)
+    clean[r]["dv"][0, i, 0, 0] = 1e-30  # any nonzero at all is a leak
+    res = check_leak(c, clean)
+    assert not res.passed and res.leaks[0]["token"] == hidden and res.leaks[0]["tensor"] == "dv"
+
+
+def test_no_leak_check_without_mask():
+    c = make_case(world_size=1, total_len=4, mask=MaskSpec("none"))
+    assert check_leak(c, {0: {}}) is None

@@ -1,0 +1,211 @@
+"""The rank pool: reuse, deadlines and hang reports, errors, wrong shapes, leaks, cleanup, its temp dir,
+the Pool protocol, and the leftover-process check."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from harness.case import make_case
+from harness.ranks import protocol, wire, worker
+from harness.ranks.leftovers import leftover_workers
+from harness.ranks.pool import TMPDIR_ENV, PoolError, RankPool
+from harness.ranks.torchrun import TorchrunPool
+from harness.runner import run_case
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_dead(pids, timeout=10.0) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture
+def pool():
+    p = RankPool(2)
+    yield p
+    pids = p.pids()
+    p.close()
+    assert _wait_dead(pids) == []
+
+
+def test_pool_is_reused_across_cases(pool):
+    cases = [
+        make_case(world_size=w, total_len=9, mask={"kind": "causal"}, seed=s) for s, w in enumerate((2, 1, 2))
+    ]
+    results = [run_case(c, pool) for c in cases]
+    assert [r.verdict for r in results] == ["pass"] * 3
+    assert pool.starts == 1
+    assert [r.timings["pool_restarted"] for r in results] == [True, False, False]
+
+
+def test_hang_is_reported_within_deadline_and_pool_heals(pool):
+    c = make_case(world_size=2, total_len=8, deadline_s=3.0)
+    run_case(c, pool)
+    old = pool.pids()
+    t0 = time.monotonic()
+    r = run_case(c, pool, "tests.helpers.impls:hang", allow_import=True)
+    took = time.monotonic() - t0
+    assert r.verdict == "hang"
+    assert took < 3.0 + 8.0
+    assert set(r.hung) == {0, 1}
+    assert all("_hang" in s and "impls.py" in s for s in r.hung.values())
+    assert _wait_dead(old) == []  # the hung workers were killed, not leaked
+    assert run_case(c, pool).verdict == "pass"
+    assert pool.starts == 2
+
+
+def test_raising_implementation_is_fail_stop_naming_the_rank(pool):
+    r = run_case(make_case(world_size=2, total_len=6), pool, "tests.helpers.impls:raises", allow_import=True)
+    assert r.verdict == "fail-stop"
+    assert r.errors[1].startswith("RuntimeError: deliberate failure on rank 1")
+    assert "rank 0" in r.detail and "rank 1" in r.detail
+
+
+def test_wrong_shape_is_diverged(pool):
+    r = run_case(make_case(world_size=2, total_len=6), pool, "tests.helpers.impls:wrong_shape", allow_import=True)
+    assert r.verdict == "diverged" and "output shape" in r.detail
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_leak_check_catches_a_wrong_mask(pool, layout):
+    c = make_case(world_size=2, total_len=12, layout=layout, mask={"kind": "causal"}, seed=4)
+    r = run_case(c, pool, "tests.helpers.impls:leaky", allow_import=True)
+    assert r.verdict == "silent-corruption"
+    assert r.leak is not None and not r.leak.passed
+    assert run_case(c, pool).leak.passed
+
+
+def test_tolerance_rule_rejects_a_small_output_error(pool):
+    c = make_case(world_size=2, total_len=12, mask={"kind": "causal"})
+    r = run_case(c, pool, "tests.helpers.impls:perturbed", allow_import=True)
+    assert r.verdict == "silent-corruption"
+    assert {ch.tensor for ch in r.failed_checks()} == {"out"}
+    assert all(ch.ratio > 10 for ch in r.failed_checks())
+
+
+def test_workers_die_with_their_parent(tmp_path):
+    script = textwrap.dedent("""
+        import sys, time
+        from harness.ranks.pool import RankPool
+        p = RankPool(2); p.start()
+        print(" ".join(map(str, p.pids())), flush=True)
+        time.sleep(60)
+    """)
+    env = dict(os.environ, **{TMPDIR_ENV: str(tmp_path)})  # its temp dir outlives it: keep it in tmp_path
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert _wait_dead(pids) == []
+
+
+def test_temp_dir_goes_where_the_env_says_and_close_removes_it(monkeypatch):
+    short = tempfile.mkdtemp(prefix="rh-")  # short: the ranks' Unix socket paths must fit in 107 bytes
+    monkeypatch.setenv(TMPDIR_ENV, os.path.join(short, "pools"))
+    try:
+        _temp_dir_goes_where_the_env_says(os.path.join(short, "pools"))
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def _temp_dir_goes_where_the_env_says(where: str) -> None:
+    with RankPool(1) as p:
+        p.start()
+        wire.send(p.conns[0], protocol.PingMessage(op=protocol.PING))  # the worker answers between cases
+        assert wire.recv(p.conns[0]) == {"op": protocol.PONG, "rank": 0}
+        workdir = p.dir
+        assert os.path.dirname(workdir) == where
+        assert os.path.basename(workdir).startswith("ring-harness-")
+        pids = p.pids()
+    assert not os.path.exists(workdir)
+    assert _wait_dead(pids) == []
+
+
+def test_a_pool_that_fails_to_start_leaves_no_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(TMPDIR_ENV, str(tmp_path))
+    p = RankPool(1, backend="bogus")  # the worker rejects the backend and exits
+    with pytest.raises(PoolError, match="rank 0 exited during rendezvous: exit 1; log: .*bogus"):
+        p.start()
+    assert p.dir is None and list(tmp_path.iterdir()) == []
+
+
+def test_both_pools_provide_the_pool_protocol():
+    assert isinstance(RankPool(1), protocol.Pool)
+    methods = ("submit", "collect", "ensure", "pids", "close", "__enter__", "__exit__")
+    assert all(callable(getattr(TorchrunPool, m, None)) for m in methods)
+    init = inspect.getsource(TorchrunPool.__init__)  # an instance needs torchrun's process group
+    assert all(f"self.{a} =" in init for a in ("size", "backend", "broken", "fresh_group"))
+
+
+def test_the_worker_answers_every_parent_message_with_one_handler():
+    assert set(worker.HANDLERS) == {protocol.RUN, protocol.PING, protocol.STOP}
+    assert set(protocol.SETTLED) == {"ok", "idle"}
+
+
+def _fake_worker(parent: int, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "harness.ranks.worker",
+                             "--parent", str(parent)], **kw)
+
+
+def test_leftover_check_counts_only_the_given_pool():
+    """Another pool of this process (the pytest plugin's session pool) is alive: not a leftover of the
+    pool under test; the /proc scan, opt-in, sees it."""
+    ours, other = _fake_worker(os.getpid(), start_new_session=True), _fake_worker(os.getpid())
+    try:
+        time.sleep(0.3)
+        assert leftover_workers(set(), wait_s=0) == []
+        assert [ln.split(":")[0] for ln in leftover_workers({ours.pid}, wait_s=0)] == [str(ours.pid)]
+        assert leftover_workers({ours.pid}, parent=1, wait_s=0) == []  # a worker of another parent
+        assert {int(ln.split(":")[0]) for ln in leftover_workers(set(), wait_s=0, scan=True)} >= {ours.pid, other.pid}
+        ours.kill()
+        ours.wait()
+        assert leftover_workers({ours.pid}, wait_s=0.5) == []
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
+
+
+def test_leftover_check_sees_what_a_worker_left_in_its_process_group():
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    w = subprocess.Popen([sys.executable, "-c", script, "harness.ranks.worker", "--parent", str(os.getpid())],
+                         start_new_session=True)
+    try:
+        w.wait(timeout=30)  # the worker is gone, its child is still in its group
+        left = leftover_workers({w.pid}, wait_s=0)
+        assert len(left) == 1 and "time.sleep(60)" in left[0]
+    finally:
+        try:
+            os.killpg(w.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert leftover_workers({w.pid}, wait_s=5.0) == []

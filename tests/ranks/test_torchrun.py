@@ -1,0 +1,39 @@
+"""The torchrun code path, run for real on CPU: torchrun starts gloo ranks, rank 0 judges."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/ranks/...)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _run(args, timeout=240):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(TORCHRUN + ["-m", "harness"] + args, capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def test_check_under_torchrun_passes(tmp_path):
+    p = _run(["check", "--launcher", "torchrun", "--world-size", "2", "--json", str(tmp_path / "r.json")])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "skipping" in p.stdout  # W=3 and W=8 cases need more than the 2 ranks started
+    assert p.stdout.count(" pass ") >= 20
+
+
+def test_hang_under_torchrun_is_reported_and_ends_the_job(tmp_path):
+    p = _run(["check", "--launcher", "torchrun", "--world-size", "2", "--impl", "tests.helpers.impls:hang",
+              "--deadline", "4"], timeout=120)
+    assert p.returncode != 0
+    assert "verdict hang" in p.stderr and "_hang" in p.stderr
+
+
+def test_torchrun_launcher_outside_torchrun_is_one_clear_line():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    p = subprocess.run([sys.executable, "-m", "harness", "check", "--launcher", "torchrun"], capture_output=True,
+                       text=True, timeout=60, env=env, cwd=ROOT)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "needs to be started by torchrun" in p.stderr

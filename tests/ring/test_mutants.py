@@ -1,0 +1,84 @@
+"""The mutant zoo as selftest needs it: never imported with the reference, every mutant documented
+(what it reproduces, where it shows), and the numerical mutants visible under the tolerance rule
+while the reference stays silent on the same cases."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.case import make_case
+from harness.judging import tolerance
+from ring_impl.mutants import MUTANTS
+
+# the public projects the zoo's reports come from, or an explicit statement that there is no single one
+SOURCES = ("ring-flash-attention", "ring-attention-pytorch", "long-context-attention", "yunchang", "EasyContext",
+           "diffusers", "Striped Attention", "flash-attn", "no single public report")
+
+
+def test_importing_the_reference_does_not_import_the_mutants():
+    code = "import sys, ring_impl, harness.impls.registry; print('ring_impl.mutants' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_each_mutant_says_what_it_reproduces_and_where_it_shows(name):
+    doc = " ".join((MUTANTS[name].__doc__ or "").split())
+    assert "Visible" in doc, f"{name}: the docstring must say when the bug is visible"
+    assert any(c in doc for c in SOURCES), f"{name}: cite the public report (or say there is no single one)"
+
+
+def test_lse_of_low_precision_inputs_is_judged_at_float32():
+    lo = tolerance.bound("lse", "bf16", base_error=0.5, ref_absmax=100.0, world_size=4, lse_absmax=100.0,
+                         term_scale=30.0)
+    fp32 = tolerance.bound("lse", "fp32", 0.0, 100.0, world_size=4, lse_absmax=100.0, term_scale=30.0)
+    # ~20-bit units instead of float32's 23 (reduced-precision kernels use a 20-bit exp): at most 16x
+    assert fp32 < lo <= 16 * fp32
+    assert lo < 0.03  # neither the low-precision base error (0.5) nor eps(bf16) * 100 widens it
+    assert tolerance.bound("out", "bf16", 0.5, 1.0) > 1.0  # other tensors keep the dtype's base term
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from harness.ranks.pool import RankPool
+
+    with RankPool(4) as p:
+        yield p
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_accumulator_fails_lse_where_the_reference_passes(pool, dtype):
+    from harness.runner import run_case
+
+    c = make_case(world_size=4, total_len=27, layout="zigzag", mask={"kind": "causal"}, heads_q=4, heads_kv=2,
+                  head_dim=32, dtype=dtype, seed=14)
+    ref = run_case(c, pool, "reference")
+    mut = run_case(c, pool, "mutant:low-precision-accumulator")
+    assert ref.passed and ref.worst("lse") < 0.5
+    assert mut.verdict == "silent-corruption" and mut.worst("lse") > 10
+
+
+def test_dq_through_bf16_fails_dq_in_fp32(pool):
+    from harness.runner import run_case
+
+    c = make_case(world_size=2, total_len=8, heads_q=2, heads_kv=2, head_dim=16, seed=3)
+    assert run_case(c, pool, "reference").passed
+    mut = run_case(c, pool, "mutant:dq-through-bf16")
+    assert [x.tensor for x in mut.failed_checks()] and {x.tensor for x in mut.failed_checks()} == {"dq"}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_each_mutant_has_its_regression_case_in_the_corpus(name):
+    from pathlib import Path
+
+    from harness import case as case_mod
+
+    path = Path(__file__).resolve().parents[2] / "cases" / f"mutant-{name}.yaml"
+    assert path.exists(), f"no regression case for {name}: run `ring-harness selftest --only {name} --corpus cases`"
+    case, data = case_mod.load(path)
+    assert case.impl == f"mutant:{name}" and data["result"]["verdict"] != "pass"
+    comment = path.read_text().split("\nformat:")[0]
+    assert comment.startswith(f"# {name}: regression case") and "reference it must pass" in comment.replace("\n# ", " ")

@@ -1,0 +1,148 @@
+"""The property-based driver: finds, saves before shrinking, shrinks, respects budgets, is
+reproducible under the ci profile; and, on real ranks, finds and shrinks a W >= 3 bug."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import case as case_mod
+from harness.checks.progress import FuzzProgress
+from harness.result import CaseResult, TensorCheck
+from harness.search import fuzz
+
+PLANTED = "tests.helpers.planted_impls:late_diagonal"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _result(c, bad: bool) -> CaseResult:
+    check = TensorCheck("out", 0, 5.0 if bad else 0.5, 1.0, 0, {"batch": 0, "token": 0, "head": 0}, not bad)
+    return CaseResult(case=c, impl="fake", verdict="silent-corruption" if bad else "pass", checks=[check])
+
+
+def _needs_w3(c) -> bool:
+    return c.world_size >= 3 and c.mask.is_causal
+
+
+def test_finds_saves_before_shrinking_and_shrinks(tmp_path):
+    seen_on_disk = []
+
+    def run(c):
+        r = _result(c, _needs_w3(c))
+        if not r.passed:
+            seen_on_disk.append(sorted(p.name for p in tmp_path.glob("*found.yaml")))
+        return r
+
+    out = fuzz.fuzz("fake", run=run, save_dir=tmp_path, max_examples=200)
+    assert out.found is not None and out.stop == "shrunk"
+    assert seen_on_disk[0] == [] and len(seen_on_disk[1]) == 1  # saved as soon as found, before any shrink step
+    found, data = case_mod.load(out.found_path)
+    assert found == out.found.case and data["result"]["verdict"] == "silent-corruption"
+    shrunk, data = case_mod.load(out.shrunk_path)
+    assert shrunk == out.shrunk.case
+    assert (shrunk.world_size, shrunk.seq_lens, shrunk.heads_q, shrunk.mask.kind) == (3, (1, 1, 1), 1, "causal")
+    assert data["result"]["localisation"]["worst"]["out"]["ratio"] == 5.0
+    assert out.shrunk_path.name.replace("-shrunk", "-found") == out.found_path.name
+
+
+def test_a_kill_while_shrinking_keeps_the_found_case(tmp_path):
+    fails = []
+
+    def run(c):
+        if _needs_w3(c):
+            fails.append(c)
+            if len(fails) == 3:
+                raise KeyboardInterrupt
+        return _result(c, _needs_w3(c))
+
+    with pytest.raises(KeyboardInterrupt):
+        fuzz.fuzz("fake", run=run, save_dir=tmp_path)
+    found = list(tmp_path.glob("*-found.yaml"))
+    shrunk = list(tmp_path.glob("*-shrunk.yaml"))
+    assert len(found) == 1 and case_mod.load(found[0])[0] == fails[0]
+    assert len(shrunk) == 1 and case_mod.load(shrunk[0])[0] == fails[1]  # the best so far
+
+
+def test_ci_profile_is_reproducible_and_nightly_is_not(tmp_path):
+    def drawn(profile, seed=None):
+        cases = []
+        fuzz.fuzz("fake", run=lambda c: cases.append(c) or _result(c, False), save_dir=tmp_path, max_examples=25,
+                  profile=profile, seed=seed)
+        return cases
+
+    assert drawn("ci") == drawn("ci")
+    assert drawn("ci", seed=7) == drawn("nightly", seed=7)  # --seed makes a nightly run repeatable
+    assert drawn("nightly") != drawn("nightly")
+
+
+def test_max_examples_and_time_budget_stop_the_search(tmp_path):
+    out = fuzz.fuzz("fake", run=lambda c: _result(c, False), save_dir=tmp_path, max_examples=30)
+    assert out.examples == 30 and out.passed and out.stop.startswith("budget spent")
+
+    import time
+
+    def slow(c):
+        time.sleep(0.02)
+        return _result(c, False)
+
+    out = fuzz.fuzz("fake", run=slow, save_dir=tmp_path, max_examples=10_000, time_budget_s=0.5)
+    assert out.stop == "time budget" and 5 < out.examples < 100 and out.seconds < 3
+
+
+def test_a_harness_error_is_raised_not_shrunk(tmp_path):
+    def broken(c):
+        raise RuntimeError("pool died")
+
+    with pytest.raises(RuntimeError, match="pool died"):
+        fuzz.fuzz("fake", run=broken, save_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_plain_progress_lines_when_not_a_terminal(tmp_path):
+    buf = io.StringIO()
+    bar = FuzzProgress(40, 10.0, stream=buf, every_s=0.0)
+    with bar:
+        fuzz.fuzz("fake", run=lambda c: _result(c, _needs_w3(c)), save_dir=tmp_path, max_examples=40, progress=bar)
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("property-based [search]: 1/40 examples, no failure")
+    assert any("[shrink]" in ln and "failing" in ln and "cases/s" in ln for ln in lines)
+
+
+def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
+    """On real ranks: the planted late-diagonal ring is found, shrunk to W=3, and passes on the reference."""
+    from harness.ranks.pool import RankPool
+
+    with RankPool(4) as pool:  # rings of 1-4 ranks: enough for the bug, quick to start
+        out = fuzz.fuzz(PLANTED, pool, allow_import=True, save_dir=tmp_path, max_examples=100, time_budget_s=60)
+    assert out.found is not None, out.stop
+    c = out.shrunk.case
+    assert c.world_size == 3 and c.total_len == 3 and c.mask.kind == "causal", c.summary()
+    assert out.reference_verdict == "pass"
+    assert any("mask hides" in f for f in out.localisation.findings)
+    data = case_mod.load(out.shrunk_path)[1]["result"]
+    assert data["verdict"] == "silent-corruption" and data["reference_verdict"] == "pass"
+    assert data["hashes"] and data["localisation"]["findings"]
+
+
+def test_default_check_finds_shrinks_saves_and_replays(tmp_path):
+    """The full default `check` (battery + property-based) on the planted bug, then `replay`."""
+    cmd = [sys.executable, "-m", "harness"]
+    chk = subprocess.run([*cmd, "check", "--impl", PLANTED, "--save-dir", str(tmp_path), "--plot", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert chk.returncode == 1, chk.stdout[-3000:] + chk.stderr[-3000:]
+    shrunk = list(tmp_path.glob("*-shrunk.yaml"))
+    assert len(shrunk) == 1, chk.stdout[-3000:]
+    c = case_mod.load(shrunk[0])[0]
+    assert c.world_size == 3 and c.total_len == 3
+    assert len(list(tmp_path.glob("*-shrunk-out.png"))) == 1
+    rep = subprocess.run([*cmd, "replay", str(shrunk[0]), "--impl", PLANTED], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert rep.returncode == 1 and "reproduces the recorded verdict" in rep.stdout
+    assert "match the record bit for bit" in rep.stdout
+    ref = subprocess.run([*cmd, "replay", str(shrunk[0]), "--impl", "reference"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout

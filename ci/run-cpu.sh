@@ -1,10 +1,58 @@
 #!/usr/bin/env bash
-# CPU CI: install the pinned CPU torch, the package with its dev extras, lint, then the README's
-# test command. Run from the repository root.
+# CPU CI: install the pinned CPU torch, the package with its dev extras; lint and the architecture
+# contracts; the README's test command (random order, the seed is printed); the slow tier, bounded,
+# with its wall time; the benchmark figures, printed (ratios, never asserted as times); and a check
+# that the run left nothing behind (no rank-pool or torchelastic temp dir, no .hypothesis/, no
+# untracked file in the tree). Run from the repository root.
 set -euo pipefail
 python -m pip install -q --upgrade pip >/dev/null
 python -m pip install -q -r ci/requirements-cpu.txt
 python -m pip install -q -e '.[dev,ring-attention-pytorch]'
+if [ -f ci/requirements-thirdparty.txt ]; then
+  # third-party rings that run on CPU ranks through the flash-attn stand-in (their flash-attn
+  # dependency cannot build here, hence --no-deps)
+  python -m pip install -q --no-deps -r ci/requirements-thirdparty.txt
+fi
+
+echo "== lint"
 ruff check .
-# The README's test command:
+echo "== architecture contracts (import-linter, pyproject.toml)"
+lint-imports --no-cache
+
+tmp="${TMPDIR:-/tmp}"
+leftovers() { ls -1 "$tmp" 2>/dev/null | grep -E '^(ring-harness-|torchelastic_|rh-tests-)' | sort || true; }
+before_tmp="$(leftovers)"
+
+echo "== tests (the README's test command; random order)"
 python -m pytest -n 2
+
+echo "== slow tier (--run-slow -m slow, bounded at 30 min)"
+start=$(date +%s)
+rc=0
+timeout 1800 python -m pytest -n 2 --run-slow -m slow || rc=$?
+echo "slow tier: exit $rc after $(( $(date +%s) - start )) s"
+[ "$rc" -eq 0 ] || exit "$rc"
+
+if [ -f ci/thirdparty-check.sh ]; then
+  echo "== third-party rings on CPU ranks"
+  bash ci/thirdparty-check.sh
+fi
+
+echo "== benchmark figures (quick sizes; printed, not asserted)"
+start=$(date +%s)
+python -m harness bench --quick || echo "bench: exit $? (a figure failed to run)"
+echo "bench: $(( $(date +%s) - start )) s"
+
+echo "== nothing left behind"
+after_tmp="$(leftovers)"
+new_tmp="$(comm -13 <(echo "$before_tmp") <(echo "$after_tmp") | grep -v '^$' || true)"
+untracked="$(git status --porcelain --untracked-files=all | grep '^??' || true)"
+echo "new temp dirs in $tmp: ${new_tmp:-none}"
+echo "untracked files in the tree: ${untracked:-none}"
+ignored_outputs="$(ls -d .hypothesis ring-harness-failures ring-harness-selftest 2>/dev/null || true)"
+echo "test outputs in the tree (.hypothesis/, ring-harness-failures/, ring-harness-selftest/): ${ignored_outputs:-none}"
+if [ -n "$new_tmp" ] || [ -n "$untracked" ] || [ -n "$ignored_outputs" ]; then
+  echo "FAILED: the run left files behind"
+  exit 1
+fi
+echo "nothing left behind"

@@ -1,15 +1,61 @@
-"""Test-suite options: long fuzzing and fault batteries are marked `slow` and run only with
---run-slow (or RING_HARNESS_SLOW=1), keeping the default suite within CI's budget."""
+"""Test-suite options and hygiene.
+
+- Long fuzzing and fault batteries are marked `slow` and run only with --run-slow (or
+  RING_HARNESS_SLOW=1); CI runs both tiers (.ci/run).
+- Nothing is left behind: the controlling pytest process makes one short session directory
+  (`rh-tests-*` in the system temp dir) and points at it every place a run writes: the rank pools'
+  temp dirs (RING_HARNESS_TMPDIR), subprocesses' temp files such as torchrun's `torchelastic_*`
+  dirs (TMPDIR, inherited by xdist workers and every subprocess), and hypothesis's storage
+  (instead of `.hypothesis/` in the repository). It is removed when the session ends; what was
+  still in it (a pool a test failed to close) is reported.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+
+SESSION_ENV = "RING_HARNESS_TEST_SESSION_DIR"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _is_controller(config) and SESSION_ENV not in os.environ:
+        base = Path(tempfile.mkdtemp(prefix="rh-tests-"))  # short: rank socket paths must fit in 107 bytes
+        for sub in ("pools", "tmp", "hypothesis"):
+            (base / sub).mkdir()
+        os.environ[SESSION_ENV] = str(base)
+        os.environ["RING_HARNESS_TMPDIR"] = str(base / "pools")
+        os.environ["TMPDIR"] = str(base / "tmp")  # subprocesses (torchrun, workers) make their temp files here
+        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = str(base / "hypothesis")  # subprocesses' hypothesis too
+        config._ring_harness_session_dir = base  # removed in pytest_unconfigure
+    base = Path(os.environ[SESSION_ENV])
+    from hypothesis import configuration
+
+    configuration.set_hypothesis_home_dir(str(base / "hypothesis"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    base = getattr(config, "_ring_harness_session_dir", None)
+    if base is None:
+        return
+    left = sorted(str(p.relative_to(base)) for p in (base / "pools").iterdir()) if (base / "pools").exists() else []
+    if left:
+        sys.stderr.write(f"ring-harness tests: {len(left)} pool temp dir(s) were not removed by their pools: "
+                         f"{', '.join(left[:5])}\n")
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,8 +4,6 @@ ring steps, hangs report pending ops, and the pool heals after every faulted cas
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -21,7 +19,6 @@ from harness.runner import run_case
 from harness.search.fault_strategies import faulted_cases
 
 DEADLINE = 6.0
-SLACK = 4.0  # stack dumps, reply transfer
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +66,11 @@ def test_reference_is_bit_identical_under_benign_faults(pool, fault):
 
 def test_drop_is_fail_stop_naming_op_peer_and_phase(pool):
     c = _case(w=2, layout="contiguous", faults=[make_fault("drop", rank=0, phase="forward", index=0)])
-    t0 = time.monotonic()
     r = _run(pool, c)
-    assert time.monotonic() - t0 < DEADLINE + SLACK
+    # within the deadline: not a wall-clock guess but the pool's own contract (it stops waiting at the
+    # deadline and calls the case a hang), so a fail-stop verdict means every rank answered before it
     assert r.verdict == "fail-stop" and r.extra["as_expected"], r.detail
+    assert not r.hung and r.timings["wall_s"] < c.deadline_s
     assert r.extra["fired"] == {0: 1}
     assert r.errors and all("peer rank" in e and ("forward" in e or "backward" in e) for e in r.errors.values())
     assert r.extra["clear_errors"] == sorted(r.errors)
@@ -84,10 +82,9 @@ def test_drop_is_fail_stop_naming_op_peer_and_phase(pool):
 def test_crash_is_fail_stop_and_the_pool_restarts(pool, how):
     c = _case(faults=[make_fault("crash", rank=1, phase="forward", index=1, how=how)])
     old = set(pool.pids())
-    t0 = time.monotonic()
     r = _run(pool, c)
-    assert time.monotonic() - t0 < DEADLINE + SLACK
     assert r.verdict == "fail-stop" and r.extra["as_expected"], r.detail
+    assert not r.hung and r.timings["wall_s"] < c.deadline_s  # answered before the deadline (see above)
     assert 1 in r.dead and r.dead[1].startswith(DEATH_OF[how])
     assert r.extra["fired"] == {0: 1}
     _healed(pool, c)

@@ -82,16 +82,36 @@ def test_torch_ring_one_rank_matches_oracle(world1, name, mask, hq, hkv):
         assert max_err(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 5e-2), (torch.float16, 5e-3)])
-def test_torch_ring_half_dtypes(world1, dtype, tol):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_ring_half_dtypes(world1, dtype):
+    """Every tensor within ONE unit of the input dtype at the tensor's scale (eps * max|ref|), lse within
+    2^-19 relative (torch's CPU kernel computes exp to ~20 bits; see harness/judging/tolerance.py).
+    Measured on torch 2.13.0 (this test's inputs): out/dq/dk/dv 0.21-0.59 units, lse 1.9e-7 absolute
+    (~2^-22 of |lse|): the bound is ~1.7x the worst measured error, so an implementation that rounds
+    an intermediate (e.g. dq through bf16 for fp16 inputs, 8 fp16 units) fails it."""
     impl = registry.resolve("torch-ring")
     q, k, v, dout = inputs(dtype=dtype)
     out, lse, dq, dk, dv = run_and_grad(
         impl, ctx1(world1, 12, MaskSpec("causal"), 0.25, dtype=dtype), q, k, v, dout
     )
     ref = oracle.attention(q, k, v, dout, MaskSpec("causal"), 0.25, torch.float64)
-    assert out.dtype == dtype and dq.dtype == dtype
-    assert max_err(out, ref.out) < tol and max_err(dq, ref.dq) < 4 * tol
+    assert out.dtype == dtype and dq.dtype == dtype and lse.dtype == torch.float32
+    eps = torch.finfo(dtype).eps
+    for name, got, want in (("out", out, ref.out), ("dq", dq, ref.dq), ("dk", dk, ref.dk), ("dv", dv, ref.dv)):
+        assert max_err(got, want) <= eps * want.abs().max().item(), name
+    assert max_err(lse, ref.lse) <= 2.0**-19 * ref.lse.abs().max().item()
+
+
+def test_the_half_dtype_bound_catches_one_extra_rounding(world1):
+    """The bound above is not vacuous: dq rounded through bf16 for fp16 inputs (ring-flash-attn's
+    `dq.to(torch.bfloat16)`) exceeds it."""
+    impl = registry.resolve("torch-ring")
+    q, k, v, dout = inputs(dtype=torch.float16)
+    _, _, dq, _, _ = run_and_grad(impl, ctx1(world1, 12, MaskSpec("causal"), 0.25, dtype=torch.float16),
+                                  q, k, v, dout)
+    ref = oracle.attention(q, k, v, dout, MaskSpec("causal"), 0.25, torch.float64)
+    bad = dq.to(torch.bfloat16).to(torch.float16)
+    assert max_err(bad, ref.dq) > torch.finfo(torch.float16).eps * ref.dq.abs().max().item()
 
 
 @pytest.mark.parametrize("name,method", [("torch-ring", "ALL_GATHER"), ("torch-ring-alltoall", "ALL_TO_ALL")])
@@ -109,8 +129,10 @@ def test_torch_ring_uses_its_rotate_method_and_restores_options(world1, monkeypa
     impl = registry.resolve(name)
     q, k, v, dout = inputs()
     run_and_grad(impl, ctx1(world1, 12, MaskSpec("causal"), 0.25, layout="zigzag"), q, k, v, dout)
-    kv_rotaters = [m for i, m in enumerate(seen) if i != 2]  # fwd kv, bwd kv, (bwd dkv: always all-to-all)
-    assert seen and all(m == getattr(mod._RotateMethod, method) for m in kv_rotaters), seen
+    # forward K/V and backward K/V rotate with the chosen method; torch's backward rotates dK/dV with
+    # all-to-all whatever the option says (so no assumption on the order rotaters are created in)
+    want, a2a = getattr(mod._RotateMethod, method), mod._RotateMethod.ALL_TO_ALL
+    assert seen.count(want) >= 2 and all(m in (want, a2a) for m in seen), seen
     assert (mod._cp_options.rotate_method, mod._cp_options.enable_load_balance) == before
 
 

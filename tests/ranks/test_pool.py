@@ -72,7 +72,11 @@ def test_hang_is_reported_within_deadline_and_pool_heals(pool):
     r = run_case(c, pool, "tests.helpers.impls:hang", allow_import=True)
     took = time.monotonic() - t0
     assert r.verdict == "hang"
-    assert took < 3.0 + 8.0
+    # the pool stops waiting at the deadline (its own clock: the mechanism, not a guess) ...
+    assert 3.0 <= r.timings["wall_s"] < 3.0 + 1.0
+    # ... then dumps stacks (1 s grace) and kills the ranks (SIGTERM, 2 s, SIGKILL): a guard against a
+    # hang of the harness itself, far above the ~4-6 s this takes on 2 loaded cores
+    assert took < 3.0 + 30.0
     assert set(r.hung) == {0, 1}
     assert all("_hang" in s and "impls.py" in s for s in r.hung.values())
     assert _wait_dead(old) == []  # the hung workers were killed, not leaked

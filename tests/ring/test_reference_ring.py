@@ -44,12 +44,16 @@ SWEEP = [
 def test_reference_passes(ring_pool, case):
     r = run_case(case, ring_pool)
     assert r.verdict == "pass", "\n".join(details(r))
-    assert r.leak is None or r.leak.hidden_keys >= 0
+    if case.mask.kind == "none":
+        assert r.leak is None  # nothing is hidden: no leak check to run
+    else:
+        assert r.leak is not None and r.leak.passed and r.leak.queries, "the leak check must run on a masked case"
     assert {c.tensor for c in r.checks} >= {"out", "dq", "dk", "dv"}
 
 
-def test_zero_length_shard_works_or_is_rejected_clearly(ring_pool):
+def test_zero_length_shard_works(ring_pool):
     from harness.runner import run_case
 
     r = run_case(make_case(world_size=3, seq_lens=(4, 0, 6), mask={"kind": "causal"}), ring_pool)
-    assert r.verdict == "pass" or (r.verdict == "fail-stop" and "length" in r.detail), r.detail
+    assert r.verdict == "pass", r.detail  # the reference supports zero-length shards (README)
+    assert {c.rank for c in r.checks} == {0, 1, 2}

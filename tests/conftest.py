@@ -40,17 +40,16 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["RING_HARNESS_TMPDIR"] = str(base / "pools")
         os.environ["TMPDIR"] = str(base / "tmp")  # subprocesses (torchrun, workers) make their temp files here
         os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = str(base / "hypothesis")  # subprocesses' hypothesis too
-        config._ring_harness_session_dir = base  # removed in pytest_unconfigure
+        # removed by a cleanup registered now, so it runs after the plugin's session pool (registered
+        # later, cleaned up first) has closed
+        config.add_cleanup(lambda: _remove_session_dir(base))
     base = Path(os.environ[SESSION_ENV])
     from hypothesis import configuration
 
     configuration.set_hypothesis_home_dir(str(base / "hypothesis"))
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    base = getattr(config, "_ring_harness_session_dir", None)
-    if base is None:
-        return
+def _remove_session_dir(base: Path) -> None:
     left = sorted(str(p.relative_to(base)) for p in (base / "pools").iterdir()) if (base / "pools").exists() else []
     if left:
         sys.stderr.write(f"ring-harness tests: {len(left)} pool temp dir(s) were not removed by their pools: "

@@ -21,7 +21,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--ring-impl", default=None, help="implementation to validate (built-in name or pkg.mod:attr)")
     g.addoption("--ring-world-size", type=int, default=4, help="ring size for ring_check (default 4)")
     g.addoption("--ring-max-examples", type=int, default=None, help="property-based examples per ring_check")
-    g.addoption("--ring-faults", default=None, help="comma-separated fault kinds to mix in (or 'all')")
+    g.addoption("--ring-faults", default=None,
+                help="benign fault kinds ring_check.battery() also runs as its fault stage, on every rank and op: "
+                     "comma list of early-read, send-reuse, delay, straggler")
     g.addoption("--ring-cases", action="append", default=[], metavar="DIR",
                 help="directory of case YAML files to replay as tests (repeatable)")
     parser.addini("ring_cases", "directories of case YAML files to replay as tests", type="paths", default=[])
@@ -38,41 +40,62 @@ def ring_pool(request: pytest.FixtureRequest):
 
 
 class RingChecker:
-    """Callable fixture object: `ring_check(case)` or `ring_check.battery()`; asserts on failure."""
+    """Callable fixture object: `ring_check(case)`, `.battery()`, `.property()`; fails the test on a
+    failure and saves each failing case (YAML under `save_dir`, as `ring-harness check` does). Cases
+    follow the implementation's declared capabilities, like the default check: the battery is adapted
+    to the nearest declared features, the property-based run draws only from them."""
 
-    def __init__(self, pool, impl: str, world_size: int, max_examples: int | None, faults: str | None) -> None:
+    def __init__(self, pool, impl: str, world_size: int, max_examples: int | None, faults: str | None,
+                 save_dir: str = "ring-harness-failures") -> None:
         self.pool = pool
         self.impl = impl
         self.world_size = world_size
         self.max_examples = max_examples
-        self.faults = faults
+        self.faults = faults  # benign fault kinds for battery()'s fault stage (--ring-faults)
+        self.save_dir = save_dir
+
+    def _allow_import(self, name: str) -> bool:
+        from harness.impls import registry
+
+        return registry.is_module_path(name)
+
+    def _caps(self):
+        from harness.impls import registry
+
+        return registry.resolve(self.impl, allow_import=self._allow_import(self.impl)).capabilities
 
     def run(self, case, impl: str | None = None):
         """Run one case and return its CaseResult (no assertion)."""
-        from harness.impls import registry
         from harness.runner import run_case
 
         name = impl or self.impl
-        return run_case(case, self.pool, name, allow_import=registry.is_module_path(name))
+        return run_case(case, self.pool, name, allow_import=self._allow_import(name))
+
+    def _fail(self, bad: list) -> None:
+        from harness.checks.report import details
+        from harness.result import save_result
+
+        lines = []
+        for r in bad:
+            path = save_result(r, self.save_dir, backend=getattr(self.pool, "backend", "gloo"))
+            lines += [f"{r.verdict}: {r.case.summary()} (saved {path})", *details(r)]
+        pytest.fail("\n".join(lines), pytrace=False)
 
     def __call__(self, case, impl: str | None = None):
-        """Run one case and fail the test unless its verdict is `pass`."""
-        from harness.checks.report import details
-
+        """Run one case and fail the test unless its verdict is `pass` (the failing case is saved)."""
         r = self.run(case, impl)
         if not r.passed:
-            pytest.fail(f"{r.verdict}: {r.case.summary()}\n" + "\n".join(details(r)), pytrace=False)
+            self._fail([r])
         return r
 
     def property(self, max_examples: int | None = None, time_budget_s: float | None = None, save_dir=None):
-        """A property-based run (hypothesis, shrinking, saved YAML) against the implementation; fails
+        """A property-based run (hypothesis, shrinking, saved YAML) over the declared capabilities; fails
         with the shrunk case. Budget: `max_examples`, else --ring-max-examples, else the ci profile."""
-        from harness.impls import registry
         from harness.search.fuzz import fuzz
 
         n = max_examples if max_examples is not None else self.max_examples
-        out = fuzz(self.impl, self.pool, max_examples=n, time_budget_s=time_budget_s,
-                   save_dir=save_dir or "ring-harness-failures", allow_import=registry.is_module_path(self.impl))
+        out = fuzz(self.impl, self.pool, max_examples=n, time_budget_s=time_budget_s, caps=self._caps(),
+                   save_dir=save_dir or self.save_dir, allow_import=self._allow_import(self.impl))
         if not out.passed:
             r = out.shrunk or out.found
             pytest.fail(f"property-based run found {r.verdict}: {r.case.summary()} "
@@ -80,15 +103,25 @@ class RingChecker:
         return out
 
     def battery(self, dtype: str | None = None):
-        """Run the default fixed battery; fail listing every failing case."""
-        from harness.checks.report import details
-        from harness.search.battery import default_battery
+        """Run the default fixed battery adapted to the declared capabilities (and, with --ring-faults,
+        the fault stage with those benign kinds); fail listing every failing case."""
+        from harness.checks.check import battery_plan, fault_stage_cases
+        from harness.checks.options import FAULT_STAGE_KINDS, CheckOptions, parse_kinds
+        from harness.judging.verdicts import fault_ok
 
-        results = [self.run(c) for c in default_battery(self.world_size, dtype, impl=self.impl)]
+        caps = self._caps()
+        cases, _ = battery_plan(CheckOptions(impl=self.impl, world_size=self.world_size, dtype=dtype), caps)
+        results = [self.run(c) for c in cases]
         bad = [r for r in results if not r.passed]
+        kinds = parse_kinds(self.faults, FAULT_STAGE_KINDS, "--ring-faults", ()) if self.faults else ()
+        if kinds:
+            lo, hi = caps.world_sizes
+            stage = fault_stage_cases(kinds, self.impl, caps, max_world=min(hi, 8), deadline_s=8.0, dtype=dtype)
+            fault_results = [self.run(c) for c in stage if c.world_size >= lo]
+            results += fault_results
+            bad += [r for r in fault_results if not fault_ok(r)]
         if bad:
-            pytest.fail("\n".join(f"{r.verdict}: {r.case.summary()}\n" + "\n".join(details(r)) for r in bad),
-                        pytrace=False)
+            self._fail(bad)
         return results
 
 

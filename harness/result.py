@@ -140,11 +140,14 @@ def harness_version() -> str:
 
 def result_record(r: CaseResult, impl_version: str = "unknown", backend: str = "gloo") -> dict:
     """The `result:` block of a case file."""
+    versions = {"torch": str(torch.__version__), "ring-harness": harness_version(), "impl": impl_version,
+                "python": platform.python_version()}
+    if r.extra.get("kernel"):  # the flash-attn kernel the ranks used, e.g. "cpu-standin"
+        versions["kernel"] = r.extra["kernel"]
     return {
         "verdict": str(r.verdict),
         "detail": r.detail,
-        "versions": {"torch": str(torch.__version__), "ring-harness": harness_version(), "impl": impl_version,
-                     "python": platform.python_version()},
+        "versions": versions,
         "backend": backend,
         "checks": [{"tensor": c.tensor, "rank": c.rank, "error": float(c.error), "allowed": float(c.allowed),
                     "ratio": float(c.ratio) if c.ratio != float("inf") else "inf", "position": c.position}

@@ -22,7 +22,7 @@ from harness.context import Capabilities
 from harness.faults.schema import make_fault
 from harness.impls import registry
 from harness.impls.capabilities import adapt, unsupported
-from harness.judging.verdicts import fault_ok, probe_acceptable
+from harness.judging.verdicts import failure_signature, fault_ok, probe_acceptable
 from harness.result import CaseResult, save_result
 from harness.runner import run_case
 from harness.search.battery import battery_pool_size, default_battery
@@ -63,6 +63,7 @@ class CheckOutcome:
     cases: int = 0
     seconds: float = 0.0
     stopped: str = ""  # why the check ended before its last stage, if it did
+    distinct: dict = field(default_factory=dict)  # failure signature -> [saved path, failing cases]
     follower: bool = False  # a torchrun rank other than 0: it ran cases, rank 0 judged and reports
 
     @property
@@ -102,7 +103,7 @@ def fault_stage_cases(kinds: tuple[str, ...], impl: str, caps: Capabilities, *, 
             c = make_case(world_size=w, total_len=total, layout=layout, mask=mask, heads_q=4, heads_kv=2,
                           head_dim=8, seed=100 + len(out), impl=impl, dtype=dtype or "fp32",
                           deadline_s=deadline_s, faults=tuple(_stage_fault(k, w) for k in group))
-            c = c if not unsupported(caps, c) else adapt(caps, c)
+            c = adapt(caps, c)
             if c is not None:
                 out.append(c)
     return out
@@ -114,7 +115,7 @@ def battery_plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], li
     if opts.deadline is not None:
         cases = [c.replace(deadline_s=opts.deadline) for c in cases]
     probes = _probes(caps, cases)
-    cases = [c if not unsupported(caps, c) else adapt(caps, c) for c in cases]
+    cases = [adapt(caps, c) for c in cases]
     return list({c.key(): c for c in cases if c is not None}.values()), probes
 
 
@@ -152,7 +153,20 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         res.failures.append(Failure(stage, res.cases, seconds, r, ok, minimal))
         if not ok:
             out("        not accepted as this check's failure (it did not reproduce); going on")
+        if opts.maxfail is not None and len(res.failures) >= opts.maxfail:
+            return True
         return stop_at_first_failure and ok
+
+    def save(r: CaseResult, note: str | None = None) -> None:
+        """One saved file per distinct failure (its first case); the others are counted."""
+        sig = failure_signature(r)
+        if sig in res.distinct:
+            res.distinct[sig][1] += 1
+            out(f"        same failure as {res.distinct[sig][0]} ({' '.join(sig)}): not saved again")
+            return
+        path = save_result(r, opts.save_dir, backend=pool.backend, note=note)
+        res.distinct[sig] = [path, 1]
+        out(f"        saved {path}")
 
     def finish(why: str = "") -> CheckOutcome:
         res.stopped, res.seconds = why, time.perf_counter() - start
@@ -173,9 +187,9 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         for line in report.details(r):
             out(line)
         if not r.passed:
-            out(f"        saved {save_result(r, opts.save_dir, backend=pool.backend)}")
+            save(r)
             if failed("battery", r):
-                return finish(f"first failure: battery case {i}")
+                return finish(f"stopped at battery case {i} ({len(res.failures)} failing)")
     if probes:
         out(f"probing {len(probes)} case(s) with features {impl} does not declare:")
         for i, c in enumerate(probes, 1):
@@ -188,8 +202,8 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
                 out(f"        finding saved {path}")
     for line in format_matrix(matrix(caps, res.results, res.probe_results)):
         out(line)
-    if _fault_stage(pool, opts, caps, res, out, failed):
-        return finish(f"first failure: fault stage case {len(res.fault_results)}")
+    if _fault_stage(pool, opts, caps, res, out, failed, save):
+        return finish(f"stopped at fault stage case {len(res.fault_results)} ({len(res.failures)} failing)")
     before, t_prop = res.cases, elapsed()
     res.prop = prop_stage.run_property(opts, pool, [r for r in res.results if not r.passed], reporter=out)
     res.cases += res.prop.examples
@@ -202,7 +216,7 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
 
 
 def _fault_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome, out: Reporter,
-                 failed: Callable[[str, CaseResult], bool]) -> bool:
+                 failed: Callable[[str, CaseResult], bool], save: Callable[[CaseResult], None]) -> bool:
     """Run the fault stage into `res`; True when the check should stop at one of its failures."""
     impl, allow_import = opts.impl, opts.allow_import
     kinds = parse_kinds(opts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
@@ -226,7 +240,7 @@ def _fault_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome
             out(f"        -> not applicable here: {r.detail[:200]}")
         elif not fault_ok(r):
             out(f"        -> {r.detail[:300]}" if r.detail else f"        -> {r.verdict}, expected pass")
-            out(f"        saved {save_result(r, opts.save_dir, backend=pool.backend)}")
+            save(r)
             if failed("faults", r):
                 return True
     return False
@@ -256,6 +270,30 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
             return CheckOutcome(impl=opts.impl, follower=True)
         res = run_check(pool, opts, reporter=out)
     out(report.summary(res.results + res.fault_results, res.seconds))
+    out(verdict_line(res))
     if opts.json:
         report.write_json(opts.json, {"command": "check", **outcome_json(res)})
     return res
+
+
+def verdict_line(res: CheckOutcome) -> str:
+    """The last line of a check: what its exit status means, which stage failed, how many distinct
+    failures (one saved file each)."""
+    if res.passed:
+        n_prop = res.prop.examples if res.prop else 0
+        return (f"check PASSED (exit 0): {len(res.results)} battery, {len(res.fault_results)} fault-stage and "
+                f"{n_prop} property-based cases of {res.impl}")
+    stages = []
+    bad_battery = sum(not r.passed for r in res.results)
+    bad_faults = sum(not fault_ok(r) for r in res.fault_results)
+    if bad_battery:
+        stages.append(f"battery {bad_battery}/{len(res.results)} cases")
+    if bad_faults:
+        stages.append(f"fault stage {bad_faults}/{len(res.fault_results)} cases")
+    if res.prop is not None and not res.prop.passed:
+        stages.append(f"property-based ({res.prop.found.verdict}: {res.prop.found.case.summary()})")
+    if res.findings:
+        stages.append(f"{len(res.findings)} undeclared-feature finding(s)")
+    distinct = len(res.distinct) + (1 if res.prop is not None and not res.prop.passed else 0)
+    why = f"; {res.stopped}" if res.stopped else ""
+    return f"check FAILED (exit 1): {'; '.join(stages)}; {distinct} distinct failure(s){why}"

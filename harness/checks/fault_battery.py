@@ -17,7 +17,7 @@ from harness.checks.report import Reporter
 from harness.errors import HarnessError
 from harness.faults.schema import KINDS, make_fault
 from harness.impls import registry
-from harness.impls.capabilities import adapt, unsupported
+from harness.impls.capabilities import adapt
 from harness.judging.verdicts import case_expected
 from harness.ranks.leftovers import leftover_workers
 from harness.result import VERDICTS, save_result
@@ -204,6 +204,6 @@ def fault_battery(opts: FaultBatteryOptions | None = None, reporter: Reporter | 
 def _supported(cases: list, impl: str, allow_import: bool) -> tuple[list, int]:
     """The battery's cases the implementation declares (adapted to its split/head_dim when that is all)."""
     caps = registry.resolve(impl, allow_import=allow_import).capabilities
-    out = [c if not unsupported(caps, c) else adapt(caps, c) for c in cases]
+    out = [adapt(caps, c) for c in cases]
     kept = [c for c in out if c is not None]
     return kept, len(cases) - len(kept)

@@ -83,6 +83,7 @@ class CheckOptions:
     plot: str | None = None  # write error heatmaps (PNG) of failing cases here (needs matplotlib)
     fault_stage: tuple[str, ...] = FAULT_STAGE_DEFAULT  # benign faults on every rank and op, both phases
     fault_deadline: float = 8.0  # per-case deadline of the fault stage
+    maxfail: int | None = None  # stop after this many failing cases, as pytest's --maxfail (-x: 1)
 
     @property
     def allow_import(self) -> bool:
@@ -106,6 +107,8 @@ class CheckOptions:
         parse_kinds(self.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
         if not 1 <= self.fault_deadline <= 600:
             raise HarnessError(f"--fault-deadline must be in [1, 600] seconds, got {self.fault_deadline:g}")
+        if self.maxfail is not None and self.maxfail < 1:
+            raise HarnessError(f"--maxfail must be at least 1, got {self.maxfail}")
         if self.plot:
             from harness.diagnose.plot import _pyplot
 

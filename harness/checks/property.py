@@ -3,6 +3,7 @@ plots (heatmaps are shared with `replay`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from harness.checks import report
@@ -24,6 +25,8 @@ def run_property(opts: CheckOptions, pool, failed: list[CaseResult] = (),
     n = prof.max_examples if opts.max_examples is None else opts.max_examples
     budget = prof.time_budget_s if opts.time_budget is None else opts.time_budget
     caps, version = fuzz.impl_info(impl, allow_import)
+    if opts.dtype is not None:  # --dtype shapes every stage: draw only cases of that dtype
+        caps = dataclasses.replace(caps, dtypes=frozenset({opts.dtype}))
     from harness.search import strategies
 
     strategy = strategies.cases(caps, impl=impl, pool_size=pool.size, max_world=pool.size,

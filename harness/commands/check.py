@@ -17,8 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default=S,
                    help="implementation: a built-in name (see `ring-harness impls`) or package.module:attr"
                         + hint(C, "impl"))
-    p.add_argument("--world-size", type=int, default=S, help="main ring size of the battery" + hint(C, "world_size"))
-    p.add_argument("--dtype", choices=DTYPES, default=S, help="run every case in this dtype")
+    p.add_argument("--world-size", type=int, default=S,
+                   help="main ring size of the battery (which also has W = 1, 2, 3, 8 and a subgroup; the fault "
+                        "stage and the property-based run use W up to the pool size)" + hint(C, "world_size"))
+    p.add_argument("--dtype", choices=DTYPES, default=S, help="run every case of every stage in this dtype")
     p.add_argument("--json", metavar="FILE", default=S, help="write machine-readable results here")
     p.add_argument("--save-dir", metavar="DIR", default=S,
                    help="where failing cases are written as YAML" + hint(C, "save_dir"))
@@ -28,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("local", "torchrun"), default=S,
                    help="local: a pool of worker processes on this host; torchrun: the ranks torchrun started"
                         + hint(C, "launcher"))
+    p.add_argument("--maxfail", type=int, default=S, metavar="N",
+                   help="stop after N failing cases (as pytest's --maxfail)")
+    p.add_argument("-x", "--exitfirst", dest="maxfail", action="store_const", const=1, default=S,
+                   help="stop at the first failing case (--maxfail 1)")
     g = p.add_argument_group("property-based stage")
     g.add_argument("--profile", choices=("ci", "nightly"), default=S,
                    help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, large budget"

@@ -1,5 +1,6 @@
-"""`ring-harness impls`: the implementations this install knows, whether each can run here, and
-what each declares it supports."""
+"""`ring-harness impls`: the implementations this install knows, whether each can run here, what each
+declares it supports, and for the flash-attn libraries the kernel their ranks use here (`kernel:
+cpu-standin` where ring-harness's CPU stand-in serves gloo ranks, `kernel: flash-attn X.Y` for a real one)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     vw = max(len(str(r["version"])) for r in rows)
     for r in rows:
         state = "ready" if r["available"] else "unavailable"
-        report.out(f"{r['name']:<{width}}  {state:<11}  {r['version']:<{vw}}  {_caps(r['capabilities'])}")
+        kernel = f"  kernel: {r['kernel']}" if r.get("kernel") else ""
+        report.out(f"{r['name']:<{width}}  {state:<11}  {r['version']:<{vw}}  {_caps(r['capabilities'])}{kernel}")
         if r["why"]:
             report.out(f"{'':<{width}}  -> {r['why']}")
     if mutants:

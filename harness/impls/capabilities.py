@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from harness.context import Capabilities
+from ring_impl.masks import MaskSpec
 
 if TYPE_CHECKING:  # annotations only: the adapters import this module inside the ranks
     from harness.case import Case
@@ -120,18 +121,75 @@ def unsupported(caps: Capabilities, c: Case, backend: str | None = None) -> list
     )
 
 
+# Nearest declared substitutes, best first: a case that uses an undeclared feature is adapted to the
+# first of these the implementation declares, keeping its world size, split and values where it can.
+LAYOUT_FALLBACK = {"zigzag": ("contiguous", "striped"), "striped": ("contiguous", "zigzag"),
+                   "contiguous": ("zigzag", "striped")}
+DTYPE_FALLBACK = {"fp16": ("bf16", "fp32"), "bf16": ("fp16", "fp32"), "fp32": ("bf16", "fp16")}
+
+
+def _mask_fallbacks(mask: MaskSpec) -> tuple[MaskSpec, ...]:
+    """window -> causal; causal document -> causal, none; bidirectional document -> none, causal."""
+    causal, none = MaskSpec("causal"), MaskSpec("none")
+    if mask.kind == "window" or (mask.kind == "document" and mask.causal):
+        return causal, none
+    if mask.kind == "causal":
+        return none,
+    return none, causal
+
+
 def adapt(caps: Capabilities, c: Case) -> Case | None:
-    """The nearest supported variant of a case when only its split or head_dim is undeclared (so an
-    implementation without uneven splits still gets every mask/layout/dtype); None if none exists."""
+    """The nearest case the implementation declares support for: `c` itself when it does; else the
+    undeclared features replaced by the nearest declared ones (zigzag -> contiguous, window -> causal,
+    document -> causal or none, an undeclared dtype -> a declared one, GQA -> as many kv heads as
+    query heads, a subgroup -> global ranks 0..W-1, an uneven split -> the nearest even one, a world
+    size outside the range -> the nearest inside it, with the same total length); None when none
+    exists (e.g. an undeclared backend). So an implementation that declares fewer features gets the
+    same world sizes, splits and values as every other, not fewer cases (issue #17)."""
     from ring_impl.layouts import split_lengths
 
-    missing = set(unsupported(caps, c))
-    if not missing or not missing <= {"uneven"} | {m for m in missing if m.startswith("head_dim:")}:
-        return None
-    if "uneven" in missing:
-        unit = 2 * c.world_size
-        total = max(unit, (c.total_len + unit - 1) // unit * unit)
-        c = c.replace(seq_lens=tuple(split_lengths(total, c.world_size)))
+    if not unsupported(caps, c):
+        return c
+    changes: dict = {}
+    if c.layout not in caps.layouts:
+        layout = next((x for x in LAYOUT_FALLBACK.get(c.layout, ()) if x in caps.layouts), None)
+        if layout is None:
+            return None
+        changes["layout"] = layout
+    if c.mask.kind not in caps.masks:
+        mask = next((m for m in _mask_fallbacks(c.mask) if m.kind in caps.masks), None)
+        if mask is None:
+            return None
+        changes["mask"] = mask
+    if c.dtype not in caps.dtypes:
+        dtype = next((x for x in DTYPE_FALLBACK.get(c.dtype, ()) if x in caps.dtypes), None)
+        if dtype is None:
+            return None
+        changes["dtype"] = dtype
+    if c.heads_q != c.heads_kv and not caps.gqa:
+        changes["heads_kv"] = c.heads_q
+    if c.group_offset and not caps.subgroups:
+        changes["group_offset"] = 0
+    world = min(max(c.world_size, caps.world_sizes[0]), caps.world_sizes[1])
+    total = max(c.total_len, world)
+    if world != c.world_size:
+        changes["world_size"] = world
+        changes["seq_lens"] = tuple(split_lengths(total, world))
+        changes["faults"] = tuple(f for f in c.faults if f.get("rank") is None or f["rank"] < world)
+    lens = changes.get("seq_lens", tuple(c.seq_lens))
+    if len(set(lens)) > 1 and not caps.uneven:
+        unit = 2 * world
+        total = max(unit, (sum(lens) + unit - 1) // unit * unit)
+        changes["seq_lens"] = tuple(split_lengths(total, world))
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
-        c = c.replace(head_dim=min(caps.head_dims, key=lambda d: abs(d - c.head_dim)))
-    return c if not unsupported(caps, c) else None
+        changes["head_dim"] = min(caps.head_dims, key=lambda d: abs(d - c.head_dim))
+    if "seq_lens" in changes and c.mask.kind == "document":
+        m = changes.get("mask", c.mask)
+        if m.kind == "document":
+            n = sum(changes["seq_lens"])
+            changes["mask"] = MaskSpec("document", doc_starts=tuple(s for s in m.doc_starts if s < n), causal=m.causal)
+    try:
+        out = c.replace(**changes)
+    except Exception:  # an adaptation that makes no valid case (e.g. too few tokens for the ranks)
+        return None
+    return out if not unsupported(caps, out) else None

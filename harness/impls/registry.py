@@ -43,8 +43,8 @@ __all__ = [
 ENTRY_POINT_GROUP = "ring_harness.impls"
 ADAPTER_PACKAGE = "harness.impls.adapters"
 # the built-in adapter modules, in listing order; each declares VARIANTS, EXTRA and make(name)
-ADAPTER_MODULES = ("reference", "ring_attention_pytorch", "torch_ring", "ring_flash_attn", "torch_cp", "te_cp",
-                   "yunchang")
+ADAPTER_MODULES = ("reference", "flash_ring", "ring_attention_pytorch", "torch_ring", "ring_flash_attn", "torch_cp",
+                   "te_cp", "yunchang")
 
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
@@ -251,8 +251,20 @@ def _runnable_backends() -> set[str]:
     return out
 
 
+def _kernel(name: str, backends: set[str], here: set[str]) -> str | None:
+    """The flash-attn kernel a built-in whose adapter declares `KERNEL` gets on this machine's ranks
+    ("cpu-standin" on gloo without a real flash-attn, "flash-attn 2.8.3", "none"); None for the others."""
+    module = _builtin_modules().get(name)
+    if module is None or getattr(module, "KERNEL", None) is None:
+        return None
+    from harness.kernels import flash_standin
+
+    return flash_standin.rank_label("gloo" if "gloo" in backends & here else "nccl")
+
+
 def describe() -> list[dict]:
-    """Rows for `ring-harness impls`: name, source, available (and why not), version, capabilities."""
+    """Rows for `ring-harness impls`: name, source, available (and why not), version, capabilities, and
+    for adapters of flash-attn libraries the kernel their ranks use here (`kernel`)."""
     here = _runnable_backends()
     rows = []
     names = [(n, "built-in") for n in builtin_names()] + [(n, "entry point") for n in entry_point_names()]
@@ -265,6 +277,10 @@ def describe() -> list[dict]:
             "version": "-",
             "capabilities": None,
         }
+        caps = declared_capabilities(name)
+        kernel = _kernel(name, set(caps.backends) if caps else set(), here)
+        if kernel is not None:
+            row["kernel"] = kernel
         try:
             impl = resolve(name, allow_import=False)
         except Exception as e:  # describe lists every problem instead of stopping at the first

@@ -42,12 +42,19 @@ times finer than a bf16 unit, and the low-precision-accumulator mutant stays far
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-LSE_LOW_PRECISION_UNIT = 2.0**-19  # lse of fp16/bf16 inputs: ~20-bit exp in real kernels (docstring)
+LSE_EXP_ERROR = 2.0**-13  # absolute lse error of a ~14-bit exp (torch's CPU flash kernel for fp16/bf16; docstring)
 K_FACTORS = {"out": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 EPS = {"fp32": torch.finfo(torch.float32).eps, "fp16": torch.finfo(torch.float16).eps,
        "bf16": torch.finfo(torch.bfloat16).eps}
+# unit roundoffs (u = eps/2) of the input dtype a correct flash-style ring may commit, per tensor and per
+# scale they act at (oracle.TermScales: "terms" = sum of |terms| of the result, "D" = where D's error
+# enters); derivation in the module docstring and docs/tolerance.md
+ROUNDINGS = {"out": {"terms": 3}, "lse": {"terms": 2}, "dq": {"terms": 3, "D": 4}, "dk": {"terms": 4, "D": 4},
+             "dv": {"terms": 4}}
 
 
 def factor(tensor: str, overrides: dict | None = None) -> float:
@@ -57,12 +64,25 @@ def factor(tensor: str, overrides: dict | None = None) -> float:
     return K_FACTORS[tensor]
 
 
+def unit(dtype: str) -> float:
+    """The unit roundoff u = eps / 2 of a dtype: one rounding to nearest errs by at most u relative."""
+    return EPS[dtype] / 2
+
+
 def bound(tensor: str, dtype: str, base_error: float, ref_absmax: float, overrides: dict | None = None,
-          world_size: int = 1, lse_absmax: float = 0.0, term_scale: float = 0.0) -> float:
-    """The largest allowed max-abs error for `tensor` on a ring of `world_size` ranks."""
-    unit = EPS["fp32"]
-    if tensor == "lse" and dtype != "fp32":  # a float32 output: judged at ~float32 (module docstring)
-        dtype, base_error, unit = "fp32", 0.0, LSE_LOW_PRECISION_UNIT
-    terms = max(term_scale, ref_absmax)
-    floor = EPS[dtype] * ref_absmax + (world_size + lse_absmax) * unit * terms + 1e-30
+          world_size: int = 1, lse_absmax: float = 0.0, term_scale: float | Mapping[str, float] = 0.0) -> float:
+    """The largest allowed max-abs error for `tensor` on a ring of `world_size` ranks:
+
+        k * base_error + u(dtype) * sum_c n_c * T_c + (W + max|lse|) * eps32 * max(max_c T_c, ref_absmax)
+
+    with T_c the tensor's term scales (`term_scale`: {class: scale} from oracle.TermScales, or one number
+    for every class) and n_c = ROUNDINGS[tensor][c]; every T_c is at least ref_absmax."""
+    exp_error = 0.0
+    if tensor == "lse" and dtype != "fp32":  # a float32 output: judged at float32 (module docstring)
+        dtype, base_error, exp_error = "fp32", 0.0, LSE_EXP_ERROR
+    counts = ROUNDINGS[tensor]
+    scales = term_scale if isinstance(term_scale, Mapping) else dict.fromkeys(counts, float(term_scale))
+    t = {c: max(float(scales.get(c, 0.0)), ref_absmax) for c in counts}
+    rounding = unit(dtype) * sum(n * t[c] for c, n in counts.items())
+    floor = rounding + (world_size + lse_absmax) * EPS["fp32"] * max(t.values()) + exp_error + 1e-30
     return factor(tensor, overrides) * base_error + floor

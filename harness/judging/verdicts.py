@@ -83,6 +83,27 @@ def killed_by(r: CaseResult) -> list[str]:
     return out
 
 
+def failure_signature(r: CaseResult) -> tuple[str, ...]:
+    """What makes two failures the same bug, for grouping (one saved file per distinct failure) and
+    for shrinking (a candidate that fails differently is a different failure): the verdict, then the
+    failing tensors and the leak check for a wrong result, the root cause's exception type for a
+    fail-stop or diverged run, the fault kinds for a faulted case."""
+    sig: list[str] = [str(r.verdict)]
+    if r.verdict == Verdict.SILENT_CORRUPTION:
+        sig += sorted({c.tensor for c in r.failed_checks()})
+        if r.leak is not None and not r.leak.passed:
+            sig.append("leak")
+        if r.extra.get("violations"):
+            sig.append("send-buffer")
+    elif r.verdict in (Verdict.FAIL_STOP, Verdict.DIVERGED):
+        roots = r.extra.get("root_cause") or sorted(r.errors)
+        errors = [r.errors[g].split(":", 1)[0] for g in roots if g in r.errors]
+        sig += errors[:1] or (["died"] if r.dead else [])
+    if r.case.faults:
+        sig.append("faults=" + "+".join(sorted({f["kind"] for f in r.case.faults})))
+    return tuple(sig)
+
+
 # -- judging one case ------------------------------------------------------------------------------
 
 def judge(case: Case, impl: str, reply: Any, oracle_s: float = 0.0, keep_shards: bool = False,
@@ -106,6 +127,7 @@ def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool
     res.dead = {r - off: s for r, s in reply.dead.items()}
     outside = {r: s for r, s in {**reply.hung, **reply.dead}.items() if r not in in_group}
     shards, leak_shards, statuses = {}, {}, {}
+    when: dict[int, float] = {}  # group rank -> time.time() of its error
     for r, rep in reply.replies.items():
         if r not in in_group:
             continue
@@ -119,9 +141,12 @@ def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool
                 leak_shards[g] = rep["leak"]
         elif rep.get("error"):
             res.errors[g] = rep["error"]
+            when[g] = float(rep.get("error_time", 0.0))
         for k in ("comm", "faults"):
             if k in rep:
                 res.extra.setdefault(k, {})[g] = rep[k]
+        if rep.get("kernel"):  # the flash-attn kernel a flash-attn library ran on (e.g. cpu-standin)
+            res.extra["kernel"] = rep["kernel"]
     if res.hung:
         res.verdict = Verdict.HANG
         res.detail = f"deadline {case.deadline_s:g} s passed; rank(s) {sorted(res.hung)} still running"
@@ -137,9 +162,7 @@ def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool
         return res
     if res.errors or res.dead:
         res.verdict = Verdict.FAIL_STOP
-        parts = [f"rank {g}: {e}" for g, e in sorted(res.errors.items())]
-        parts += [f"rank {g} died ({d.split(';')[0]})" for g, d in sorted(res.dead.items())]
-        res.detail = "; ".join(parts)
+        res.detail, res.extra["root_cause"] = _fail_stop_story(res, when)
         return res
     ref, base = references(case)
     small = case.batch * case.total_len * case.heads_q <= MAP_LIMIT
@@ -156,6 +179,23 @@ def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool
             parts.append(f"leak: {lk['tensor']} nonzero at hidden key {lk['token']} on rank {lk['rank']}")
         res.detail = "; ".join(parts)
     return res
+
+
+def _fail_stop_story(res: CaseResult, when: dict[int, float]) -> tuple[str, list[int]]:
+    """The fail-stop detail, root cause first: the earliest error a rank raised (a rank that raises
+    closes its connections, so the errors it causes on the others come after it), or the ranks that
+    died; the other ranks' errors follow as consequences. Returns (detail, ranks of the root cause)."""
+    raised = sorted(res.errors, key=lambda g: (when.get(g, float("inf")), g))
+    if res.dead:  # a death is the cause of the errors it provokes
+        root = sorted(res.dead)
+        parts = [f"rank {g} died ({d.split(';')[0]})" for g, d in sorted(res.dead.items())]
+        later = raised
+    else:
+        root, parts, later = raised[:1], [f"rank {g}: {res.errors[g]}" for g in raised[:1]], raised[1:]
+    detail = "; ".join(parts)
+    if later:
+        detail += "; consequences: " + "; ".join(f"rank {g}: {res.errors[g]}" for g in later)
+    return detail, root
 
 
 def _pending_ops(hung: dict[int, str]) -> list[str]:

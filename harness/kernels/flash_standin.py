@@ -6,6 +6,12 @@ ring-flash-attn 0.1.8 and yunchang 0.6.4 call flash-attn's CUDA kernels through 
 CPU stand-in (`standin/flash_attn`, flash-attn 2.8.3's signatures and numerics; see its docstrings for what
 each library imports and what is refused), and the libraries run for real on CPU ranks.
 
+Who calls `install()`: the pool's rank processes (`harness.ranks.worker.serve`), once, when their backend is
+gloo (CPU tensors, which no real flash-attn takes). The parent process never installs it: adapters import
+their library inside the run, on the ranks. `rank_label(backend)` says, without installing anything, what a
+rank on that backend will use (`ring-harness impls` shows it); `serves_gloo()` whether the stand-in can serve
+gloo ranks here (no real flash-attn importable), which the flash-attn adapters use to declare gloo.
+
 Rank processes may also get `standin/` through PYTHONPATH; `install()` then finds the stand-in already
 importable and inserts nothing. A real flash-attn is never shadowed: `install()` checks with
 `importlib.util.find_spec` first and leaves sys.path alone when one is found.
@@ -111,3 +117,26 @@ def kernel_label() -> str:
     if _under(spec, STANDIN_DIR):
         return STANDIN_LABEL
     return f"flash-attn {_real_version()}"
+
+
+def real_flash_attn() -> bool:
+    """Whether a real (not ring-harness's) flash-attn is importable or imported in this process."""
+    imported = _is_standin_module("flash_attn")
+    if imported is not None:
+        return not imported
+    spec = _find("flash_attn")
+    return spec is not None and not _under(spec, STANDIN_DIR)
+
+
+def serves_gloo() -> bool:
+    """Whether gloo (CPU) ranks here get the stand-in: no real flash-attn is importable (one would be used
+    instead, and real flash-attn kernels take CUDA tensors only)."""
+    return not real_flash_attn()
+
+
+def rank_label(backend: str) -> str:
+    """The kernel label a rank on `backend` will report, computed without installing anything:
+    "flash-attn <version>" for a real one, "cpu-standin" on gloo without one, else "none"."""
+    if real_flash_attn():
+        return kernel_label()
+    return STANDIN_LABEL if backend == "gloo" else "none"

@@ -118,6 +118,7 @@ class ResultMessage(_ResultRequired, total=False):
     leak: dict[str, Any]  # ok, masked case without faults: "dk", "dv" of the leak run
     deterministic: bool  # the implementation's own claim (bit-identical reruns)
     error: str  # error / diverged: one line naming the exception and where it came from
+    error_time: float  # error / diverged: time.time() when it was raised (orders root cause and consequences)
     traceback: str  # error: the tail of the traceback
     comm: list[list]  # op log, one [kind, peer, bytes, phase, state] per call (not for idle)
     faults: FaultReport  # not for idle

@@ -29,6 +29,8 @@ from harness import case as case_mod
 from harness import inputs
 from harness.context import RunContext
 from harness.errors import ShapeError
+from harness.impls.adapters._common import kernel_label
+from harness.kernels import flash_standin
 from harness.ranks import wire
 from harness.ranks.backend import choose_backend, device_for
 from harness.ranks.protocol import (
@@ -214,6 +216,37 @@ def _interposer(case: case_mod.Case, rank: int, msg: RunMessage, workdir: str | 
     )
 
 
+PEERS_TAG = 0x5EED  # the tag of the receives `_close_peers` times out on purpose (never sent to)
+
+
+def _close_peers(case: case_mod.Case, rank: int, groups: Groups) -> None:
+    """After this rank raised mid-case: end the case on the other ranks at once instead of letting them
+    wait out the backend's timeout. For each peer, a receive on the case's group is posted and timed
+    out after 1 ms; gloo then closes the connection to that peer ("Application timeout caused pair
+    closure"), so whatever the peer waits for from this rank fails immediately ("Connection closed by
+    peer"), and its own error closes its connections in turn. The group is retired either way (the
+    pool builds a fresh one for the next case). NCCL has no such pairs: its ranks end by the group's
+    timeout, which follows the case deadline."""
+    import torch.distributed as dist
+
+    if case.world_size < 2 or not (case.group_offset <= rank < case.group_offset + case.world_size):
+        return
+    try:
+        group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
+        if dist.get_backend(group) != "gloo":
+            return
+        box = torch.empty(1)
+        for peer in range(case.group_offset, case.group_offset + case.world_size):
+            if peer == rank:
+                continue
+            try:
+                dist.irecv(box, src=peer, group=group, tag=PEERS_TAG).wait(datetime.timedelta(milliseconds=1))
+            except RuntimeError:
+                pass  # the timeout we asked for: the pair to `peer` is closed
+    except Exception:  # best effort: the peers still end by the group's timeout
+        pass
+
+
 def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device, impls: dict,
                 workdir: str | None = None) -> ResultMessage:
     """Run one 'run' message on this (global) rank and build the reply; never raises for an
@@ -236,13 +269,19 @@ def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device
         if spec not in impls:
             impls[spec] = registry.resolve(spec, allow_import=msg.get("allow_import", False))
         reply["deterministic"] = bool(getattr(impls[spec], "deterministic", True))
+        kernel = kernel_label(impls[spec])  # the flash-attn a flash-attn library ran on: cpu-standin, ...
+        if kernel:
+            reply["kernel"] = kernel
         with interpose.active(ip):
             reply.update(run_on_rank(case, impls[spec], group, device, msg.get("leak", True), ip.set_phase))
         reply["status"] = OK
     except ShapeError as e:
-        reply.update(status=DIVERGED, error=_error_text(e))
+        reply.update(status=DIVERGED, error=_error_text(e), error_time=time.time())
+        _close_peers(case, rank, groups)
     except Exception as e:  # the implementation's error is a result, not a worker crash
-        reply.update(status=ERROR, error=_error_text(e), traceback=traceback.format_exc()[-4000:])
+        reply.update(status=ERROR, error=_error_text(e), error_time=time.time(),
+                     traceback=traceback.format_exc()[-4000:])
+        _close_peers(case, rank, groups)
     reply.update(comm=ip.compact_log(), faults=ip.report())
     return reply
 
@@ -301,6 +340,8 @@ def serve(rank: int, size: int, workdir: str, backend: str) -> None:
         conn = lst.accept()
     backend = choose_backend(backend)
     device = device_for(backend)
+    if backend == "gloo":  # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn is importable
+        flash_standin.install()
     dist.init_process_group(
         backend, store=dist.FileStore(os.path.join(workdir, "store"), size), rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=60),

@@ -1,6 +1,7 @@
 """The default fixed battery: a few dozen small cases that together cover every feature
-(each mask, layout, dtype, uneven split, GQA/MQA, value distribution, world sizes 1-4 and 8,
-a ring inside a subgroup)."""
+(each mask, layout, dtype, uneven and even splits, GQA/MQA, value distribution, world sizes 1-4 and
+8, a ring inside a subgroup). An implementation that declares fewer features gets every case adapted
+to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer cases."""
 
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
         add(world_size=other, total_len=5 * other + 2, layout="striped", mask=_docs(5 * other + 2))
     add(world_size=max(2, min(w, 3)), group_offset=1, layout="zigzag", mask=MASKS["causal"],
         total_len=6 * max(2, min(w, 3)) + 1)
+    # an even split at every world size (the cases above are uneven on purpose)
+    for ws in sorted({1, 2, 3, 8, w}):
+        add(world_size=ws, total_len=8 * ws, layout="contiguous", mask=MASKS["causal"], heads_q=4, heads_kv=2)
     if dtype is not None:
         cases = [c.replace(dtype=dtype) for c in cases]
     return cases

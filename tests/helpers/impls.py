@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from harness.context import Impl
+from harness.context import Capabilities, Impl
 from ring_impl import ring_attention
 from ring_impl.masks import MaskSpec
 
@@ -42,3 +42,27 @@ raises = Impl("tests-raise", _raise)
 wrong_shape = Impl("tests-wrong-shape", _wrong_shape)
 leaky = Impl("tests-leaky", _leaky)
 perturbed = Impl("tests-perturbed", _perturbed)
+
+
+def _raise_on_rank1(q, k, v, ctx):
+    """Rank 1 raises before its first send; the other ranks are already waiting in the ring for it."""
+    if ctx.rank == 1:
+        time.sleep(0.5)  # the others are blocked on their receives from rank 1 by now
+        raise ValueError("deliberate shape mix-up on rank 1")
+    return _reference(q, k, v, ctx)
+
+
+def _hang_on_rank1(q, k, v, ctx):
+    """Rank 1 never enters the ring; the others wait for it."""
+    if ctx.rank == 1:
+        time.sleep(3600)
+    return _reference(q, k, v, ctx)
+
+
+raise_on_rank1 = Impl("tests-raise-on-rank1", _raise_on_rank1)
+hang_on_rank1 = Impl("tests-hang-on-rank1", _hang_on_rank1)
+
+
+# What most real rings declare: contiguous layout, masks none and causal, every dtype, GQA, uneven, W 1-8.
+narrow = Impl("tests-narrow", _reference, capabilities=Capabilities(layouts=frozenset({"contiguous"}),
+                                                                     masks=frozenset({"none", "causal"})))

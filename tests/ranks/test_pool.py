@@ -213,3 +213,18 @@ def test_leftover_check_sees_what_a_worker_left_in_its_process_group():
         except ProcessLookupError:
             pass
     assert leftover_workers({w.pid}, wait_s=5.0) == []
+
+
+def test_a_rank_that_raises_ends_the_case_on_every_rank_within_seconds(pool):
+    """Rank 1 raises 0.5 s into a W=4 case whose other ranks already wait on it: the case is fail-stop
+    within 3 s of the raise (not after the process group's timeout, 30 s for a 60 s deadline), the
+    root cause is shown first, the other ranks' errors follow as consequences, and the next case
+    passes on the healed pool. Measured: ~0.3 s after the raise."""
+    c = make_case(world_size=4, total_len=24, mask={"kind": "causal"}, deadline_s=60.0)
+    assert run_case(c, pool).passed
+    r = run_case(c, pool, "tests.helpers.impls:raise_on_rank1", allow_import=True)
+    assert r.verdict == "fail-stop" and not r.hung, r.detail
+    assert r.timings["wall_s"] < 0.5 + 3.0, r.timings
+    assert r.detail.startswith("rank 1: ValueError: deliberate shape mix-up on rank 1"), r.detail
+    assert "consequences: " in r.detail and r.extra["root_cause"] == [1]
+    assert run_case(c, pool).passed

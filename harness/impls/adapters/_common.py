@@ -5,15 +5,18 @@ library, and never the registry (the registry imports the adapters)."""
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from harness.context import Capabilities, RunContext
+from harness.context import Capabilities, Impl, RunContext
 from harness.dtypes import dtype_name
 from harness.errors import ImplError
 from harness.impls.capabilities import feature_words, missing_features
+from harness.kernels import flash_standin
 
 FLASH_HEAD_DIMS = tuple(range(8, 257, 8))  # flash-attn 2 / cuDNN fused attention: multiples of 8 up to 256
 
@@ -135,3 +138,63 @@ def tiled_to_grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
         return x
     g = heads // kv_heads
     return x.reshape(b, n, g, kv_heads, d).transpose(2, 3).reshape(b, n, heads, d)
+
+
+# -- libraries that call flash-attn (ring-flash-attn, yunchang) -------------------------------------------
+
+FLASH_KERNEL = "flash-attn"  # the value of an adapter module's KERNEL when its library calls flash-attn
+
+
+def flash_backends() -> frozenset[str]:
+    """The backend a flash-attn library runs on here: nccl (CUDA tensors) with a real flash-attn; gloo (CPU
+    tensors) without one, where the gloo ranks install ring-harness's CPU stand-in
+    (`harness.kernels.flash_standin`). Not both: a real flash-attn takes CUDA tensors only, and without one
+    NCCL ranks have no kernel."""
+    return frozenset({"gloo"}) if flash_standin.serves_gloo() else frozenset({"nccl"})
+
+
+def flash_world_sizes(world: tuple[int, int], sends_to_itself: bool) -> tuple[int, int]:
+    """`world` as declared for NCCL, from W=2 on gloo when the library sends to itself at W=1 (its ring
+    exchanges dk/dv once even with one rank; NCCL allows a send to oneself, gloo does not: "Pair is not
+    connected")."""
+    lo, hi = world
+    if sends_to_itself and "gloo" in flash_backends():
+        return max(lo, 2), hi
+    return lo, hi
+
+
+def require_importable(module: str) -> None:
+    """ImportError (the registry's one-line "needs the optional extra") when `module` is not importable,
+    without importing it: the library is imported inside the run, on the ranks, where the stand-in is."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
+def kernel_label(impl: Impl) -> str | None:
+    """The flash-attn kernel this process gives `impl` ("cpu-standin", "flash-attn 2.8.3", "none") when the
+    adapter module that made its run function declares `KERNEL = "flash-attn"`; None for every other impl.
+    A rank adds it to its result reply; a saved case records it under `versions: kernel`."""
+    module = sys.modules.get(getattr(impl.run, "__module__", None) or "")
+    if getattr(module, "KERNEL", None) != FLASH_KERNEL:
+        return None
+    return flash_standin.kernel_label()
+
+
+def missing_except(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor,
+                   passed_through: frozenset[str]) -> list[str]:
+    """`unsupported_reasons` without the features whose key starts with one of `passed_through`: those the
+    adapter hands to the library undeclared, so that a probe of the feature tests the library itself."""
+    missing = missing_features(
+        caps, layout=ctx.layout, mask_kind=ctx.mask.kind, dtype=dtype_name(q.dtype), world_size=ctx.world_size,
+        heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths, head_dim=q.shape[-1],
+        subgroup=is_subgroup(ctx), backend=backend_of(ctx),
+    )
+    return [
+        feature_words(f, caps, heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths,
+                      global_ranks=ctx.global_ranks)
+        for f in missing if not f.startswith(tuple(passed_through))
+    ]

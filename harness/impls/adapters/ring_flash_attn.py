@@ -1,4 +1,9 @@
-"""zhuzilin's `ring-flash-attn` (flash-attn kernels, CUDA/NCCL only), four variants.
+"""zhuzilin's `ring-flash-attn` (flash-attn kernels), four variants: on CUDA/NCCL with a real flash-attn,
+and on CPU gloo ranks with ring-harness's flash-attn stand-in (`harness.kernels`), which the ranks install
+where no real flash-attn is importable. Its ring logic (K/V rotation, lse merge, zigzag / stripe / llama3
+bookkeeping) is plain torch.distributed, so it runs unmodified; `versions: kernel` in a saved case says
+which kernel it ran on. The library is imported inside the run (on the ranks, after the stand-in is in
+place), never in the parent: `make` only checks that it is importable.
 
 Signatures (ring-flash-attn 0.1.x):
 - `ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
@@ -16,11 +21,20 @@ Signatures (ring-flash-attn 0.1.x):
 Tensors are (batch, seq, heads, dim) like ours; GQA is native with the grouped convention.
 With return_attn_probs=True they return (out, lse, None), lse (batch, heads, seq) in float32.
 The ring variants pass window_size to every block in block-local coordinates, which is not a
-global sliding window, so only llama3 declares the window mask.
+global sliding window (upstream issue #35), so only llama3 declares the window mask.
+
+What the library supports, as declared: fp16/bf16 only and head_dim a multiple of 8 up to 256 (flash-attn
+2 refuses fp32 and other head dims with its own error); equal per-rank lengths (every ring step sends the
+same K/V buffer shape; llama3 asserts total % W == 0); zigzag and stripe assert causal. Zigzag also needs
+an even per-rank length: its forward splits a rank's tokens at L//2 but its backward with chunk(2), which
+for odd L disagree (zigzag_ring_flash_attn.py:22-23 vs :114-118, upstream issue #39). The adapter does
+not refuse odd lengths: the library accepts them silently, and the harness reports what happens then
+(see README, "Third-party rings").
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -30,25 +44,30 @@ from harness.context import Capabilities, Impl, RunContext, RunFn
 from harness.errors import ImplError
 from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
+    FLASH_KERNEL,
     Variant,
+    flash_backends,
+    flash_world_sizes,
     installed_version,
+    require_importable,
     require_supported,
     variant,
 )
 
 EXTRA = "ring-flash-attn"
+KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`_common.kernel_label`)
 
 
-def _caps(layout: str, masks: set[str]) -> Capabilities:
+def _caps(layout: str, masks: set[str], sends_to_itself: bool = True) -> Capabilities:
     return Capabilities(
         layouts=frozenset({layout}),
         masks=frozenset(masks),
         dtypes=frozenset({"fp16", "bf16"}),  # flash-attn 2 kernels
         gqa=True,
         uneven=False,
-        world_sizes=(1, 8),
+        world_sizes=flash_world_sizes((1, 8), sends_to_itself),  # W=1 on gloo: a send to itself
         backward=True,
-        backends=frozenset({"nccl"}),
+        backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
         returns_lse=True,
         head_dims=FLASH_HEAD_DIMS,
     )
@@ -61,7 +80,7 @@ VARIANTS = {
     "ring-flash-attn-zigzag": Variant(_caps("zigzag", {"causal"}), option="zigzag_ring_flash_attn_func"),
     "ring-flash-attn-stripe": Variant(_caps("striped", {"causal"}), option="stripe_flash_attn_func"),
     "ring-flash-attn-llama3": Variant(
-        _caps("contiguous", {"none", "causal", "window", "document"}), option=LLAMA3
+        _caps("contiguous", {"none", "causal", "window", "document"}, sends_to_itself=False), option=LLAMA3
     ),
 }
 
@@ -82,9 +101,19 @@ def cu_seqlens(ctx: RunContext) -> torch.Tensor:
     return torch.tensor(starts + [ctx.total_len], dtype=torch.int32)
 
 
-def _ring_run(fn: Callable[..., Any], name: str, caps: Capabilities) -> RunFn:
+def _library(name: str, func: str) -> tuple[Any, Callable[..., Any]]:
+    """(the ring_flash_attn module, its function `func`), imported on first use (on a rank)."""
+    lib = importlib.import_module("ring_flash_attn")
+    fn = getattr(lib, func, None)
+    if fn is None:
+        raise ImplError(f"{name}: ring_flash_attn {installed_version('ring-flash-attn')} has no {func}")
+    return lib, fn
+
+
+def _ring_run(func: str, name: str, caps: Capabilities) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
+        _, fn = _library(name, func)
         out, lse, _ = fn(
             q,
             k,
@@ -102,11 +131,12 @@ def _ring_run(fn: Callable[..., Any], name: str, caps: Capabilities) -> RunFn:
     return run
 
 
-def _llama3_run(fn: Callable[..., Any], prepare: Callable[..., Any], name: str, caps: Capabilities) -> RunFn:
+def _llama3_run(name: str, caps: Capabilities) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
+        lib, fn = _library(name, LLAMA3)
         causal = is_causal(ctx)
-        cu_q, cu_k, max_q, max_k, k_slice = prepare(
+        cu_q, cu_k, max_q, max_k, k_slice = lib.llama3_flash_attn_prepare_cu_seqlens(
             cu_seqlens(ctx).to(q.device), causal=causal, rank=ctx.rank, world_size=ctx.world_size
         )
         outs, lses = [], []
@@ -137,19 +167,13 @@ def _llama3_run(fn: Callable[..., Any], prepare: Callable[..., Any], name: str, 
 
 
 def make(name: str) -> Impl:
-    """The variant's library function behind our run signature; imports ring_flash_attn (ImportError
-    when absent), ImplError when this version lacks the function."""
+    """The variant's library function behind our run signature. ImportError when ring_flash_attn is not
+    importable; the library itself is imported by the run, on the ranks (where flash-attn, or its CPU
+    stand-in, is), and a version without the function is an ImplError there."""
     declared = variant(VARIANTS, name)
-    import ring_flash_attn as lib
-
+    require_importable("ring_flash_attn")
     func, caps = declared.option, declared.capabilities
-    fn = getattr(lib, func, None)
-    if fn is None:
-        raise ImplError(f"{name}: ring_flash_attn {installed_version('ring-flash-attn')} has no {func}")
-    if func == LLAMA3:
-        run = _llama3_run(fn, lib.llama3_flash_attn_prepare_cu_seqlens, name, caps)
-    else:
-        run = _ring_run(fn, name, caps)
+    run = _llama3_run(name, caps) if func == LLAMA3 else _ring_run(func, name, caps)
     return Impl(
         name=name,
         run=run,

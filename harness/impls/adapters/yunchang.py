@@ -1,4 +1,8 @@
-"""feifeibear's `yunchang` (long-context-attention): ring, Ulysses and USP (flash-attn, CUDA/NCCL).
+"""feifeibear's `yunchang` (long-context-attention): ring, Ulysses and USP over flash-attn: on CUDA/NCCL
+with a real flash-attn (>= 2.7: it compares versions as strings, kernels/attention.py:176,210), and on CPU
+gloo ranks with ring-harness's flash-attn stand-in (`harness.kernels`), installed by the ranks where no
+real flash-attn is importable. The library is imported inside the run (on the ranks), never in the
+parent: `make` only checks that it is importable.
 
 - ring: `yunchang.hybrid.utils.RING_IMPL_DICT[impl_type](q, k, v, dropout_p, softmax_scale, causal,
   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, attn_type)` with
@@ -12,6 +16,13 @@
   from this ring's global ranks: Ulysses groups are consecutive ranks, so rank g = r*U + u holds
   contiguous chunk g, which is our "contiguous" layout. U is the largest divisor of W below W that
   divides both head counts (U > 1 and W/U > 1, else refused).
+
+Declared as the library supports it: fp16/bf16 and head_dim a multiple of 8 up to 256 (flash-attn 2);
+equal per-rank lengths; zigzag/strip assert causal. Ulysses needs both head counts divisible by its
+degree, which no capability expresses: such runs are refused with one line. Not driven here: the varlen
+ring (ring/ring_flash_attn_varlen.py:56-71 calls flash-attn < 2.6's API: TypeError with 2.8.3), the
+qkvpacked/kvpacked wrappers (ring/ring_flash_attn.py:240,271 pass 13 arguments to a 14-argument forward)
+and the FA3 path (kernels/attention.py:283 hard-codes causal=False).
 """
 
 from __future__ import annotations
@@ -22,26 +33,31 @@ from harness.context import Capabilities, Impl, RunContext, RunFn
 from harness.errors import ImplError
 from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
+    FLASH_KERNEL,
     Variant,
+    flash_backends,
+    flash_world_sizes,
     installed_version,
+    require_importable,
     require_supported,
     variant,
 )
 
 EXTRA = "yunchang"
+KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`_common.kernel_label`)
 RING_TYPE = {"contiguous": "basic", "zigzag": "zigzag", "striped": "strip"}
 
 
-def _caps(layouts: set[str], masks: set[str], world: tuple[int, int]) -> Capabilities:
+def _caps(layouts: set[str], masks: set[str], world: tuple[int, int], sends_to_itself: bool = True) -> Capabilities:
     return Capabilities(
         layouts=frozenset(layouts),
         masks=frozenset(masks),
         dtypes=frozenset({"fp16", "bf16"}),
         gqa=True,
         uneven=False,
-        world_sizes=world,
+        world_sizes=flash_world_sizes(world, sends_to_itself),  # W=1 on gloo: a send to itself
         backward=True,
-        backends=frozenset({"nccl"}),
+        backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
         returns_lse=False,
         head_dims=FLASH_HEAD_DIMS,
     )
@@ -53,7 +69,7 @@ VARIANTS = {
     # zigzag and strip assert causal; "basic" also runs non-causal, but the product of layouts and masks
     # is what a capability set promises, so non-causal is left to the contiguous variants
     "yunchang-ring": Variant(_caps(set(RING_TYPE), {"causal"}, (1, 8)), option="ring"),
-    "yunchang-ulysses": Variant(_caps({"contiguous"}, {"none", "causal", "window"}, (1, 8)), option="ulysses"),
+    "yunchang-ulysses": Variant(_caps({"contiguous"}, {"none", "causal", "window"}, (1, 8), False), option="ulysses"),
     "yunchang-usp": Variant(_caps({"contiguous"}, {"none", "causal"}, (4, 8)), option="usp"),
 }
 
@@ -99,11 +115,11 @@ def _group(ranks: list[int]) -> object:
 
 
 def _ring_run(name: str, caps: Capabilities) -> RunFn:
-    from yunchang.hybrid.utils import RING_IMPL_DICT
-    from yunchang.kernels import AttnType
-
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
+        from yunchang.hybrid.utils import RING_IMPL_DICT
+        from yunchang.kernels import AttnType
+
         fn = RING_IMPL_DICT[RING_TYPE[ctx.layout]]
         out = fn(
             q,
@@ -124,12 +140,12 @@ def _ring_run(name: str, caps: Capabilities) -> RunFn:
 
 
 def _ulysses_run(name: str, caps: Capabilities) -> RunFn:
-    from yunchang import UlyssesAttention
-    from yunchang.kernels import AttnType
-
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         _check_heads(name, ctx, q, k)
+        from yunchang import UlyssesAttention
+        from yunchang.kernels import AttnType
+
         attn = UlyssesAttention(ctx.group, scatter_idx=2, gather_idx=1, attn_type=AttnType.FA)
         window = (int(ctx.mask.window), 0) if ctx.mask.kind == "window" else (-1, -1)
         return attn(
@@ -147,13 +163,13 @@ def _ulysses_run(name: str, caps: Capabilities) -> RunFn:
 
 
 def _usp_run(name: str, caps: Capabilities) -> RunFn:
-    from yunchang import LongContextAttention
-    from yunchang.globals import PROCESS_GROUP
-    from yunchang.kernels import AttnType
-
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         u, _ = usp_degrees(ctx.world_size, q.shape[2], k.shape[2])
+        from yunchang import LongContextAttention
+        from yunchang.globals import PROCESS_GROUP
+        from yunchang.kernels import AttnType
+
         uly, rng = usp_groups(tuple(ctx.global_ranks), u)
         me = ctx.global_ranks[ctx.rank]
         PROCESS_GROUP.ULYSSES_PG = _group(next(g for g in uly if me in g))
@@ -179,8 +195,10 @@ _RUNS = {"ring": _ring_run, "ulysses": _ulysses_run, "usp": _usp_run}
 
 
 def make(name: str) -> Impl:
-    """The variant's mode behind our run signature; imports yunchang (ImportError when absent)."""
+    """The variant's mode behind our run signature. ImportError when yunchang is not importable; the
+    library itself is imported by the run, on the ranks (where flash-attn, or its CPU stand-in, is)."""
     declared = variant(VARIANTS, name)
+    require_importable("yunchang")
     caps = declared.capabilities
     run = _RUNS[declared.option](name, caps)
     return Impl(

@@ -1,0 +1,210 @@
+"""The growth check: a metamorphic check on ring size. The same global case (seed, total length, mask,
+dtype, shape) runs at W = 1 and at W = 2, 4, 8 on the same implementation; a correct ring's error does
+not grow with W beyond the float32 merge roundings, one that rounds a running result (out/lse merge, dq,
+the dk/dv that travel) to the input dtype once per ring step does.
+
+Statistic, per tensor t (out, dq, dk, dv) and ring size W:
+
+    e_t(W) = RMS over every element of every rank of (impl - ref64)
+    g_t(W) = e_t(W) / (e_t(W0) + (W - W0) * eps32 * T_t)          W0 = the smallest ring run (1)
+
+and the case fails when some g_t(W) > GROWTH_LIMIT. Why this is sound for correct rings: a correct ring
+makes the same input-dtype roundings whatever W (every probability, dS, partial result and output is
+rounded at most a fixed number of times; the tolerance rule's flash-family count), so E[e_t(W)^2] does
+not depend on W; its float32 merges add at most (W - W0) float32 units at the scale T_t of the summed
+terms (the rule's float32 term, here per element, so also a bound on the RMS). The denominator cannot
+collapse: every output in the input dtype errs at least by its own rounding, so e_t(W0) >= the RMS of
+round(ref64) - ref64 > 0. The limit covers the sampling noise of an RMS over the N >= 4,096 elements of
+each tensor here (relative spread ~ 1/sqrt(N): a few per cent) and the change of rounding pattern with
+the blocking: correct rings measured at most x1.12 (docs/tolerance.md). A per-step rounding adds one
+unit at the running result's scale per step: e(W)^2 ~ e(1)^2 (1 + c (W - 1)); measured x1.6 to x40 at
+W = 8 for the per-step mutants (ring_impl/mutants/precision.py).
+
+Only fp16/bf16 cases: rounding to the input dtype is exact for fp32 inputs. A run that does not complete
+(or returns non-finite values) gives no figure; the battery reports such runs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.case import Case, make_case
+from harness.checks.options import CheckOptions
+from harness.context import Capabilities
+from harness.judging import oracle, tolerance
+from harness.result import CaseResult
+from harness.runner import run_case
+from ring_impl.layouts import all_positions
+from ring_impl.masks import MaskSpec
+
+GROWTH_LIMIT = 1.4
+WORLD_SIZES = (1, 2, 4, 8)
+TENSORS = ("out", "dq", "dk", "dv")
+TOTAL_LEN = 64  # divisible by 2W for every W here: even shards in every layout
+SHAPE = {"batch": 1, "heads_q": 2, "heads_kv": 2, "head_dim": 32}
+SEEDS = {"none": 9101, "causal": 9102}
+
+
+@dataclass
+class GrowthCase:
+    """One global case at several ring sizes: RMS error per W and tensor, and the growth figures."""
+
+    label: str  # dtype, layout, mask, shape
+    cases: dict[int, Case] = field(default_factory=dict)
+    results: dict[int, CaseResult] = field(default_factory=dict)
+    rms: dict[int, dict[str, float]] = field(default_factory=dict)  # W -> tensor -> e_t(W)
+    growth: dict[int, dict[str, float]] = field(default_factory=dict)  # W -> tensor -> g_t(W)
+    note: str = ""  # why there is no figure
+
+    @property
+    def worst(self) -> tuple[int, str, float] | None:
+        """(W, tensor, g) of the largest growth figure."""
+        cells = [(w, t, g) for w, per in self.growth.items() for t, g in per.items()]
+        return max(cells, key=lambda c: c[2]) if cells else None
+
+    @property
+    def passed(self) -> bool:
+        w = self.worst
+        return w is None or w[2] <= GROWTH_LIMIT
+
+
+@dataclass
+class GrowthOutcome:
+    """What the growth check ran: per case the errors per W and the growth figures; `passed`."""
+
+    impl: str
+    cases: list[GrowthCase] = field(default_factory=list)
+    world_sizes: tuple[int, ...] = ()
+    limit: float = GROWTH_LIMIT
+    skipped: str = ""  # why nothing ran
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.cases)
+
+    @property
+    def failures(self) -> list[GrowthCase]:
+        return [c for c in self.cases if not c.passed]
+
+    def to_dict(self) -> dict:
+        return {"impl": self.impl, "passed": self.passed, "limit": self.limit, "skipped": self.skipped,
+                "world_sizes": list(self.world_sizes), "seconds": self.seconds,
+                "cases": [{"label": c.label, "rms": {str(w): v for w, v in c.rms.items()},
+                           "growth": {str(w): v for w, v in c.growth.items()}, "note": c.note,
+                           "passed": c.passed, "verdicts": {str(w): r.verdict for w, r in c.results.items()},
+                           "worst": list(c.worst) if c.worst else None} for c in self.cases]}
+
+
+def plan(caps: Capabilities, pool_size: int, dtype: str | None = None, impl: str = "reference"
+         ) -> tuple[tuple[int, ...], list[dict[int, Case]]]:
+    """(ring sizes, [{W: case}]) for an implementation's declared capabilities; empty when none apply."""
+    lo, hi = caps.world_sizes
+    worlds = tuple(w for w in WORLD_SIZES if lo <= w <= min(hi, pool_size))
+    dtypes = [d for d in ("bf16", "fp16") if d in caps.dtypes and (dtype is None or d == dtype)]
+    layout = "contiguous" if "contiguous" in caps.layouts else sorted(caps.layouts)[0]
+    masks = [m for m in ("none", "causal") if m in caps.masks]
+    head_dim = SHAPE["head_dim"]
+    if caps.head_dims is not None and head_dim not in caps.head_dims:
+        head_dim = min(caps.head_dims, key=lambda d: abs(d - SHAPE["head_dim"]))
+    if len(worlds) < 2 or not dtypes or not masks:
+        return worlds, []
+    out = []
+    for dt in dtypes:
+        for m in masks:
+            out.append({w: make_case(world_size=w, total_len=TOTAL_LEN, layout=layout, mask=MaskSpec(m), dtype=dt,
+                                     seed=SEEDS[m], impl=impl, **{**SHAPE, "head_dim": head_dim})
+                        for w in worlds})
+    return worlds, out
+
+
+def rms_errors(r: CaseResult) -> dict[str, float] | None:
+    """e_t = RMS of (impl - ref64) over every element of every rank, per tensor (None: no usable outputs)."""
+    if not r.shards or r.verdict not in ("pass", "silent-corruption"):
+        return None
+    ref = oracle.references(r.case)[0]
+    pos = all_positions(r.case.layout, r.case.seq_lens)
+    out = {}
+    for t in TENSORS:
+        sq, n = 0.0, 0
+        for rank, shard in r.shards.items():
+            if t not in shard:
+                break
+            d = shard[t].to(torch.float64) - getattr(ref, t).index_select(1, pos[rank])
+            if not bool(torch.isfinite(d).all()):
+                return None
+            sq, n = sq + float((d * d).sum()), n + d.numel()
+        else:
+            if n:
+                out[t] = math.sqrt(sq / n)
+    return out
+
+
+def _figures(gc: GrowthCase) -> None:
+    worlds = sorted(gc.rms)
+    w0 = worlds[0]
+    scales = oracle.references(gc.cases[w0])[0].term_scale
+    for w in worlds[1:]:
+        per = {}
+        for t, e in gc.rms[w].items():
+            base = gc.rms[w0].get(t)
+            if base is None:
+                continue
+            fp32 = (w - w0) * tolerance.EPS["fp32"] * max(scales.get(t, {}).values(), default=0.0)
+            per[t] = e / (base + fp32 + 1e-300)
+        gc.growth[w] = per
+
+
+def _line(gc: GrowthCase, worlds: tuple[int, ...]) -> str:
+    cells = []
+    for w in worlds[1:]:
+        per = gc.growth.get(w)
+        if per:
+            t = max(per, key=per.get)
+            cells.append(f"W{w} x{per[t]:.2f} ({t})")
+        else:
+            cells.append(f"W{w}    -   ")
+    status = gc.note or ("pass" if gc.passed else f"FAIL: error grows with W (limit x{GROWTH_LIMIT:g})")
+    return f"    {gc.label:<34} " + "  ".join(cells) + f"  {status}"
+
+
+def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> GrowthOutcome:
+    """Run the growth check of `opts.impl` on `pool` (see the module docstring); lines go to `reporter`."""
+    start = time.perf_counter()
+    res = GrowthOutcome(impl=opts.impl)
+    worlds, plans = plan(caps, pool.size, opts.dtype, opts.impl)
+    res.world_sizes = worlds
+    if not plans:
+        res.skipped = ("needs fp16 or bf16 (rounding to fp32 is exact)" if len(worlds) >= 2
+                       else f"needs two ring sizes of {WORLD_SIZES} (declared {caps.world_sizes}, pool {pool.size})")
+        reporter(f"growth check: skipped ({res.skipped})")
+        return res
+    reporter(f"growth check: {len(plans)} global cases at W = {', '.join(map(str, worlds))}; RMS error of "
+             f"out/dq/dk/dv at W over W = {worlds[0]} must stay <= x{GROWTH_LIMIT:g}")
+    for cases in plans:
+        c0 = cases[worlds[0]]
+        gc = GrowthCase(label=f"{c0.dtype} {c0.layout} {c0.mask.kind} h{c0.heads_q} d{c0.head_dim} L{c0.total_len}",
+                        cases=cases)
+        for w, c in cases.items():
+            r = run_case(c, pool, opts.impl, allow_import=opts.allow_import, leak=False, keep_shards=True)
+            e = rms_errors(r)
+            r.shards = None  # large: keep only the figures
+            gc.results[w] = r
+            if e is None:
+                gc.note = gc.note or f"no figure: W{w} ended {r.verdict}"
+            else:
+                gc.rms[w] = e
+        if not gc.note:
+            _figures(gc)
+        res.cases.append(gc)
+        reporter(_line(gc, worlds))
+    res.seconds = time.perf_counter() - start
+    worst = max((c.worst + (c.label,) for c in res.cases if c.worst), key=lambda x: x[2], default=None)
+    verdict = "pass" if res.passed else f"FAIL ({len(res.failures)} case(s))"
+    figure = f"; worst x{worst[2]:.2f} ({worst[1]} at W{worst[0]}, {worst[3]})" if worst else ""
+    reporter(f"growth check: {verdict}{figure}  [{res.seconds:.1f} s]")
+    return res

@@ -1,0 +1,227 @@
+"""`flash-ring`: a second, independent ring attention that does its arithmetic the way flash kernels do.
+
+Written apart from `ring_impl` (no code shared with the reference ring: its own ring loop, online
+softmax, backward, mask predicate and P2P schedule), so that a case on which the reference and this
+ring disagree with the harness points at the harness (oracle, tolerance) rather than at one ring.
+It is the calibration target for the tolerance rule's flash-family floor (harness/judging/tolerance.py):
+
+forward   K/V blocks ride the ring (rank r holds owner (r - s) mod W's block at step s); within a
+          block, keys are taken in tiles of KEY_TILE with one running row max m, row sum l and
+          accumulator acc for the whole ring (online softmax, all fp32): P = exp(S - m) in fp32,
+          l += rowsum(P) in fp32, P rounded to the input dtype before P @ V (fp32 accumulation).
+          out = acc / l cast to the input dtype once; lse = m + log(l) in fp32.
+backward  D = rowsum(dO * O) in fp32 from the dtype-rounded O (the output the caller got);
+          P = exp(S - lse) in fp32; dV += round(P)^T @ dO; dP = dO @ V^T (fp32);
+          dS = round(P * (dP - D)) to the input dtype before dQ += dS @ K and dK += dS^T @ Q
+          (fp32 accumulation). dq accumulates locally in fp32; the dk/dv accumulators travel with
+          the ring in fp32 and make one more hop home; each gradient is cast to the input dtype once.
+
+Every received buffer is fresh and read only after its wait; a sent buffer is never written again,
+so the benign faults (early-read, send-reuse) cannot change a bit. Peers are global ranks, so the
+ring runs inside a subgroup; zero-length shards are neither sent nor received (both sides know the
+lengths). GQA/MQA: query head i uses kv head i // (Hq / Hkv).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.context import Capabilities, Impl, RunContext
+from harness.errors import ImplError
+from harness.impls.adapters._common import Variant, installed_version, require_supported, variant
+
+EXTRA = None  # part of the project itself
+KEY_TILE = 32  # keys per tile of the online softmax (flash-attn uses 64-128; any size is correct)
+KV_TAG, DKV_TAG = 11, 12
+# every layout, mask, dtype, uneven split, GQA/MQA, subgroup; gloo ranks (pure torch: tested on CPU only)
+VARIANTS = {"flash-ring": Variant(Capabilities(backends=frozenset({"gloo"}), returns_lse=True))}
+
+
+def visible(ctx: RunContext, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """(Lq, Lk) bool: query at global position i may see key j (this module's own predicate)."""
+    qp, kp = q_pos.view(-1, 1), k_pos.view(1, -1)
+    m = ctx.mask
+    if m.kind == "none":
+        return torch.ones(qp.shape[0], kp.shape[1], dtype=torch.bool)
+    if m.kind == "causal":
+        return kp <= qp
+    if m.kind == "window":
+        return (kp <= qp) & (qp - kp <= int(m.window))
+    if m.kind == "document":
+        starts = torch.tensor(m.doc_starts, dtype=torch.long)
+        same = torch.bucketize(qp, starts, right=True) == torch.bucketize(kp, starts, right=True)
+        return same & (kp <= qp) if m.causal else same
+    raise ImplError(f"flash-ring: unknown mask kind {m.kind!r}")
+
+
+class _Ring:
+    """Send to the next rank of the group and receive from the previous one; fresh receive buffers."""
+
+    def __init__(self, ctx: RunContext, tag: int) -> None:
+        w = ctx.world_size
+        self.ctx, self.tag = ctx, tag
+        self.next, self.prev = ctx.global_ranks[(ctx.rank + 1) % w], ctx.global_ranks[(ctx.rank - 1) % w]
+        self.works: list[Any] = []
+
+    def post(self, send: torch.Tensor, recv_numel: int, dtype: torch.dtype) -> torch.Tensor:
+        recv = torch.empty(recv_numel, dtype=dtype, device=send.device)
+        if send.numel():
+            self.works.append(dist.isend(send, dst=self.next, group=self.ctx.group, tag=self.tag))
+        if recv_numel:
+            self.works.append(dist.irecv(recv, src=self.prev, group=self.ctx.group, tag=self.tag))
+        return recv
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+
+def _heads_first(x: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """(B, L, H, D) -> float32 (B, H * group, L, D), each head repeated for its `group` query heads."""
+    x = x.float().permute(0, 2, 1, 3)
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def _flat(*ts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _split(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    n = flat.numel() // 2
+    return flat[:n].view(shape), flat[n:].view(shape)
+
+
+def _kv_shape(k: torch.Tensor, ctx: RunContext, owner: int) -> tuple[int, ...]:
+    return (k.shape[0], ctx.lengths[owner], k.shape[2], k.shape[3])
+
+
+def _tiles(n: int):
+    for start in range(0, n, KEY_TILE):
+        yield start, min(n, start + KEY_TILE)
+
+
+def flash_forward(q, k, v, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q.dtype (B, L, Hq, D), lse float32 (B, Hq, L)) of the local queries over the whole ring."""
+    dtype, w, r, scale = q.dtype, ctx.world_size, ctx.rank, float(ctx.softmax_scale)
+    group = q.shape[2] // k.shape[2]
+    qf = _heads_first(q)
+    b, h, lq, _ = qf.shape
+    m = torch.full((b, h, lq), float("-inf"))
+    row_sum = torch.zeros(b, h, lq)
+    acc = torch.zeros(b, h, lq, v.shape[-1])
+    ring = _Ring(ctx, KV_TAG) if w > 1 else None
+    kv = _flat(k, v)
+    for step in range(w):
+        owner = (r - step) % w
+        if step + 1 < w:
+            nxt = ring.post(kv, 2 * k.shape[0] * ctx.lengths[(owner - 1) % w] * k.shape[2] * k.shape[3], dtype)
+        k_j, v_j = _split(kv, _kv_shape(k, ctx, owner))
+        kf, vf = _heads_first(k_j, group), _heads_first(v_j, group)
+        vis_all = visible(ctx, ctx.all_positions[r], ctx.all_positions[owner])
+        for start, stop in _tiles(kf.shape[2]):
+            vis = vis_all[:, start:stop]
+            if not bool(vis.any()):
+                continue
+            s = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2)) * scale
+            s = s.masked_fill(~vis, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - safe.unsqueeze(-1))
+            alpha = torch.exp(m - safe)
+            row_sum = row_sum * alpha + p.sum(dim=-1)
+            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p.to(dtype).float(), vf[:, :, start:stop])
+            m = m_new
+        if step + 1 < w:
+            ring.wait()
+            kv = nxt
+    empty = row_sum == 0
+    out = acc / torch.where(empty, torch.ones_like(row_sum), row_sum).unsqueeze(-1)
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(row_sum))
+    return out.to(dtype).permute(0, 2, 1, 3).contiguous(), lse
+
+
+def flash_backward(dout, q, k, v, out, lse, ctx: RunContext):
+    """(dq, dk, dv) in the input dtype; `out` is the dtype-rounded output, lse the float32 one."""
+    dtype, w, r, scale = q.dtype, ctx.world_size, ctx.rank, float(ctx.softmax_scale)
+    hkv, group = k.shape[2], q.shape[2] // k.shape[2]
+    qf, dof = _heads_first(q), _heads_first(dout)
+    delta = (dof * _heads_first(out)).sum(dim=-1, keepdim=True)  # D from the dtype-rounded O, in fp32
+    lse_f = lse.float().unsqueeze(-1)
+    lse_f = torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f)
+    dq = torch.zeros_like(qf)
+    kv_ring = _Ring(ctx, KV_TAG) if w > 1 else None
+    dkv_ring = _Ring(ctx, DKV_TAG) if w > 1 else None
+    kv = _flat(k, v)
+    dkv = torch.zeros(2 * k.numel(), dtype=torch.float32)  # the accumulator of this rank's own keys
+    for step in range(w):
+        owner = (r - step) % w
+        shape = _kv_shape(k, ctx, owner)
+        if step + 1 < w:
+            nxt = kv_ring.post(kv, 2 * shape[0] * ctx.lengths[(owner - 1) % w] * shape[2] * shape[3], dtype)
+        k_j, v_j = _split(kv, shape)
+        kf, vf = _heads_first(k_j, group), _heads_first(v_j, group)
+        dk_h, dv_h = torch.zeros_like(kf), torch.zeros_like(vf)  # per query head, fp32
+        vis_all = visible(ctx, ctx.all_positions[r], ctx.all_positions[owner])
+        for start, stop in _tiles(kf.shape[2]):
+            vis = vis_all[:, start:stop]
+            if not bool(vis.any()):
+                continue
+            k_t, v_t = kf[:, :, start:stop], vf[:, :, start:stop]
+            s = torch.matmul(qf, k_t.transpose(-1, -2)) * scale
+            p = torch.where(vis, torch.exp(s - lse_f), torch.zeros_like(s))
+            dv_h[:, :, start:stop] += torch.matmul(p.to(dtype).float().transpose(-1, -2), dof)
+            dp = torch.matmul(dof, v_t.transpose(-1, -2))
+            ds = (p * (dp - delta)).to(dtype).float()
+            dq += torch.matmul(ds, k_t)
+            dk_h[:, :, start:stop] += torch.matmul(ds.transpose(-1, -2), qf)
+        dk_acc, dv_acc = _split(dkv, (shape[0], shape[2], shape[1], shape[3]))
+        b, _, n, d = dk_h.shape
+        dk_acc += dk_h.view(b, hkv, group, n, d).sum(dim=2) * scale
+        dv_acc += dv_h.view(b, hkv, group, n, d).sum(dim=2)
+        if w > 1:  # the accumulator goes on to the next rank; the previous rank's comes in
+            prev_owner = (owner - 1) % w
+            incoming = dkv_ring.post(dkv, 2 * shape[0] * ctx.lengths[prev_owner] * shape[2] * shape[3],
+                                     torch.float32)
+            dkv_ring.wait()
+            dkv = incoming
+        if step + 1 < w:
+            kv_ring.wait()
+            kv = nxt
+    dk, dv = _split(dkv, (k.shape[0], k.shape[2], k.shape[1], k.shape[3]))
+    dq = (dq * scale).to(dtype).permute(0, 2, 1, 3)
+    return dq, dk.to(dtype).permute(0, 2, 1, 3), dv.to(dtype).permute(0, 2, 1, 3)
+
+
+class _FlashRing(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, ctx):
+        out, lse = flash_forward(q, k, v, ctx)
+        fctx.save_for_backward(q, k, v, out, lse)
+        fctx.ring_ctx = ctx
+        fctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(fctx, dout, _dlse):
+        q, k, v, out, lse = fctx.saved_tensors
+        dq, dk, dv = flash_backward(dout, q, k, v, out, lse, fctx.ring_ctx)
+        return dq, dk, dv, None
+
+
+def make(name: str) -> Impl:
+    """The flash-style ring (`name` is "flash-ring", the one entry of VARIANTS)."""
+    caps = variant(VARIANTS, name).capabilities
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+        require_supported(name, ctx, caps, q, k)
+        if ctx.world_size > 1 and ctx.group is None:
+            raise ImplError(f"{name}: a ring of {ctx.world_size} ranks needs a process group")
+        if q.device.type != "cpu":
+            raise ImplError(f"{name}: runs on CPU tensors only (gloo ranks)")
+        return _FlashRing.apply(q, k, v, ctx)
+
+    return Impl(name=name, run=run, capabilities=caps, version=installed_version("ring-harness"))

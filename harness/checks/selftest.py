@@ -262,7 +262,7 @@ def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = No
             for line in km.notes(r):
                 out(line)
 
-    with RankPool(battery_pool_size(default_battery(copts.world_size))) as pool:
+    with RankPool(battery_pool_size(default_battery(copts.world_size)), spare=True) as pool:
         runs = run_selftest(pool, names, copts, work, corpus, false_alarm_cases=opts.false_alarm_cases, on_done=done)
         pids.update(pool.pids())
     res = SelftestOutcome(runs=runs, leftovers=leftover_workers(pids), seconds=time.perf_counter() - start)

@@ -22,7 +22,7 @@ def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4
     if launcher == "local":
         from harness.ranks.pool import RankPool
 
-        with RankPool(size, backend=backend or "gloo") as pool:
+        with RankPool(size, backend=backend or "gloo", spare=True) as pool:
             yield pool
         return
     if launcher != "torchrun":

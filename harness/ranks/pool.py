@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, wait
 from pathlib import Path
 
@@ -52,12 +53,28 @@ def temp_root() -> str:
     return root
 
 
+@dataclass
+class _Standby:
+    """Workers started ahead (see RankPool.spare): their dir, processes, auth key, size; the finalizer
+    kills them and removes the dir."""
+
+    dir: str
+    procs: list[subprocess.Popen]
+    authkey: bytes
+    size: int
+    finalizer: weakref.finalize
+
+
 class RankPool:
     """`size` worker ranks on `backend`; use as a context manager or call close()."""
 
-    def __init__(self, size: int = 4, backend: str = "gloo") -> None:
+    def __init__(self, size: int = 4, backend: str = "gloo", *, spare: bool = False) -> None:
         self.size = size
         self.backend = backend
+        # spare: keep a standby set of started workers (torch imported, waiting to be connected), so a
+        # restart after a hang or a death costs a rendezvous, not a fresh interpreter per rank
+        self.spare = spare
+        self._standby: _Standby | None = None
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.dir: str | None = None
@@ -70,21 +87,22 @@ class RankPool:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        """Spawn the workers and wait (with a deadline) until every one is ready."""
-        self.close()
-        self.dir = tempfile.mkdtemp(prefix="ring-harness-", dir=temp_root())
-        # registered before anything can fail: close(), garbage collection or interpreter exit always
-        # kill what was spawned (the list fills below) and remove the dir
-        self._finalizer = weakref.finalize(self, _kill_all, self.procs, self.dir)
-        authkey = os.urandom(16)
-        env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_project_root(), env.get("PYTHONPATH")]))
+        """Start the workers (or adopt the standby set) and wait, with a deadline, until every one is
+        ready; with `spare`, launch the next standby set in the background."""
+        self._release()
+        sb = self._standby
+        self._standby = None
+        if sb is None or sb.size != self.size or any(p.poll() is not None for p in sb.procs):
+            if sb is not None:
+                sb.finalizer()
+            sb = self._launch(self.size)
+        # the set's finalizer (registered before anything could fail) now belongs to the pool: close(),
+        # garbage collection or interpreter exit always kill these workers and remove their dir
+        self.dir, self.procs, self._finalizer = sb.dir, sb.procs, sb.finalizer
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             for r in range(self.size):
-                self.procs.append(self._spawn(r, env))
-            for r in range(self.size):
-                self.conns.append(self._connect(r, authkey, deadline))
+                self.conns.append(self._connect(r, sb.authkey, deadline))
             for r, c in enumerate(self.conns):
                 if not c.poll(max(0.0, deadline - time.monotonic())):
                     raise PoolError(f"rank {r} did not finish rendezvous within {START_TIMEOUT_S:.0f} s: "
@@ -100,12 +118,31 @@ class RankPool:
         self.starts += 1
         self.heals = 0
         self.fresh_group = False
+        if self.spare:
+            self._standby = self._launch(self.size)
 
-    def _spawn(self, r: int, env: dict[str, str]) -> subprocess.Popen:
-        """Start worker rank r in its own session, its output to log-<r>.txt in the pool's dir."""
-        cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(self.size),
-               "--dir", self.dir, "--backend", self.backend, "--parent", str(os.getpid())]
-        with open(os.path.join(self.dir, f"log-{r}.txt"), "wb") as log:
+    def _launch(self, size: int) -> _Standby:
+        """Start `size` worker processes in a new private dir without waiting for them: each imports
+        torch, then waits for the pool to connect (harness.ranks.worker.serve)."""
+        workdir = tempfile.mkdtemp(prefix="ring-harness-", dir=temp_root())
+        procs: list[subprocess.Popen] = []
+        finalizer = weakref.finalize(self, _kill_all, procs, workdir)
+        authkey = os.urandom(16)
+        env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_project_root(), env.get("PYTHONPATH")]))
+        try:
+            for r in range(size):
+                procs.append(self._spawn(workdir, size, r, env))
+        except OSError as e:
+            finalizer()
+            raise PoolError(f"rank pool failed to start: {e}") from None
+        return _Standby(workdir, procs, authkey, size, finalizer)
+
+    def _spawn(self, workdir: str, size: int, r: int, env: dict[str, str]) -> subprocess.Popen:
+        """Start worker rank r in its own session, its output to log-<r>.txt in its dir."""
+        cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(size),
+               "--dir", workdir, "--backend", self.backend, "--parent", str(os.getpid())]
+        with open(os.path.join(workdir, f"log-{r}.txt"), "wb") as log:
             return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
@@ -124,7 +161,15 @@ class RankPool:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """Stop every worker (politely, then SIGTERM, then SIGKILL) and remove the temp dir."""
+        """Stop every worker, the standby set's too (politely, then SIGTERM, then SIGKILL), and remove
+        the temp dirs."""
+        self._release()
+        if self._standby is not None:
+            self._standby.finalizer()
+            self._standby = None
+
+    def _release(self) -> None:
+        """Stop the current workers and remove their dir (the standby set stays)."""
         for c in self.conns:
             try:
                 wire.send(c, StopMessage(op=STOP))
@@ -215,7 +260,7 @@ class RankPool:
                 self.broken = True
         if pending:
             out.hung = self._stacks(sorted(pending.values()), ticket["stacks"])
-            self.close()
+            self._release()  # the standby set (if any) stays: the next case adopts it
         return out
 
     # -- diagnostics -----------------------------------------------------------------------

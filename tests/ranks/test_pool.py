@@ -228,3 +228,18 @@ def test_a_rank_that_raises_ends_the_case_on_every_rank_within_seconds(pool):
     assert r.detail.startswith("rank 1: ValueError: deliberate shape mix-up on rank 1"), r.detail
     assert "consequences: " in r.detail and r.extra["root_cause"] == [1]
     assert run_case(c, pool).passed
+
+
+def test_a_spare_pool_restarts_on_its_standby_workers():
+    """With spare=True a restart (after a hang here) adopts workers started ahead, which already
+    imported torch: a rendezvous instead of a fresh interpreter per rank; close() stops them all."""
+    c = make_case(world_size=2, total_len=8, deadline_s=3.0)
+    with RankPool(2, spare=True) as p:
+        assert run_case(c, p).passed
+        standby = [q.pid for q in p._standby.procs]
+        assert set(standby).isdisjoint(p.pids())
+        assert run_case(c, p, "tests.helpers.impls:hang", allow_import=True).verdict == "hang"
+        assert run_case(c, p).passed and p.starts == 2
+        assert p.pids() == standby  # the standby set became the pool
+        left = p.pids() + [q.pid for q in p._standby.procs]
+    assert _wait_dead(left) == []

@@ -1,0 +1,45 @@
+"""What a failing check tells the user: one saved file per distinct failure (the rest counted),
+--maxfail / -x as in pytest, and a last line that states what the exit status means."""
+
+from __future__ import annotations
+
+from harness import CheckOptions, check
+from harness.checks.report import ListReporter
+from harness.commands.cli import main
+
+LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: every masked case fails the same few ways
+
+
+def test_one_saved_file_per_distinct_failure(tmp_path):
+    rep = ListReporter()
+    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), save_dir=str(tmp_path)),
+                reporter=rep)
+    failing = [r for r in res.results if not r.passed]
+    files = sorted(tmp_path.glob("*.yaml"))
+    assert not res.passed and len(failing) > len(files) >= 1
+    assert len(files) == len(res.distinct) == len({tuple(k) for k in res.distinct})
+    assert sum(n for _, n in res.distinct.values()) == len(failing)
+    assert sum("not saved again" in line for line in rep.lines) == len(failing) - len(files)
+    assert rep.lines[-1].startswith("check FAILED (exit 1): battery ") and "distinct failure(s)" in rep.lines[-1]
+
+
+def test_maxfail_stops_the_check(tmp_path):
+    rep = ListReporter()
+    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), save_dir=str(tmp_path),
+                             maxfail=2), reporter=rep)
+    assert len(res.failures) == 2 and sum(not r.passed for r in res.results) == 2
+    assert "stopped at battery case" in rep.lines[-1]
+
+
+def test_a_passing_check_says_so_last(tmp_path, capsys):
+    assert main(["check", "--world-size", "2", "--max-examples", "0", "--fault-stage", "none",
+                 "--save-dir", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("check PASSED (exit 0):") and not list(tmp_path.iterdir())
+
+
+def test_x_is_maxfail_one(tmp_path, capsys):
+    assert main(["check", "--impl", LEAKY, "--world-size", "2", "--max-examples", "0", "--fault-stage", "none",
+                 "-x", "--save-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "stopped at battery case" in out.strip().splitlines()[-1] and len(list(tmp_path.iterdir())) == 1

@@ -226,8 +226,8 @@ def _fault_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome
         out("fault stage: skipped (it runs on the local pool only)")
         return False
     lo, hi = caps.world_sizes
-    cases = fault_stage_cases(kinds, impl, caps, max_world=min(hi, pool.size),
-                              deadline_s=min(opts.fault_deadline, opts.deadline or opts.fault_deadline), dtype=opts.dtype)
+    deadline = min(opts.fault_deadline, opts.deadline or opts.fault_deadline)
+    cases = fault_stage_cases(kinds, impl, caps, max_world=min(hi, pool.size), deadline_s=deadline, dtype=opts.dtype)
     cases = [c for c in cases if c.world_size >= lo]
     out(f"fault stage: {len(cases)} cases, {', '.join(kinds)} on every rank, both phases "
         "(results must not change)")

@@ -6,6 +6,15 @@ atomically (`...-found.yaml`) the moment it is seen, before shrinking starts; ev
 failure hypothesis finds while shrinking overwrites `...-shrunk.yaml` (atomic rename), and the
 final minimal case is written there with its localisation. Hypothesis's example database is not
 used: the YAML file is the record.
+
+Shrinking keeps the failure's signature (harness.search.signature: verdict, failing tensors or the
+leak, error class; one implementation): each signature is raised as an exception type of its own and
+hypothesis runs with report_multiple_bugs, so it shrinks every signature separately and never slips
+from one to another. A failure with a new signature is a different bug: it gets its own `-found.yaml`
+and `-shrunk.yaml` (FuzzOutcome.bugs); the first one found is the outcome's `found`/`shrunk`. A shrunk
+case is run on the reference and on the second independent implementation (SECOND_IMPL); if either
+fails it too, it is reported as a harness disagreement (suspect the oracle or the tolerance) rather
+than a bug of the implementation.
 """
 
 from __future__ import annotations
@@ -31,6 +40,15 @@ from harness.ranks.pool import RankPool
 from harness.result import CaseResult, result_record
 from harness.runner import run_case
 from harness.search import strategies
+from harness.search.shrink import case_size
+from harness.search.signature import CaseFailed, Signature, raise_failure
+
+try:
+    ExceptionGroupType = BaseExceptionGroup  # noqa: F821 - a builtin from Python 3.11
+except NameError:  # Python 3.10: the backport hypothesis itself depends on
+    from exceptiongroup import BaseExceptionGroup as ExceptionGroupType
+
+SECOND_IMPL = "flash-ring"  # the independent flash-style ring a shrunk failure must also pass on
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,28 @@ PROFILES = {
 
 
 @dataclass
+class Bug:
+    """One distinct failure (signature) of a property-based run: found, saved, shrunk, cross-checked."""
+
+    signature: Signature
+    found: CaseResult
+    found_path: Path
+    shrunk_path: Path
+    example: int  # generated examples run when it was first seen
+    seconds: float
+    shrunk: CaseResult | None = None  # the smallest failing case of this signature so far
+    failures: int = 0
+    localisation: localise_mod.Localisation | None = None
+    reference_verdict: str | None = None
+    second_verdict: str | None = None
+
+    @property
+    def disagreement(self) -> bool:
+        """'harness disagreement': the shrunk case fails on the reference or the second implementation."""
+        return any(v not in (None, "pass", "unsupported") for v in (self.reference_verdict, self.second_verdict))
+
+
+@dataclass
 class FuzzOutcome:
     """What a property-based run did and found."""
 
@@ -71,6 +111,8 @@ class FuzzOutcome:
     shrunk_path: Path | None = None
     localisation: localise_mod.Localisation | None = None
     reference_verdict: str | None = None  # the shrunk case on the reference implementation
+    second_verdict: str | None = None  # the shrunk case on SECOND_IMPL ("unsupported" when it cannot run it)
+    bugs: list[Bug] = field(default_factory=list)  # every distinct failure (signature), in the order found
     stop: str = ""
     verdicts: Counter = field(default_factory=Counter)
     worst_pass_ratio: dict[str, float] = field(default_factory=dict)  # dtype -> worst ratio of a passing case
@@ -80,16 +122,13 @@ class FuzzOutcome:
     def passed(self) -> bool:
         return self.found is None
 
+    @property
+    def disagreement(self) -> bool:
+        """The (first) shrunk failure fails on the reference or the second implementation too."""
+        return bool(self.bugs) and self.bugs[0].disagreement
+
     def rate_per_min(self) -> float:
         return 60.0 * self.runs / self.seconds if self.seconds > 0 else 0.0
-
-
-class _CaseFailed(Exception):
-    """Raised inside the hypothesis test for a failing case, so hypothesis shrinks it."""
-
-    def __init__(self, result: CaseResult) -> None:
-        super().__init__(f"{result.verdict}: {result.case.summary()}")
-        self.result = result
 
 
 class _Stop(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -176,7 +215,38 @@ def fuzz(
     save_dir = Path(save_dir)
     start = time.monotonic()
     shrink_end = [float("inf")]
-    best: list[CaseResult] = []
+    bugs: dict[Signature, Bug] = {}
+
+    def note_pass(c: Case, r: CaseResult) -> None:
+        worst = max((x for x in (r.worst(t) for t in TENSORS) if x is not None), default=0.0)
+        out.worst_pass_ratio[c.dtype] = max(out.worst_pass_ratio.get(c.dtype, 0.0), worst)
+        per = out.worst_pass_tensor.setdefault(c.dtype, {})
+        for t in TENSORS:
+            if r.worst(t) is not None:
+                per[t] = max(per.get(t, 0.0), r.worst(t))
+
+    def note_failure(c: Case, r: CaseResult) -> None:
+        out.failures += 1
+        sig = Signature.of(r)
+        bug = bugs.get(sig)
+        if bug is None:  # a new failure: saved at once, before any shrinking
+            stem = f"{slug(impl)}-{r.verdict}-{c.key()}"
+            first = not bugs
+            what = "found by property-based search" if first else f"another failure ({sig.label()}) found"
+            path = save_failure(r, save_dir / f"{stem}-found.yaml", failure_note(
+                r, f"{what} (profile {profile}, seed {seed}, example {out.examples}); shrunk version: "
+                   f"{stem}-shrunk.yaml", [f"signature: {sig.label()}"]), impl_version=impl_version, backend=backend)
+            bug = bugs[sig] = Bug(sig, r, path, save_dir / f"{stem}-shrunk.yaml", out.examples, out.seconds)
+            out.bugs.append(bug)
+            if first:
+                out.found, out.first_failure_example, out.first_failure_s = r, out.examples, out.seconds
+                out.found_path, out.shrunk_path = bug.found_path, bug.shrunk_path
+                shrink_end[0] = time.monotonic() + shrink_budget
+        elif bug.shrunk is None or case_size(c) <= case_size(bug.shrunk.case):
+            bug.shrunk = r
+            save_failure(r, bug.shrunk_path, failure_note(r, "shrinking (best so far)", [f"signature: {sig.label()}"]),
+                         impl_version=impl_version, backend=backend)
+        bug.failures += 1
 
     def test(c: Case) -> None:
         now = time.monotonic()
@@ -194,66 +264,88 @@ def fuzz(
         if out.found is None:
             out.examples += 1
         if r.passed:
-            worst = max((x for x in (r.worst(t) for t in ("out", "lse", "dq", "dk", "dv")) if x is not None),
-                        default=0.0)
-            out.worst_pass_ratio[c.dtype] = max(out.worst_pass_ratio.get(c.dtype, 0.0), worst)
-            per = out.worst_pass_tensor.setdefault(c.dtype, {})
-            for t in ("out", "lse", "dq", "dk", "dv"):
-                if r.worst(t) is not None:
-                    per[t] = max(per.get(t, 0.0), r.worst(t))
+            note_pass(c, r)
         else:
-            out.failures += 1
-            if out.found is None:
-                out.found, out.first_failure_example, out.first_failure_s = r, out.examples, out.seconds
-                stem = f"{slug(impl)}-{r.verdict}-{c.key()}"
-                out.found_path = save_failure(
-                    r, save_dir / f"{stem}-found.yaml",
-                    failure_note(r, f"found by property-based search (profile {profile}, seed {seed}, "
-                                    f"example {out.examples}); shrunk version: {stem}-shrunk.yaml", []),
-                    impl_version=impl_version, backend=backend)
-                out.shrunk_path = save_dir / f"{stem}-shrunk.yaml"
-                shrink_end[0] = time.monotonic() + shrink_budget
-            else:
-                save_failure(r, out.shrunk_path, failure_note(r, "shrinking (best so far)", []),
-                             impl_version=impl_version, backend=backend)
-            best.append(r)
+            note_failure(c, r)
         if progress is not None:
             progress(out, "search" if out.found is None else "shrink")
         if not r.passed:
-            raise _CaseFailed(r)
+            raise_failure(r)  # one exception type per signature: hypothesis shrinks each on its own
 
     hyp = settings(max_examples=n_examples, derandomize=prof.derandomize, database=None, deadline=None,
-                   phases=(Phase.explicit, Phase.generate, Phase.shrink), report_multiple_bugs=False,
+                   phases=(Phase.explicit, Phase.generate, Phase.shrink), report_multiple_bugs=True,
                    suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
     wrapped = hypothesis_seed(seed)(hyp(given(strategy)(test)))
+    minimal: dict[Signature, CaseResult] = {}
     try:
         wrapped()
         out.stop = "budget spent: no failure" if out.examples >= n_examples else "search space exhausted"
-    except _CaseFailed as e:
-        best.append(e.result)  # hypothesis re-raises the minimal example's failure last
+    except Flaky:  # before the group: hypothesis's FlakyFailure is an exception group too
+        out.stop = "flaky: a failing case did not fail again when re-run"
+    except CaseFailed as e:  # hypothesis re-raises the minimal example's failure last
+        minimal[Signature.of(e.result)] = e.result
+        out.stop = "shrunk"
+    except ExceptionGroupType as group:  # one minimal example per distinct failure
+        _, rest = group.split(CaseFailed)
+        if rest is not None:
+            raise rest from None
+        for e in _leaves(group):
+            minimal[Signature.of(e.result)] = e.result
         out.stop = "shrunk"
     except _Stop as e:
         if e.error is not None:
             raise e.error from None
         out.stop = e.reason
-    except Flaky:
-        out.stop = "flaky: a failing case did not fail again when re-run"
     out.seconds = time.monotonic() - start
-    if best:
-        out.shrunk = best[-1]
-        _finish(out, pool if localise else None, impl_version, backend, allow_import)
+    for bug in out.bugs:
+        bug.shrunk = minimal.get(bug.signature) or bug.shrunk or bug.found
+        _finish(out, bug, pool if localise else None, impl_version, backend, allow_import)
+    if out.bugs:
+        first = out.bugs[0]
+        out.shrunk, out.localisation = first.shrunk, first.localisation
+        out.reference_verdict, out.second_verdict = first.reference_verdict, first.second_verdict
     return out
 
 
-def _finish(out: FuzzOutcome, pool: RankPool | None, impl_version: str, backend: str, allow_import: bool) -> None:
-    """Localise the minimal failure, check it on the reference, and write the final shrunk file."""
-    r = out.shrunk
-    out.localisation = localise_mod.localise(r, pool) if out.localisation is None else out.localisation
-    extra = {"localisation": localise_mod.summary(out.localisation)}
-    if pool is not None and r.impl != "reference":
-        out.reference_verdict = run_case(r.case, pool, "reference").verdict
-        extra["reference_verdict"] = out.reference_verdict
-    found = out.found_path.name if out.found_path else "?"
-    note = failure_note(r, f"shrunk from {found} ({out.failures} failing runs, {out.runs} runs, stop: {out.stop})",
-                        [f"where: {f}" for f in out.localisation.findings])
-    out.shrunk_path = save_failure(r, out.shrunk_path, note, impl_version=impl_version, backend=backend, extra=extra)
+TENSORS = ("out", "lse", "dq", "dk", "dv")
+
+
+def _leaves(group: ExceptionGroupType) -> list[CaseFailed]:
+    out = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, ExceptionGroupType) else [e])
+    return out
+
+
+def cross_check(case: Case, impl: str, pool: RankPool) -> tuple[str | None, str | None]:
+    """(verdict on the reference, verdict on SECOND_IMPL) of a failing case, skipping the implementation
+    itself; "unsupported" when SECOND_IMPL cannot run it here (e.g. an NCCL pool)."""
+    ref = run_case(case, pool, "reference").verdict if impl != "reference" else None
+    second = None
+    if impl != SECOND_IMPL:
+        r = run_case(case, pool, SECOND_IMPL)
+        second = "unsupported" if r.verdict == "fail-stop" and "unsupported here" in r.detail else r.verdict
+    return ref, second
+
+
+def _finish(out: FuzzOutcome, bug: Bug, pool: RankPool | None, impl_version: str, backend: str,
+            allow_import: bool) -> None:
+    """Localise a bug's minimal failure, cross-check it on the reference and the second implementation,
+    and write its final shrunk file."""
+    r = bug.shrunk
+    bug.localisation = localise_mod.localise(r, pool)
+    extra = {"localisation": localise_mod.summary(bug.localisation), "signature": bug.signature.label()}
+    lines = [f"signature: {bug.signature.label()}"]
+    if pool is not None:
+        bug.reference_verdict, bug.second_verdict = cross_check(r.case, r.impl, pool)
+        extra.update(reference_verdict=bug.reference_verdict, second_verdict=bug.second_verdict,
+                     harness_disagreement=bug.disagreement)
+        if bug.disagreement:
+            lines.append(f"HARNESS DISAGREEMENT: the shrunk case also fails on the reference ({bug.reference_verdict})"
+                         f" or on {SECOND_IMPL} ({bug.second_verdict}): suspect the oracle or the tolerance")
+    note = failure_note(r, f"shrunk from {bug.found_path.name} ({bug.failures} failing runs of this signature, "
+                           f"{out.runs} runs, stop: {out.stop})",
+                        lines + [f"where: {f}" for f in bug.localisation.findings])
+    bug.shrunk_path = save_failure(r, bug.shrunk_path, note, impl_version=impl_version, backend=backend, extra=extra)
+    if bug is out.bugs[0]:
+        out.shrunk_path = bug.shrunk_path

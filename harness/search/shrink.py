@@ -6,6 +6,11 @@ still fails, repeat until none does or the budget is spent.
 fewer tokens, an even split, batch 1, fewer heads, a smaller head_dim, a simpler mask (none < causal
 < window < document, smaller windows, fewer documents), contiguous layout, fp32, normal values, the
 default scale. Faults are kept: for a fault-stage failure the fault is the trigger.
+
+Shrinking keeps the failure's signature (harness.search.signature: verdict, failing tensors or the
+leak, error class, implementation): a candidate that fails with another signature is a different
+failure, never the shrink target; it is recorded (the smallest per signature) in `others` for the
+caller to report and save on its own.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 from harness.case import Case
 from harness.errors import HarnessError
 from harness.result import CaseResult
+from harness.search.signature import Signature
 from harness.search.strategies import DTYPE_ORDER, VALUE_KINDS
 from ring_impl.layouts import LAYOUTS, split_lengths
 from ring_impl.masks import MASK_KINDS, MaskSpec
@@ -114,10 +120,19 @@ def candidates(c: Case) -> Iterator[Case]:
                 yield v
 
 
+def case_size(c: Case) -> tuple:
+    """An order on cases towards the shrink target (fewer ranks, tokens, heads, ...; simpler mask)."""
+    return (c.world_size, c.total_len, c.batch, c.heads_q, c.heads_kv, c.head_dim, MASK_KINDS.index(c.mask.kind),
+            LAYOUTS.index(c.layout), c.group_offset)
+
+
 def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], *, budget_s: float = 60.0,
-           max_tries: int = 200) -> tuple[CaseResult, int]:
-    """(the smallest failing result found, candidates tried). `still_fails(case)` returns the failing
-    result of a candidate, or None when it passes (or does not fail the way that counts)."""
+           max_tries: int = 200, others: dict[Signature, CaseResult] | None = None,
+           signature: Callable[[CaseResult], Signature] = Signature.of) -> tuple[CaseResult, int]:
+    """(the smallest failing result found with `first`'s signature, candidates tried). `still_fails(case)`
+    returns the failing result of a candidate, or None when it passes (or does not fail the way that
+    counts). A candidate failing with another signature goes to `others` (signature -> smallest result)."""
+    target = signature(first)
     best, tried, start = first, set(), time.monotonic()
     improved = True
     while improved:
@@ -130,7 +145,13 @@ def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], 
                 return best, len(tried)
             tried.add(key)
             r = still_fails(cand)
-            if r is not None:
-                best, improved = r, True
-                break
+            if r is None:
+                continue
+            sig = signature(r)
+            if sig != target:  # a different failure: recorded, not shrunk into
+                if others is not None and (sig not in others or case_size(r.case) < case_size(others[sig].case)):
+                    others[sig] = r
+                continue
+            best, improved = r, True
+            break
     return best, len(tried)

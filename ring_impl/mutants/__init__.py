@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ring_impl.mutants import comm, grads, masks, merges, shapes
+from ring_impl.mutants import comm, grads, masks, merges, precision, shapes
 
 _ALL = [
     merges.naive_merge_sum,
@@ -33,6 +33,9 @@ _ALL = [
     comm.read_before_wait,
     comm.send_buffer_overwrite,
     comm.skipped_ring_step,
+    precision.out_merge_in_input_dtype,
+    precision.dq_accumulate_in_input_dtype,
+    precision.dkv_travel_in_input_dtype,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

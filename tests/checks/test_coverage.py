@@ -54,7 +54,8 @@ def test_adapting_keeps_world_size_split_and_values():
     for c in default_battery(4):
         a = adapt(caps, c)
         assert a is not None and not unsupported(caps, a)
-        assert (a.world_size, tuple(a.seq_lens), a.values, a.seed) == (c.world_size, tuple(c.seq_lens), c.values, c.seed)
+        kept = (a.world_size, tuple(a.seq_lens), a.values, a.seed)
+        assert kept == (c.world_size, tuple(c.seq_lens), c.values, c.seed)
 
 
 def test_the_plugin_runs_the_same_adapted_battery(monkeypatch):

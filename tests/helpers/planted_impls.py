@@ -3,6 +3,9 @@
 `late_diagonal`: from ring step 2 on, the causal diagonal is one token late (key q + 1 is visible
 to query q). At W = 2 the only block past the diagonal arrives at step 1, so the bug needs W >= 3
 to show; the smallest failing case is W = 3 with one token per rank.
+
+`two_bugs`: the late diagonal plus an unrelated dq bug at head_dim 1, for shrinking that keeps each
+failure's signature.
 """
 
 from __future__ import annotations
@@ -37,3 +40,22 @@ def _run(q, k, v, ctx):
 
 
 late_diagonal = Impl("planted-late-diagonal", _run)
+
+
+def _dq_off_when_head_dim_is_one(grad, dtype):
+    """A second, unrelated bug: dq 1.5x too large when head_dim is 1 (any W, mask, layout)."""
+    return (grad * 1.5 if grad.shape[-1] == 1 else grad).to(dtype)
+
+
+_two = make_ring_attention(replace(REFERENCE_PARTS, block_mask=_late_mask, skip_block=_late_skip,
+                                   cast_dq=_dq_off_when_head_dim_is_one))
+
+
+def _run_two(q, k, v, ctx):
+    return _two(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
+                softmax_scale=ctx.softmax_scale, return_lse=True)
+
+
+# two failures with different signatures: the late diagonal (W >= 3, causal: a leak and wrong results) and
+# dq alone (head_dim 1); a case with both fails with the union, a third signature
+two_bugs = Impl("planted-two-bugs", _run_two)

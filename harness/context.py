@@ -99,3 +99,4 @@ class Impl:
     capabilities: Capabilities = field(default_factory=Capabilities)
     version: str = "unknown"
     deterministic: bool = True
+    declared: bool = True  # False: a bare function; its capabilities are the defaults, not a declaration

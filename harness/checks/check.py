@@ -176,6 +176,12 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
     if too_big:
         out(f"skipping {len(too_big)} case(s) that need more than the {pool.size} ranks started")
         cases = [c for c in cases if c.pool_size <= pool.size]
+    resolved = registry.resolve(impl, allow_import=allow_import)
+    if not resolved.declared:
+        out(f"note: {impl} is a bare function, so it declares every feature (every layout, mask and dtype, GQA, "
+            "uneven splits, W 1-8, subgroups) and every case runs as supported; to declare what it supports, "
+            "wrap it: harness.Impl(name, run, capabilities=harness.Capabilities(...)) (README: 'Validating your "
+            "own implementation')")
     out(f"ring-harness check: {len(cases)} cases, impl {impl}, {pool.backend} ranks "
         f"({opts.launcher}, {pool.size} ranks)")
     out(report.header())

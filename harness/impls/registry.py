@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import inspect
+import os
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
@@ -147,7 +149,7 @@ def _as_impl(obj: Any, name: str) -> Impl:
             if isinstance(made, Impl):
                 return made
             raise ImplError(f"implementation {name!r}: factory returned {type(made).__name__}, not an Impl")
-        return Impl(name=name, run=obj, capabilities=Capabilities())
+        return Impl(name=name, run=obj, capabilities=Capabilities(), declared=False)
     raise ImplError(f"implementation {name!r} is neither an Impl nor a callable run(q, k, v, ctx)")
 
 
@@ -192,6 +194,9 @@ def _resolve_entry_point(name: str) -> Impl:
 
 def _resolve_module_attr(name: str) -> Impl:
     mod_name, _, attr = name.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # as `python -m` does: modules beside you import
+        sys.path.append(cwd)
     try:
         obj = _import_target(name)
     except ImportError as e:

@@ -129,7 +129,9 @@ class RankPool:
         finalizer = weakref.finalize(self, _kill_all, procs, workdir)
         authkey = os.urandom(16)
         env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_project_root(), env.get("PYTHONPATH")]))
+        # the ranks import what the parent can: this project, then the caller's directory (as `python -m`
+        # does, so `--impl myring:my_ring` works from the folder holding myring.py), then PYTHONPATH
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_project_root(), os.getcwd(), env.get("PYTHONPATH")]))
         try:
             for r in range(size):
                 procs.append(self._spawn(workdir, size, r, env))

@@ -131,14 +131,16 @@ def _probes(caps: Capabilities, cases: list[Case]) -> list[Case]:
 
 
 def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
-              accept: Callable[[CaseResult], bool] | None = None, reporter: Reporter | None = None) -> CheckOutcome:
+              accept: Callable[[CaseResult], bool] | None = None, reporter: Reporter | None = None,
+              outcome: CheckOutcome | None = None) -> CheckOutcome:
     """Run the default check of `opts.impl` on `pool` (see the module docstring); failing cases are
-    saved under opts.save_dir as they happen."""
+    saved under opts.save_dir as they happen. Results go into `outcome` as they come (so a caller
+    interrupted mid-check still holds what finished)."""
     out = reporter or report.out
     impl, allow_import = opts.impl, opts.allow_import
     caps = registry.resolve(impl, allow_import=allow_import).capabilities
     cases, probes = battery_plan(opts, caps)
-    res = CheckOutcome(impl=impl)
+    res = outcome if outcome is not None else CheckOutcome(impl=impl)
     start, paused = time.perf_counter(), [0.0]
 
     def elapsed() -> float:
@@ -274,7 +276,15 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     with open_pool(opts.launcher, opts.backend, battery_pool_size(cases + probes)) as pool:
         if pool is None:  # a torchrun follower rank: rank 0 reports
             return CheckOutcome(impl=opts.impl, follower=True)
-        res = run_check(pool, opts, reporter=out)
+        res = CheckOutcome(impl=opts.impl)
+        try:
+            run_check(pool, opts, reporter=out, outcome=res)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM (the CLI turns it into SystemExit)
+            res.stopped = "interrupted"
+            if opts.json:
+                report.write_json(opts.json, {"command": "check", "interrupted": True, **outcome_json(res)})
+                out(f"interrupted: what finished is in {opts.json}")
+            raise
     out(report.summary(res.results + res.fault_results, res.seconds))
     out(verdict_line(res))
     if opts.json:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from harness.errors import HarnessError
@@ -36,14 +37,29 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    previous = signal.signal(signal.SIGTERM, _terminated)  # CI cancellation and `timeout` send SIGTERM
     try:
         return int(importlib.import_module(args._module).run(args))
+    except _Terminated:
+        print("ring-harness: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except HarnessError as e:
         print(f"ring-harness: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ring-harness: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(SystemExit):
+    """SIGTERM as an exception: context managers close the rank pool (and remove its temp dir) and
+    the checks write what finished (`--json`) on the way out."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated(143)
 
 
 if __name__ == "__main__":

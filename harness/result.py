@@ -61,6 +61,7 @@ class TensorCheck:
     nonfinite: int
     position: dict  # {"batch", "token" (global), "head"} of the worst error
     passed: bool
+    nonfinite_kinds: str = ""  # "NaN", "+inf", "-inf" (comma list) when `nonfinite` values came back
 
     @property
     def ratio(self) -> float:

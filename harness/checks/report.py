@@ -13,14 +13,14 @@ from typing import TextIO
 
 from harness.result import CaseResult
 
-TENSOR_COLS = ("out", "dq", "dk", "dv")
+TENSOR_COLS = ("out", "lse", "dq", "dk", "dv")
 
 
 def _ratio(x: float | None) -> str:
     if x is None:
         return "   -  "
-    if x == float("inf"):
-        return "  NaN "
+    if x == float("inf"):  # a non-finite value came back (NaN or inf): no ratio to show
+        return "nonfin"
     if x < 100:
         return f"{x:6.3f}"
     return f"{x:6.0f}" if x < 1e5 else f"{x:6.0e}"
@@ -48,8 +48,13 @@ def details(r: CaseResult) -> list[str]:
     lines = [f"        -> {r.detail}"] if r.detail else []
     for c in sorted(r.failed_checks(), key=lambda c: -c.ratio)[:6]:
         p = c.position
+        where = f"at batch {p.get('batch')} token {p.get('token')} head {p.get('head')}"
+        if c.nonfinite:
+            lines.append(f"        {c.tensor:>3} rank {c.rank}: {c.nonfinite} non-finite value(s) "
+                         f"({c.nonfinite_kinds or 'NaN/inf'}), first {where}")
+            continue
         lines.append(f"        {c.tensor:>3} rank {c.rank}: max err {c.error:.3g} > allowed {c.allowed:.3g} "
-                     f"(x{c.ratio:.3g}) at batch {p.get('batch')} token {p.get('token')} head {p.get('head')}")
+                     f"(x{c.ratio:.3g}) {where}")
     for g, s in sorted(r.hung.items()):
         lines.append(f"        rank {g} stack:")
         lines.extend("          " + ln for ln in s.splitlines()[:12])

@@ -62,8 +62,13 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
             bi, li, hi = _unravel(flat, diff.shape)  # torch.unravel_index: same result, 5x the cost
             err = float(diff.max())
             position = {"batch": int(bi), "token": int(pos_all[rank][li]), "head": int(hi)}
+            kinds = ""
+            if nonfinite:
+                bad = got[~torch.isfinite(got)]
+                counts = (("NaN", bad.isnan()), ("+inf", bad == float("inf")), ("-inf", bad == float("-inf")))
+                kinds = ",".join(k for k, mask in counts if bool(mask.any()))
             checks.append(TensorCheck(name, rank, err, allowed, nonfinite, position,
-                                      passed=nonfinite == 0 and err <= allowed))
+                                      passed=nonfinite == 0 and err <= allowed, nonfinite_kinds=kinds))
     return checks
 
 

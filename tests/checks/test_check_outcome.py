@@ -43,3 +43,18 @@ def test_x_is_maxfail_one(tmp_path, capsys):
                  "-x", "--save-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "stopped at battery case" in out.strip().splitlines()[-1] and len(list(tmp_path.iterdir())) == 1
+
+
+def test_rows_show_lse_and_details_name_non_finite_values():
+    from harness.case import make_case
+    from harness.checks import report
+    from harness.result import CaseResult, TensorCheck, Verdict
+
+    assert report.header().split()[2:7] == ["out", "lse", "dq", "dk", "dv"]
+    nan = TensorCheck("out", 1, float("inf"), 1e-6, 3, {"batch": 0, "token": 5, "head": 0}, False, "NaN")
+    lse = TensorCheck("lse", 0, 2e-7, 1e-6, 0, {"batch": 0, "token": 1, "head": 0}, True)
+    r = CaseResult(make_case(world_size=2, total_len=8), "x", Verdict.SILENT_CORRUPTION, checks=[nan, lse])
+    row = report.row(1, 1, r)
+    assert "nonfin" in row and " 0.200 " in row
+    text = "\n".join(report.details(r))
+    assert "out rank 1: 3 non-finite value(s) (NaN)" in text and "inf" not in text.split("(NaN)")[1]

@@ -163,7 +163,14 @@ def validate(c: Case) -> None:
 # -- dict / YAML -----------------------------------------------------------------------------
 
 CASE_KEYS = {f.name for f in dataclasses.fields(Case)}
-FILE_KEYS = CASE_KEYS | {"format", "total_len", "result", "note"}
+FILE_KEYS = CASE_KEYS | {"format", "total_len", "result", "note", "expect"}
+# What replaying a saved case must give, stated once (the pytest plugin's corpus items and `replay`):
+# - pass (the default): a saved failure is a regression test: it fails while the bug is there and
+#   passes once it is fixed; the recorded `result:` is history, shown when it fails;
+# - reproduce: the case documents a known bug of its implementation (the mutant corpus, a
+#   third-party library's bug at a pinned version): it must reproduce its recorded verdict (and
+#   hashes on the same torch), and pass on the reference.
+EXPECT = ("pass", "reproduce")
 
 
 def to_dict(c: Case) -> dict:
@@ -222,6 +229,8 @@ def from_dict(d: Any) -> Case:
     unknown = set(d) - FILE_KEYS
     if unknown:
         raise HarnessError(f"unknown case field(s): {', '.join(sorted(map(str, unknown)))}")
+    if d.get("expect", "pass") not in EXPECT:
+        raise HarnessError(f"case field 'expect': must be one of {', '.join(EXPECT)}, got {d.get('expect')!r}")
     fmt = d.get("format", FORMAT)
     if fmt != FORMAT:
         raise HarnessError(f"case field 'format': unsupported case format {fmt!r} (this version reads {FORMAT})")
@@ -291,9 +300,11 @@ class _Dumper(yaml.SafeDumper):
 _Dumper.add_multi_representer(enum.Enum, lambda d, v: d.represent_data(v.value))
 
 
-def dumps(c: Case, *, result: dict | None = None, note: str | None = None) -> str:
-    """YAML text of a case, with an optional recorded result and a leading comment."""
+def dumps(c: Case, *, result: dict | None = None, note: str | None = None, expect: str | None = None) -> str:
+    """YAML text of a case, with an optional recorded result, `expect` and a leading comment."""
     d = to_dict(c)
+    if expect is not None:
+        d["expect"] = expect
     if result is not None:
         d["result"] = result
     text = yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
@@ -302,11 +313,12 @@ def dumps(c: Case, *, result: dict | None = None, note: str | None = None) -> st
     return text
 
 
-def save(c: Case, path: str | os.PathLike, *, result: dict | None = None, note: str | None = None) -> Path:
+def save(c: Case, path: str | os.PathLike, *, result: dict | None = None, note: str | None = None,
+         expect: str | None = None) -> Path:
     """Atomic write (temp file + fsync + rename): a crash never leaves a half-written case."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(c, result=result, note=note)
+    text = dumps(c, result=result, note=note, expect=expect)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -155,7 +155,10 @@ class CaseFile(pytest.File):
 
 
 class CaseItem(pytest.Item):
-    """Replays one saved case: it must reproduce its recorded verdict (see harness.replay)."""
+    """Replays one saved case by its `expect` field (harness.case.EXPECT): a saved failure must pass
+    once its bug is fixed (the default); a `reproduce` case (the mutant corpus, a library's known bug)
+    must reproduce its recorded verdict. A module-path implementation or a missing extra: skipped
+    with one line."""
 
     def runtest(self) -> None:
         from harness import case as case_mod
@@ -163,11 +166,15 @@ class CaseItem(pytest.Item):
         from harness.impls import registry
 
         case, _ = case_mod.load(self.path)
+        allow_import = registry.is_module_path(case.impl) and case.impl == self.config.getoption("--ring-impl")
+        if registry.is_module_path(case.impl) and not allow_import:
+            pytest.skip(f"{self.path.name} names implementation {case.impl!r}, a module path: a case file never "
+                        f"imports code; run with --ring-impl {case.impl} to replay it")
         try:
-            registry.resolve(case.impl, allow_import=False)
-        except registry.MissingDependency as e:
+            registry.resolve(case.impl, allow_import=allow_import)
+        except registry.ImplError as e:  # a missing optional extra, an unknown name: one line
             pytest.skip(str(e))
-        problems = replay_expectations(self.path, _session_pool(self.session))
+        problems = replay_expectations(self.path, _session_pool(self.session), allow_import=allow_import)
         if problems:
             raise CaseReplayFailed("\n".join(problems))
 

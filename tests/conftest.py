@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 SESSION_ENV = "RING_HARNESS_TEST_SESSION_DIR"
+pytest_plugins = ["pytester"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

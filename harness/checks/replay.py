@@ -73,18 +73,25 @@ def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, a
     return out
 
 
-def replay_expectations(path: str | os.PathLike, pool: Pool) -> list[str]:
-    """Problems with a corpus case (empty list = fine): the recorded verdict must reproduce with
-    identical hashes on the same torch, and a case recorded against any other implementation
-    (a mutant, a third-party ring) must pass on the reference."""
-    rp = replay_on(pool, path)
+def replay_expectations(path: str | os.PathLike, pool: Pool, *, allow_import: bool = False) -> list[str]:
+    """Problems with a saved case (empty list = fine), by its `expect` field (harness.case.EXPECT):
+    `reproduce`: the recorded verdict must reproduce, with identical hashes on the same torch, and the
+    case must pass on the reference; `pass` (a user's saved failure as a regression test): it must
+    pass now, and when it does not, the recorded verdict is shown as history."""
+    loaded, data = case_mod.load(path)
+    rp = replay_on(pool, path, loaded.impl if allow_import else None, allow_import=allow_import)
     problems = []
-    case = rp.result.case
+    case, r = rp.result.case, rp.result
+    if data.get("expect", "pass") == "pass":
+        if not r.passed:
+            was = f" (recorded: {rp.recorded_verdict}; the bug this case was saved for is still there)" \
+                if rp.recorded_verdict not in (None, "pass") else ""
+            problems.append(f"{case.impl}: expected pass, got {r.verdict}{was}: {r.detail}")
+        return problems
     if not rp.verdict_reproduced:
-        problems.append(f"{case.impl}: recorded verdict {rp.recorded_verdict}, got {rp.result.verdict} "
-                        f"({rp.result.detail})")
-    elif rp.recorded_verdict is None and not rp.result.passed:
-        problems.append(f"{case.impl}: expected pass, got {rp.result.verdict} ({rp.result.detail})")
+        problems.append(f"{case.impl}: recorded verdict {rp.recorded_verdict}, got {r.verdict} ({r.detail})")
+    elif rp.recorded_verdict is None and not r.passed:
+        problems.append(f"{case.impl}: expected pass, got {r.verdict} ({r.detail})")
     if rp.hash_mismatches and not rp.hash_note:
         problems.append("output hashes differ from the record: " + "; ".join(rp.hash_mismatches[:4]))
     if case.impl != "reference":
@@ -120,6 +127,7 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
         raise HarnessError(f"{path} names implementation {case.impl!r}, a module path; a case file never imports "
                            f"code by itself, so give it on the command line: --impl {case.impl}")
     allow_import = registry.is_module_path(impl)
+    registry.resolve(impl, allow_import=allow_import)  # a missing optional extra: one line, exit 2
     recorded = data.get("result") or {}
     _, version = impl_info(impl, allow_import)
     deterministic = _deterministic(impl, allow_import)

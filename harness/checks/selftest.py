@@ -198,7 +198,7 @@ def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, opts: Check
         return
     rec = result_record(r, impl_info(name, False)[1], getattr(pool, "backend", "gloo"))
     run.path = case_mod.save(r.case, corpus / f"mutant-{short(name)}.yaml", result=rec,
-                             note=corpus_note(name, run, kill))
+                             note=corpus_note(name, run, kill), expect="reproduce")
 
 
 def false_alarm_options(opts: CheckOptions, cases: int | None) -> CheckOptions:

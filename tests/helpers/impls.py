@@ -37,6 +37,7 @@ def _perturbed(q, k, v, ctx):
     return _reference(q, k, v, ctx) + 1e-3
 
 
+reference = Impl("tests-reference", _reference)  # the reference ring under a module path (a "fixed" ring)
 hang = Impl("tests-hang", _hang)
 raises = Impl("tests-raise", _raise)
 wrong_shape = Impl("tests-wrong-shape", _wrong_shape)

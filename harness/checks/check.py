@@ -19,6 +19,7 @@ from harness.checks.capability_matrix import format_matrix, matrix
 from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, CheckOptions, parse_kinds
 from harness.checks.report import Reporter
 from harness.context import Capabilities
+from harness.errors import HarnessError
 from harness.faults.schema import make_fault
 from harness.impls import registry
 from harness.impls.capabilities import adapt, unsupported
@@ -276,6 +277,9 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     with open_pool(opts.launcher, opts.backend, battery_pool_size(cases + probes)) as pool:
         if pool is None:  # a torchrun follower rank: rank 0 reports
             return CheckOutcome(impl=opts.impl, follower=True)
+        if opts.world_size > pool.size:  # torchrun started fewer processes than the battery's main ring needs
+            raise HarnessError(f"--world-size {opts.world_size} needs {opts.world_size} ranks but {opts.launcher} "
+                               f"started {pool.size}: pass --world-size {pool.size} or start more processes")
         res = CheckOutcome(impl=opts.impl)
         try:
             run_check(pool, opts, reporter=out, outcome=res)

@@ -37,3 +37,11 @@ def test_torchrun_launcher_outside_torchrun_is_one_clear_line():
                        text=True, timeout=60, env=env, cwd=ROOT)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "needs to be started by torchrun" in p.stderr
+
+
+def test_world_size_above_the_processes_started_is_exit_2():
+    """2 processes and the default --world-size 4: one clear line and exit 2, never a green run on a
+    tenth of the cases."""
+    p = _run(["check", "--launcher", "torchrun", "--max-examples", "0"], timeout=120)
+    assert p.returncode != 0
+    assert "--world-size 4 needs 4 ranks but torchrun started 2" in p.stderr

@@ -24,7 +24,7 @@ from harness.faults.schema import make_fault
 from harness.impls import registry
 from harness.impls.capabilities import adapt, unsupported
 from harness.judging.verdicts import failure_signature, fault_ok, probe_acceptable
-from harness.result import CaseResult, save_result
+from harness.result import CaseResult, Verdict, save_result
 from harness.runner import run_case
 from harness.search.battery import battery_pool_size, default_battery
 from harness.search.fuzz import FuzzOutcome
@@ -190,6 +190,8 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
     out(report.header())
     for i, c in enumerate(cases, 1):
         r = run_case(c, pool, impl, allow_import=allow_import)
+        if opts.repeat and resolved.deterministic:
+            repeat_check(r, run_case(c, pool, impl, allow_import=allow_import, leak=False))
         res.results.append(r)
         res.cases += 1
         out(report.row(i, len(cases), r))
@@ -317,3 +319,23 @@ def verdict_line(res: CheckOutcome) -> str:
     distinct = len(res.distinct) + (1 if res.prop is not None and not res.prop.passed else 0)
     why = f"; {res.stopped}" if res.stopped else ""
     return f"check FAILED (exit 1): {'; '.join(stages)}; {distinct} distinct failure(s){why}"
+
+
+def repeat_check(first: CaseResult, again: CaseResult) -> None:
+    """The "repeat" check (issue #19): the same case run twice in a row on the same ranks must give
+    bit-identical outputs for a deterministic implementation. State carried over between calls (a
+    gradient buffer cached and not zeroed, a stale receive buffer, a reused communicator) shows on the
+    second call only; the first result then becomes `diverged`, with which shards differed."""
+    if first.verdict not in (Verdict.PASS, Verdict.SILENT_CORRUPTION) or again.verdict in (Verdict.HANG,):
+        return
+    diffs = [f"{t}@rank{g}" for g, hs in sorted(first.hashes.items()) for t, h in sorted(hs.items())
+             if again.hashes.get(g, {}).get(t) != h]
+    if again.verdict != first.verdict and again.verdict != Verdict.PASS and not diffs:
+        diffs = [f"verdict {again.verdict}"]
+    first.extra["repeat"] = {"identical": not diffs, "diffs": diffs, "verdict": str(again.verdict)}
+    if diffs:
+        first.verdict = Verdict.DIVERGED
+        more = f" (+{len(diffs) - 6} more)" if len(diffs) > 6 else ""
+        first.detail = ("repeat: the same case run again on the same ranks gave different results "
+                        f"({', '.join(diffs[:6])}{more}; second run: {again.verdict}): state carried over "
+                        "between calls" + (f"; first run: {first.detail}" if first.detail else ""))

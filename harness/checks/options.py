@@ -84,6 +84,7 @@ class CheckOptions:
     fault_stage: tuple[str, ...] = FAULT_STAGE_DEFAULT  # benign faults on every rank and op, both phases
     fault_deadline: float = 8.0  # per-case deadline of the fault stage
     maxfail: int | None = None  # stop after this many failing cases, as pytest's --maxfail (-x: 1)
+    repeat: bool = True  # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
 
     @property
     def allow_import(self) -> bool:

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop after N failing cases (as pytest's --maxfail)")
     p.add_argument("-x", "--exitfirst", dest="maxfail", action="store_const", const=1, default=S,
                    help="stop at the first failing case (--maxfail 1)")
+    p.add_argument("--no-repeat", dest="repeat", action="store_false", default=S,
+                   help="do not run each battery case a second time on the same ranks (the repeat check)")
     g = p.add_argument_group("property-based stage")
     g.add_argument("--profile", choices=("ci", "nightly"), default=S,
                    help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, large budget"

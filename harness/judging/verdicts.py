@@ -78,6 +78,8 @@ def killed_by(r: CaseResult) -> list[str]:
         out.append("leak check")
     if r.extra.get("violations"):
         out.append("send-buffer check")
+    if r.extra.get("repeat", {}).get("identical") is False:
+        out.append("repeat")
     if r.verdict in (Verdict.FAIL_STOP, Verdict.HANG, Verdict.DIVERGED, Verdict.INVALID):
         out.append(str(r.verdict))
     return out
@@ -95,6 +97,8 @@ def failure_signature(r: CaseResult) -> tuple[str, ...]:
             sig.append("leak")
         if r.extra.get("violations"):
             sig.append("send-buffer")
+    elif r.extra.get("repeat", {}).get("identical") is False:
+        sig.append("repeat")
     elif r.verdict in (Verdict.FAIL_STOP, Verdict.DIVERGED):
         roots = r.extra.get("root_cause") or sorted(r.errors)
         errors = [r.errors[g].split(":", 1)[0] for g in roots if g in r.errors]

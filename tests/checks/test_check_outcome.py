@@ -58,3 +58,19 @@ def test_rows_show_lse_and_details_name_non_finite_values():
     assert "nonfin" in row and " 0.200 " in row
     text = "\n".join(report.details(r))
     assert "out rank 1: 3 non-finite value(s) (NaN)" in text and "inf" not in text.split("(NaN)")[1]
+
+
+def test_the_repeat_check_catches_state_carried_over_between_calls(tmp_path):
+    """A gradient buffer cached across calls and never zeroed: exact on the first call, wrong on every
+    later one. The battery runs each case twice on the same ranks; the second run's bits differ."""
+    from harness.judging.verdicts import killed_by
+
+    rep = ListReporter()
+    res = check(CheckOptions(impl="tests.helpers.impls:stale_accumulator", world_size=2, max_examples=0,
+                             fault_stage=(), save_dir=str(tmp_path), maxfail=1), reporter=rep)
+    r = res.results[0]
+    assert r.verdict == "diverged" and r.extra["repeat"]["identical"] is False, r.detail
+    assert "repeat" in killed_by(r) and r.detail.startswith("repeat: the same case run again")
+    ok = check(CheckOptions(world_size=2, max_examples=0, fault_stage=(), save_dir=str(tmp_path)),
+               reporter=ListReporter())
+    assert ok.passed and all(r.extra["repeat"]["identical"] for r in ok.results)

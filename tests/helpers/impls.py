@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from harness.context import Capabilities, Impl
 from ring_impl import ring_attention
 from ring_impl.masks import MaskSpec
@@ -67,3 +69,24 @@ hang_on_rank1 = Impl("tests-hang-on-rank1", _hang_on_rank1)
 # What most real rings declare: contiguous layout, masks none and causal, every dtype, GQA, uneven, W 1-8.
 narrow = Impl("tests-narrow", _reference, capabilities=Capabilities(layouts=frozenset({"contiguous"}),
                                                                      masks=frozenset({"none", "causal"})))
+
+
+_STALE: dict = {}
+
+
+def _stale_accumulator(q, k, v, ctx):
+    """The reference, plus a gradient buffer cached by shape across calls and never zeroed (ring-flash-attn
+    22f0e1d: "dkv_buffer was not zeroed"): the first call is exact, every later one adds the old dk/dv."""
+    out = _reference(q, k, v, ctx)
+    key = (tuple(k.shape), ctx.rank)
+    buf = _STALE.setdefault(key, torch.zeros(k.shape, dtype=torch.float32))
+
+    def hook(grad):
+        buf.add_(grad.float())
+        return buf.to(grad.dtype).clone()
+
+    k.register_hook(hook)
+    return out
+
+
+stale_accumulator = Impl("tests-stale-accumulator", _stale_accumulator)

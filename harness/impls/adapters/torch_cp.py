@@ -10,6 +10,26 @@ shards one buffer we pass (the global positions), which checks torch's sharding 
 The DTensor dispatch is only active inside the context, but the harness calls backward after
 `run` returns; so a custom autograd Function records SDPA's graph inside the context and replays
 its backward inside a fresh context (torchtitan runs forward and backward in one context).
+
+What is declared, and why (read from torch 2.13's `torch/distributed/tensor/experimental/
+_context_parallel/`; GPU-only, not run here):
+- zigzag with no mask. torch balances load only for causal SDPA (`_templated_ring_attention` raises
+  "Load balancing requires `is_causal=True`" otherwise, _attention.py:405), so a non-causal run is
+  sharded plainly and the sharding check used to refuse every zigzag run without a mask. But the
+  adapter hands SDPA our local shards directly, and without a mask every query attends to every key
+  whatever rank holds it: the plain ring is exact for zigzag shards too (as in `torch_ring`). The
+  sharding check is therefore made only for causal runs, where the positions matter.
+- zigzag needs an even per-rank length: torch load-balances only when the sequence divides by 2W
+  (`_create_default_load_balancer`, _load_balancer.py:475); otherwise it shards contiguously and the
+  sharding check refuses the run with one line (no capability field expresses per-rank parity).
+- fp16/bf16 only, head_dim a multiple of 8 up to 256: then SDPA picks the flash kernel, whose lse is
+  (B, H, L). fp32 (and head dims flash refuses) go to the memory-efficient kernel, whose lse is
+  padded to ceil(L/32)*32 (`meta__scaled_dot_product_efficient_attention`, torch/_meta_registrations.py:
+  6523; CUDA's kAlignLSE = 32). `_SDPAMerger._merge_one` (_attention.py:151-207) unsqueezes that lse to
+  (B, H, Lpad, 1) and merges it with outputs (B, H, L, D): from the second ring step on this raises for
+  1 < L, L % 32 != 0, broadcasts out to 32 rows for L == 1 (a wrong shape), and with load balancing
+  `lse.chunk(2)` halves the padded lse, not the rows, unless L % 64 == 0. So fp32 is not declared
+  (tests/impls/test_torch_cp_lse_padding.py runs torch's own merger on such shapes on CPU).
 """
 
 from __future__ import annotations
@@ -21,20 +41,28 @@ import torch
 
 from harness.context import Capabilities, Impl, RunContext
 from harness.errors import ImplError
-from harness.impls.adapters._common import Variant, installed_version, require_supported, to_bhsd, variant
+from harness.impls.adapters._common import (
+    FLASH_HEAD_DIMS,
+    Variant,
+    installed_version,
+    require_supported,
+    to_bhsd,
+    variant,
+)
 from harness.impls.adapters.torch_ring import load_balance
 
 EXTRA = None  # torch itself (CUDA build)
 _CAPS = Capabilities(
     layouts=frozenset({"contiguous", "zigzag"}),
     masks=frozenset({"none", "causal"}),
-    dtypes=frozenset({"fp32", "fp16", "bf16"}),  # fp32 goes to the efficient-attention kernel
+    dtypes=frozenset({"fp16", "bf16"}),  # fp32 goes to the efficient kernel: padded lse (docstring)
     gqa=False,  # the CP handlers take the flash / efficient ops, which get equal head counts
     uneven=False,
     world_sizes=(1, 8),
     backward=True,
     backends=frozenset({"nccl"}),
     returns_lse=False,
+    head_dims=FLASH_HEAD_DIMS,  # what SDPA's flash kernel takes; others fall back to the efficient one
 )
 # option: torch's `set_rotate_method` argument, "allgather" (its default) or "alltoall"
 VARIANTS = {
@@ -63,7 +91,8 @@ def cp_context(ctx: RunContext, rotate: str) -> Iterator[None]:
     positions = torch.arange(ctx.total_len, device=ctx.device).view(1, -1)
     try:
         with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
-            if not torch.equal(positions.view(-1).cpu(), ctx.positions.cpu()):
+            # without a mask the result does not depend on which rank holds which token (docstring)
+            if ctx.mask.is_causal and not torch.equal(positions.view(-1).cpu(), ctx.positions.cpu()):
                 raise ImplError(
                     f"torch-cp: torch sharded rank {ctx.rank} as {positions.view(-1).tolist()[:8]}..., "
                     f"not as layout {ctx.layout}"

@@ -27,6 +27,8 @@ and the FA3 path (kernels/attention.py:283 hard-codes causal=False).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from harness.context import Capabilities, Impl, RunContext, RunFn
@@ -105,12 +107,31 @@ def _check_heads(name: str, ctx: RunContext, q: torch.Tensor, k: torch.Tensor) -
 _GROUPS: dict[tuple, object] = {}
 
 
-def _group(ranks: list[int]) -> object:
-    import torch.distributed as dist
+def _group(ranks: list[int], ring: object) -> object:
+    """The process group of `ranks` (global), created by its members only and cached per harness ring group.
 
-    key = tuple(ranks)
+    torch names a locally synchronised group by hashing its ranks with the number of groups the calling
+    process knows (`distributed_c10d._hash_ranks_to_str`). That number differs between pool ranks (a rank
+    outside an earlier ring never registered that ring's group), so the members of a new group would
+    rendezvous under different store prefixes and hang (seen: a W=4 USP case after any W=2 case). The name
+    is made from what every member agrees on instead: the harness's ring group (`ring.group_name`, created
+    collectively, and fresh after a failed case, so no stale group is reused) and the ranks.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    tag = str(getattr(ring, "group_name", ""))
+    key = (tag, tuple(ranks))
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        name = hashlib.sha1(f"ring-harness-usp/{tag}/{'_'.join(map(str, ranks))}".encode()).hexdigest()
+        original = getattr(c10d, "_hash_ranks_to_str", None)
+        if original is not None:
+            c10d._hash_ranks_to_str = lambda _ranks: name
+        try:
+            _GROUPS[key] = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        finally:
+            if original is not None:
+                c10d._hash_ranks_to_str = original
     return _GROUPS[key]
 
 
@@ -172,8 +193,8 @@ def _usp_run(name: str, caps: Capabilities) -> RunFn:
 
         uly, rng = usp_groups(tuple(ctx.global_ranks), u)
         me = ctx.global_ranks[ctx.rank]
-        PROCESS_GROUP.ULYSSES_PG = _group(next(g for g in uly if me in g))
-        PROCESS_GROUP.RING_PG = _group(next(g for g in rng if me in g))
+        PROCESS_GROUP.ULYSSES_PG = _group(next(g for g in uly if me in g), ctx.group)
+        PROCESS_GROUP.RING_PG = _group(next(g for g in rng if me in g), ctx.group)
         attn = LongContextAttention(
             scatter_idx=2, gather_idx=1, ring_impl_type="basic", attn_type=AttnType.FA
         )

@@ -1,0 +1,75 @@
+"""A failure's signature: what makes two failing runs the same bug, so that shrinking never swaps one
+failure for another (a candidate that fails differently is a *different* failure, saved and reported
+on its own, as hypothesis does with distinct errors).
+
+The signature is the implementation plus `judging.verdicts.failure_signature`: the verdict; for a wrong
+result the set of failing tensors and "leak" (the causality-leak check) or "send-buffer"; for a
+fail-stop or diverged run the root cause's exception type (its error class); the fault kinds of a
+faulted case. `failure_type` turns a signature into an exception class of its own, so hypothesis (which
+tells bugs apart by exception type and raise site) shrinks each signature separately.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from harness.judging.verdicts import failure_signature
+from harness.result import CaseResult
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One failure class of one implementation: verdict, then what failed (tensors, leak, error type)."""
+
+    impl: str
+    parts: tuple[str, ...]  # failure_signature: (verdict, failing tensors / leak / error class, faults)
+
+    @classmethod
+    def of(cls, r: CaseResult) -> Signature:
+        return cls(r.impl, failure_signature(r))
+
+    @property
+    def verdict(self) -> str:
+        return self.parts[0] if self.parts else ""
+
+    @property
+    def what(self) -> tuple[str, ...]:
+        """The failing tensors (and/or "leak", "send-buffer"), or the error class; then the fault kinds."""
+        return self.parts[1:]
+
+    def label(self) -> str:
+        """Human-readable: 'silent-corruption: dq, leak'."""
+        return f"{self.verdict}: {', '.join(self.what)}" if self.what else self.verdict
+
+    def slug(self) -> str:
+        """A file-name part: 'silent-corruption-dq+leak'."""
+        text = "+".join(self.what)
+        return re.sub(r"[^A-Za-z0-9+._-]", "_", f"{self.verdict}-{text}" if text else self.verdict)
+
+
+class CaseFailed(Exception):
+    """A failing case inside the hypothesis test; `failure_type` makes one subclass per signature."""
+
+    signature: Signature | None = None
+
+    def __init__(self, result: CaseResult) -> None:
+        super().__init__(f"{Signature.of(result).label()}: {result.case.summary()}")
+        self.result = result
+
+
+_TYPES: dict[Signature, type[CaseFailed]] = {}
+
+
+def failure_type(sig: Signature) -> type[CaseFailed]:
+    """The exception class of a signature (the same class every time it is asked for)."""
+    if sig not in _TYPES:
+        name = "CaseFailed_" + re.sub(r"\W", "_", sig.slug())
+        _TYPES[sig] = type(name, (CaseFailed,), {"signature": sig, "__module__": __name__})
+    return _TYPES[sig]
+
+
+def raise_failure(r: CaseResult) -> None:
+    """Raise the failing result as its signature's exception (one raise site: hypothesis tells the
+    failures apart by type)."""
+    raise failure_type(Signature.of(r))(r)

@@ -13,6 +13,7 @@ import torch
 
 from harness.judging import oracle
 from ring_impl.masks import MaskSpec
+from tests.helpers.masks import brute
 
 N = 20
 MASKS = [
@@ -26,25 +27,13 @@ MASKS = [
 HEADS = [(4, 4), (4, 2), (6, 1)]
 
 
-def may_see(spec: MaskSpec, i: int, j: int) -> bool:
-    """Query position i may attend key position j (README: 'Case files' / mask kinds)."""
-    if spec.kind == "none":
-        return True
-    if spec.kind == "causal":
-        return j <= i
-    if spec.kind == "window":
-        return i - spec.window <= j <= i
-    doc = lambda p: max(d for d, s in enumerate(spec.doc_starts) if s <= p)  # noqa: E731
-    return doc(i) == doc(j) and (j <= i or not spec.causal)
-
-
 def independent(q, k, v, dout, spec: MaskSpec, scale: float):
     """float64 attention, brute-force mask, GQA by explicit head mapping h -> h // (Hq / Hkv)."""
     q, k, v = (t.double().detach().requires_grad_(True) for t in (q, k, v))
     hq, hkv = q.shape[2], k.shape[2]
     kv_of = [h // (hq // hkv) for h in range(hq)]
     ke, ve = k[:, :, kv_of], v[:, :, kv_of]
-    mask = torch.tensor([[may_see(spec, i, j) for j in range(N)] for i in range(N)])
+    mask = torch.tensor([[brute(spec, i, j) for j in range(N)] for i in range(N)])
     s = torch.einsum("bqhd,bkhd->bhqk", q, ke) * scale
     s = s.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(s, dim=-1)

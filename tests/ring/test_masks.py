@@ -6,23 +6,9 @@ import pytest
 import torch
 
 from ring_impl.masks import MaskSpec, allowed, block_is_empty, doc_ids, full_mask, visible_keys
+from tests.helpers.masks import brute
 
 STARTS = (0, 4, 9, 15)
-
-
-def brute(spec: MaskSpec, i: int, j: int) -> bool:
-    """Query at global position i may attend key at global position j."""
-    if spec.kind == "none":
-        return True
-    if spec.kind == "causal":
-        return j <= i
-    if spec.kind == "window":
-        return i - spec.window <= j <= i
-
-    def doc(p: int) -> int:
-        return max(n for n, s in enumerate(spec.doc_starts) if s <= p)
-
-    return doc(i) == doc(j) and (j <= i or not spec.causal)
 
 
 SPECS = [

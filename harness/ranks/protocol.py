@@ -119,6 +119,7 @@ class ResultMessage(_ResultRequired, total=False):
     deterministic: bool  # the implementation's own claim (bit-identical reruns)
     error: str  # error / diverged: one line naming the exception and where it came from
     error_time: float  # error / diverged: time.time() when it was raised (orders root cause and consequences)
+    kernel: str  # the flash-attn kernel a flash-attn library ran on ("cpu-standin" or "flash-attn X.Y")
     traceback: str  # error: the tail of the traceback
     comm: list[list]  # op log, one [kind, peer, bytes, phase, state] per call (not for idle)
     faults: FaultReport  # not for idle

@@ -61,6 +61,10 @@ class TorchrunPool:
 
         self.backend = choose_backend(backend)
         self.device = device_for(self.backend)
+        if self.backend == "gloo":  # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn exists
+            from harness.kernels import flash_standin
+
+            flash_standin.install()
         if not dist.is_initialized():
             dist.init_process_group(self.backend, init_method="env://", timeout=datetime.timedelta(seconds=300))
         self.rank = dist.get_rank()

@@ -232,8 +232,10 @@ def _close_peers(case: case_mod.Case, rank: int, groups: Groups) -> None:
     if case.world_size < 2 or not (case.group_offset <= rank < case.group_offset + case.world_size):
         return
     try:
-        group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
-        if dist.get_backend(group) != "gloo":
+        # only a group this case already made: creating one here (new_group is collective over the whole
+        # pool) when the error came before it would desynchronise the ranks' group creation
+        group = groups.cache.get((case.group_offset, case.world_size, round(pg_timeout(case), 3)))
+        if group is None or dist.get_backend(group) != "gloo":
             return
         box = torch.empty(1)
         for peer in range(case.group_offset, case.group_offset + case.world_size):

@@ -18,8 +18,8 @@ from harness.impls import registry
 from harness.impls.adapters._common import Variant
 from harness.impls.registry import ImplError, MissingDependency
 
-GPU_ONLY = [
-    n for n in registry.builtin_names() if n.startswith(("ring-flash-attn", "te-cp", "yunchang", "torch-cp"))
+GPU_ONLY = [  # ring-flash-attn and yunchang run on CPU ranks through the flash-attn stand-in
+    n for n in registry.builtin_names() if n.startswith(("te-cp", "torch-cp"))
 ]
 
 

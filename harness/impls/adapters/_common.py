@@ -183,18 +183,3 @@ def kernel_label(impl: Impl) -> str | None:
         return None
     return flash_standin.kernel_label()
 
-
-def missing_except(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor,
-                   passed_through: frozenset[str]) -> list[str]:
-    """`unsupported_reasons` without the features whose key starts with one of `passed_through`: those the
-    adapter hands to the library undeclared, so that a probe of the feature tests the library itself."""
-    missing = missing_features(
-        caps, layout=ctx.layout, mask_kind=ctx.mask.kind, dtype=dtype_name(q.dtype), world_size=ctx.world_size,
-        heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths, head_dim=q.shape[-1],
-        subgroup=is_subgroup(ctx), backend=backend_of(ctx),
-    )
-    return [
-        feature_words(f, caps, heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths,
-                      global_ranks=ctx.global_ranks)
-        for f in missing if not f.startswith(tuple(passed_through))
-    ]

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Third-party rings on CPU ranks: installs the pinned ring-flash-attn and yunchang (--no-deps: their
+# flash-attn dependency cannot build here; the ranks use ring-harness's flash-attn CPU stand-in) and runs
+# a short `ring-harness check` of each of their 7 adapters, printing each exit status.
+#
+# Exit 1 of a check (failing cases: the libraries' known bugs, see README "Third-party rings") does not
+# fail CI. Anything else does: exit 2 (bad usage or input), a crash (any other status, a signal, or exit 1
+# without the check's own last line, i.e. an uncaught exception), a hang (a case whose verdict is hang, or
+# the check passing its time limit), or an adapter that is not runnable here. Failing cases are saved to a
+# temporary directory, removed at the end. Run from the repository root.
+set -uo pipefail
+
+python -m pip install -q --no-deps -r ci/requirements-thirdparty.txt || { echo "thirdparty: pip install failed"; exit 1; }
+
+IMPLS=(ring-flash-attn ring-flash-attn-zigzag ring-flash-attn-stripe ring-flash-attn-llama3
+       yunchang-ring yunchang-ulysses yunchang-usp)
+# exit 1 expected (a known library bug or a refusal no capability can express), for the log only
+declare -A KNOWN=(
+  [ring-flash-attn-zigzag]="odd per-rank length (cases/ring-flash-attn-zigzag-odd-local-length*.yaml)"
+  [yunchang-ring]="odd per-rank length in zigzag (cases/yunchang-ring-zigzag-odd-local-length.yaml)"
+  [yunchang-ulysses]="heads not divisible by W are refused (no capability expresses it)"
+  [yunchang-usp]="heads without a Ulysses degree, W = 5 or 7, are refused (no capability expresses it)"
+)
+LIMIT_S="${THIRDPARTY_CHECK_TIMEOUT:-600}"
+save="$(mktemp -d "${TMPDIR:-/tmp}/ring-harness-thirdparty.XXXXXX")"
+trap 'rm -rf "$save"' EXIT
+
+impls_out="$(python -m harness impls)" || { echo "thirdparty: ring-harness impls failed"; exit 1; }
+bad=0
+for impl in "${IMPLS[@]}"; do
+  row="$(grep -E "^$impl +" <<<"$impls_out" || true)"
+  if ! grep -q " ready " <<<"$row" || ! grep -q "kernel: cpu-standin" <<<"$row"; then
+    echo "thirdparty: $impl is not runnable here with the CPU stand-in: ${row:-not listed}"
+    bad=1
+    continue
+  fi
+  start=$(date +%s)
+  timeout -k 10 "$LIMIT_S" python -m harness check --impl "$impl" --max-examples 20 --fault-stage none \
+    --no-repeat --save-dir "$save/$impl" >"$save/$impl.log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  last="$(tail -n 1 "$save/$impl.log")"
+  echo "$last"
+  if [ "$rc" -eq 1 ] && ! grep -q "^check FAILED (exit 1)" <<<"$last"; then
+    rc=3  # exit 1 without the check's verdict line: an uncaught exception
+  elif [ "$rc" -eq 1 ] && grep -qE "^ *[0-9]+/[0-9]+ .* hang |\(hang: " "$save/$impl.log"; then
+    rc=4  # a case that hung: never a known bug
+  fi
+  case "$rc" in
+    0) echo "thirdparty: $impl exit 0 (${secs} s)" ;;
+    1) echo "thirdparty: $impl exit 1 (${secs} s): failing cases${KNOWN[$impl]:+; known: ${KNOWN[$impl]}}"
+       grep -E "^ +(first failure|shrunk to)" "$save/$impl.log" | head -n 4 ;;
+    4) echo "thirdparty: $impl exit 1 (${secs} s) with a HANG verdict:"
+       grep -E " hang |\(hang: |first failure|shrunk to" "$save/$impl.log" | head -n 6; bad=1 ;;
+    124|137) echo "thirdparty: $impl TIMED OUT after ${LIMIT_S} s (a hang); last lines:"; tail -n 20 "$save/$impl.log"; bad=1 ;;
+    *) echo "thirdparty: $impl exit $rc (${secs} s): usage error or crash; last lines:"; tail -n 30 "$save/$impl.log"; bad=1 ;;
+  esac
+done
+[ "$bad" -eq 0 ] && echo "thirdparty: done (exit 1 of a check is a finding, not a CI failure)"
+exit "$bad"

@@ -6,19 +6,22 @@ the dk/dv that travel) to the input dtype once per ring step does.
 Statistic, per tensor t (out, dq, dk, dv) and ring size W:
 
     e_t(W) = RMS over every element of every rank of (impl - ref64)
-    g_t(W) = e_t(W) / (e_t(W0) + (W - W0) * eps32 * T_t)          W0 = the smallest ring run (1)
+    g_t(W) = e_t(W) / (max(e_t(1), e_t(2)) + (W - 2) * u32 * T_t)          for W = 4, 8
 
-and the case fails when some g_t(W) > GROWTH_LIMIT. Why this is sound for correct rings: a correct ring
-makes the same input-dtype roundings whatever W (every probability, dS, partial result and output is
-rounded at most a fixed number of times; the tolerance rule's flash-family count), so E[e_t(W)^2] does
-not depend on W; its float32 merges add at most (W - W0) float32 units at the scale T_t of the summed
-terms (the rule's float32 term, here per element, so also a bound on the RMS). The denominator cannot
-collapse: every output in the input dtype errs at least by its own rounding, so e_t(W0) >= the RMS of
-round(ref64) - ref64 > 0. The limit covers the sampling noise of an RMS over the N >= 4,096 elements of
-each tensor here (relative spread ~ 1/sqrt(N): a few per cent) and the change of rounding pattern with
-the blocking: correct rings measured at most x1.12 (docs/tolerance.md). A per-step rounding adds one
-unit at the running result's scale per step: e(W)^2 ~ e(1)^2 (1 + c (W - 1)); measured x1.6 to x40 at
-W = 8 for the per-step mutants (ring_impl/mutants/precision.py).
+and the case fails when some g_t(W) > GROWTH_LIMIT (1.4). Why this is sound for correct rings: a correct
+ring makes the same input-dtype roundings whatever W >= 2 (every probability, dS, block partial result
+and output is rounded at most a fixed number of times: the tolerance rule's flash-family count), so
+E[e_t(W)^2] does not depend on W; its float32 merges add at most one float32 rounding per step at the
+scale T_t of the summed terms (the rule's float32 term; a per-element bound, so also one on the RMS).
+The baseline is the larger of W = 1 and W = 2: at W = 1 a ring has one block and no partial result to
+round, so a correct ring may err more at W = 2 than at W = 1 (torch's ring: x1.29, one more rounding of
+the block output), never more at W = 8 than at W = 2. The denominator cannot collapse: every output in
+the input dtype errs at least by its own rounding, so e_t >= RMS(round(ref64) - ref64) > 0, a mean over
+N >= 4,096 elements per tensor here whose sampling spread is a few per cent. Measured (docs/tolerance.md):
+correct rings (reference, flash-ring, torch-ring) at most x1.12; the per-step-rounding mutants
+(ring_impl/mutants/precision.py, low-precision-accumulator) x1.61 to x2.18 at W = 8 (x1.2 to x1.55 at
+W = 4). A per-step rounding adds one input-dtype unit at the running result's scale per step:
+e(W)^2 ~ e(2)^2 (1 + c (W - 2)), c > 0.
 
 Only fp16/bf16 cases: rounding to the input dtype is exact for fp32 inputs. A run that does not complete
 (or returns non-finite values) gives no figure; the battery reports such runs.
@@ -41,7 +44,7 @@ from harness.runner import run_case
 from ring_impl.layouts import all_positions
 from ring_impl.masks import MaskSpec
 
-GROWTH_LIMIT = 1.4
+GROWTH_LIMIT = 1.4  # between correct rings' x1.12 and the per-step mutants' >= x1.61 at W = 8
 WORLD_SIZES = (1, 2, 4, 8)
 TENSORS = ("out", "dq", "dk", "dv")
 TOTAL_LEN = 64  # divisible by 2W for every W here: even shards in every layout
@@ -70,6 +73,14 @@ class GrowthCase:
     def passed(self) -> bool:
         w = self.worst
         return w is None or w[2] <= GROWTH_LIMIT
+
+    @property
+    def detail(self) -> str:
+        """One line: 'out error x2.09 at W8 over W1/W2 (limit x1.4): bf16 contiguous none h2 d32 L64'."""
+        w = self.worst
+        if w is None:
+            return f"{self.note or 'no figure'}: {self.label}"
+        return f"{w[1]} error x{w[2]:.2f} at W{w[0]} over W1/W2 (limit x{GROWTH_LIMIT:g}): {self.label}"
 
 
 @dataclass

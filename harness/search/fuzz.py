@@ -242,7 +242,7 @@ def fuzz(
                 out.found, out.first_failure_example, out.first_failure_s = r, out.examples, out.seconds
                 out.found_path, out.shrunk_path = bug.found_path, bug.shrunk_path
                 shrink_end[0] = time.monotonic() + shrink_budget
-        elif bug.shrunk is None or case_size(c) <= case_size(bug.shrunk.case):
+        elif case_size(c) <= case_size((bug.shrunk or bug.found).case):  # no larger than the best so far
             bug.shrunk = r
             save_failure(r, bug.shrunk_path, failure_note(r, "shrinking (best so far)", [f"signature: {sig.label()}"]),
                          impl_version=impl_version, backend=backend)

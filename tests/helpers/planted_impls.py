@@ -4,8 +4,8 @@
 to query q). At W = 2 the only block past the diagonal arrives at step 1, so the bug needs W >= 3
 to show; the smallest failing case is W = 3 with one token per rank.
 
-`two_bugs`: the late diagonal plus an unrelated dq bug at head_dim 1, for shrinking that keeps each
-failure's signature.
+`two_bugs`: two unrelated bugs with different signatures (a causality leak alone on masked cases; dq
+alone at head_dim 1), for shrinking that keeps each failure's signature.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from harness.context import Impl
+from ring_impl.kernel import block_backward
 from ring_impl.masks import allowed, block_is_empty
 from ring_impl.ring import REFERENCE_PARTS, make_ring_attention, position_mask, skip_empty_block
 
@@ -42,12 +43,20 @@ def _run(q, k, v, ctx):
 late_diagonal = Impl("planted-late-diagonal", _run)
 
 
+
 def _dq_off_when_head_dim_is_one(grad, dtype):
-    """A second, unrelated bug: dq 1.5x too large when head_dim is 1 (any W, mask, layout)."""
+    """Bug B: dq 1.5x too large when head_dim is 1 (any W, mask, layout): fails dq alone."""
     return (grad * 1.5 if grad.shape[-1] == 1 else grad).to(dtype)
 
 
-_two = make_ring_attention(replace(REFERENCE_PARTS, block_mask=_late_mask, skip_block=_late_skip,
+def _masked_blocks_leak(dout, q, k, v, out, lse, scale, mask=None, **kw):
+    """Bug A: every key of a masked block gets dk += 1e-30, hidden or not: far inside the tolerance, but
+    the exact leak check sees it (a causality leak and nothing else)."""
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale, mask, **kw)
+    return dq, (dk + 1e-30 if mask is not None else dk), dv
+
+
+_two = make_ring_attention(replace(REFERENCE_PARTS, block_backward=_masked_blocks_leak,
                                    cast_dq=_dq_off_when_head_dim_is_one))
 
 
@@ -56,6 +65,6 @@ def _run_two(q, k, v, ctx):
                 softmax_scale=ctx.softmax_scale, return_lse=True)
 
 
-# two failures with different signatures: the late diagonal (W >= 3, causal: a leak and wrong results) and
-# dq alone (head_dim 1); a case with both fails with the union, a third signature
+# two failures with different signatures: a leak alone (masked cases) and dq alone (head_dim 1); a masked
+# case with head_dim 1 fails both ways, a third signature
 two_bugs = Impl("planted-two-bugs", _run_two)

@@ -83,12 +83,15 @@ def test_nan_is_a_failure():
 def test_bound_scales_with_base_error():
     e32, e16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
     close = pytest.approx
-    assert tolerance.bound("out", "fp32", 0.0, 1.0) == close(2 * e32)
-    assert tolerance.bound("out", "fp32", 0.0, 2.0, world_size=4) == close(2.0 * 5 * e32)
-    assert tolerance.bound("dq", "bf16", 0.01, 1.0) == close(3 * 0.01 + e16 + e32)
-    assert tolerance.bound("dq", "bf16", 0.01, 1.0, {"dq": 5}) == close(5 * 0.01 + e16 + e32)
-    # a result that is exactly 0 still allows float32 rounding at the scale of its terms
-    assert tolerance.bound("dq", "fp32", 0.0, 0.0, world_size=1, lse_absmax=1.0, term_scale=0.5) == close(e32)
+    # out: 3 unit roundoffs (u = eps/2) of the dtype plus W float32 units, at max(terms, |ref|)
+    assert tolerance.bound("out", "fp32", 0.0, 1.0) == close(1.5 * e32 + e32)
+    assert tolerance.bound("out", "fp32", 0.0, 2.0, world_size=4) == close(2.0 * (1.5 + 4) * e32)
+    # dq: 3 u at its terms' scale + 4 u where D's error enters (one number here: both scales)
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0) == close(3 * 0.01 + 3.5 * e16 + e32)
+    assert tolerance.bound("dq", "bf16", 0.01, 1.0, {"dq": 5}) == close(5 * 0.01 + 3.5 * e16 + e32)
+    # a result that is exactly 0 still allows roundings at the scale of its terms
+    assert tolerance.bound("dq", "fp32", 0.0, 0.0, world_size=1, lse_absmax=1.0, term_scale=0.5) == close(
+        0.5 * (3.5 + 2) * e32)
 
 
 def test_leak_check_is_exact():

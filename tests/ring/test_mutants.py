@@ -75,10 +75,38 @@ def test_each_mutant_has_its_regression_case_in_the_corpus(name):
     from pathlib import Path
 
     from harness import case as case_mod
+    from ring_impl.mutants.precision import GROWTH_ONLY
 
+    if name in GROWTH_ONLY:  # no single case shows it: the growth check is its witness (and must fail it)
+        from tests.checks.test_growth import test_correct_rings_pass_and_per_step_rounding_fails as t
+
+        cases = {tuple(p) for m in t.pytestmark if m.name == "parametrize" for p in m.args[1]}
+        assert (f"mutant:{name}", False) in cases, f"{name}: not in the growth check's test"
+        return
     path = Path(__file__).resolve().parents[2] / "cases" / f"mutant-{name}.yaml"
     assert path.exists(), f"no regression case for {name}: run `ring-harness selftest --only {name} --corpus cases`"
     case, data = case_mod.load(path)
     assert case.impl == f"mutant:{name}" and data["result"]["verdict"] != "pass"
     comment = path.read_text().split("\nformat:")[0]
     assert comment.startswith(f"# {name}: regression case") and "reference it must pass" in comment.replace("\n# ", " ")
+
+
+@pytest.mark.parametrize("name", ["out-merge-in-input-dtype", "dq-accumulate-in-input-dtype",
+                                  "dkv-travel-in-input-dtype"])
+def test_per_step_rounding_mutants_are_the_reference_on_one_rank_and_for_fp32(name):
+    """No merge, no accumulation over steps and no hop at W = 1 (the growth check's baseline), and rounding
+    to fp32 is exact: they differ from the reference only in low precision on a ring."""
+    import torch
+
+    from ring_impl import ring_attention
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v, do = (torch.randn(1, 9, 2, 8, generator=g).to(dtype) for _ in range(4))
+        outs = []
+        for fn in (ring_attention, MUTANTS[name]):
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            out, lse = fn(qq, kk, vv, return_lse=True)
+            out.backward(do)
+            outs.append([out, lse, qq.grad, kk.grad, vv.grad])
+        assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))

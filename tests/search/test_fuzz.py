@@ -4,6 +4,7 @@ reproducible under the ci profile; and, on real ranks, finds and shrinks a W >= 
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,8 +135,15 @@ def test_default_check_finds_shrinks_saves_and_replays(tmp_path):
     chk = subprocess.run([*cmd, "check", "--impl", PLANTED, "--save-dir", str(tmp_path), "--plot", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert chk.returncode == 1, chk.stdout[-3000:] + chk.stderr[-3000:]
-    shrunk = list(tmp_path.glob("*-shrunk.yaml"))
-    assert len(shrunk) == 1, chk.stdout[-3000:]
+    # the late diagonal fails different sets of tensors on different cases: each set is its own failure,
+    # with its own found and shrunk file (shrinking never swaps one for another); the first is reported
+    files = sorted(tmp_path.glob("*-shrunk.yaml"))
+    sigs = [case_mod.load(f)[1]["result"]["signature"] for f in files]
+    assert files and len(set(sigs)) == len(files), sigs
+    assert all(f.with_name(f.name.replace("-shrunk", "-found")).exists() for f in files)
+    first = re.search(r"shrunk to: .*?saved (\S+-shrunk\.yaml)", chk.stdout, re.S)
+    assert first, chk.stdout[-3000:]
+    shrunk = [Path(first.group(1))]
     c = case_mod.load(shrunk[0])[0]
     assert c.world_size == 3 and c.total_len == 3
     assert len(list(tmp_path.glob("*-shrunk-out.png"))) == 1
@@ -146,3 +154,75 @@ def test_default_check_finds_shrinks_saves_and_replays(tmp_path):
     ref = subprocess.run([*cmd, "replay", str(shrunk[0]), "--impl", "reference"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert ref.returncode == 0, ref.stdout
+
+
+def _two_bug_result(c) -> CaseResult:
+    """Bug A: causal with W >= 3 fails `out`; bug B: head_dim 1 fails `dq`; a case with both fails both."""
+    bad = ({"out"} if c.world_size >= 3 and c.mask.is_causal else set()) | ({"dq"} if c.head_dim == 1 else set())
+    checks = [TensorCheck(t, 0, 5.0 if t in bad else 0.5, 1.0, 0, {"batch": 0, "token": 0, "head": 0}, t not in bad)
+              for t in ("out", "dq")]
+    return CaseResult(case=c, impl="fake", verdict="silent-corruption" if bad else "pass", checks=checks)
+
+
+def test_each_signature_is_found_saved_and_shrunk_on_its_own(tmp_path):
+    """Shrinking never slips from one failure to another: bug A stays a W >= 3 causal `out` failure (its
+    head_dim cannot reach 1, where it would fail dq too), bug B is found and shrunk separately."""
+    out = fuzz.fuzz("fake", run=_two_bug_result, save_dir=tmp_path, max_examples=300)
+    by_sig = {b.signature.what: b for b in out.bugs}
+    assert {("out",), ("dq",)} <= set(by_sig), [b.signature.label() for b in out.bugs]
+    a, b = by_sig[("out",)], by_sig[("dq",)]
+    assert (a.shrunk.case.world_size, a.shrunk.case.mask.kind, a.shrunk.case.total_len) == (3, "causal", 3)
+    assert a.shrunk.case.head_dim == 2 and {c.tensor for c in a.shrunk.failed_checks()} == {"out"}
+    assert (b.shrunk.case.world_size, b.shrunk.case.head_dim) == (1, 1)
+    assert {c.tensor for c in b.shrunk.failed_checks()} == {"dq"}
+    for bug in out.bugs:  # each failure its own found and shrunk file, with its signature
+        assert bug.found_path.exists() and bug.shrunk_path.exists()
+        data = case_mod.load(bug.shrunk_path)[1]
+        assert case_mod.load(bug.shrunk_path)[0] == bug.shrunk.case
+        assert data["result"]["signature"] == bug.signature.label()
+    assert len(list(tmp_path.glob("*-found.yaml"))) == len(out.bugs) >= 2
+    first = out.bugs[0]  # the outcome's found/shrunk are the first failure's
+    assert (out.found, out.shrunk, out.shrunk_path) == (first.found, first.shrunk, first.shrunk_path)
+
+
+PLANTED_TWO = "tests.helpers.planted_impls:two_bugs"
+
+
+def test_a_planted_two_failure_ring_shrinks_to_both_failures(tmp_path):
+    """On real ranks: a causality leak alone (masked cases) and dq alone (head_dim 1) shrink to two minimal
+    cases, each with its own signature; both pass on the reference and on the second implementation."""
+    from harness.ranks.pool import RankPool
+
+    with RankPool(4) as pool:
+        out = fuzz.fuzz(PLANTED_TWO, pool, allow_import=True, save_dir=tmp_path, max_examples=100, time_budget_s=60)
+    by_sig = {b.signature.what: b for b in out.bugs}
+    assert {("leak",), ("dq",)} <= set(by_sig), [b.signature.label() for b in out.bugs]
+    leak, dq = by_sig[("leak",)].shrunk, by_sig[("dq",)].shrunk
+    assert leak.case.mask.kind != "none" and leak.leak is not None and not leak.leak.passed
+    assert not leak.failed_checks()  # the leak alone: every tensor within its tolerance
+    assert leak.case.world_size == 1 and leak.case.total_len == 2, leak.case.summary()
+    assert [c.tensor for c in dq.failed_checks()] == ["dq"] and dq.case.head_dim == 1
+    assert (dq.case.world_size, dq.case.mask.kind) == (1, "none"), dq.case.summary()
+    for bug in (by_sig[("leak",)], by_sig[("dq",)]):
+        assert (bug.reference_verdict, bug.second_verdict, bug.disagreement) == ("pass", "pass", False)
+        data = case_mod.load(bug.shrunk_path)[1]["result"]
+        assert data["signature"] == bug.signature.label() and data["second_verdict"] == "pass"
+
+
+def test_a_shrunk_failure_that_the_second_implementation_shares_is_a_harness_disagreement(tmp_path, monkeypatch):
+    """A failure the independent flash-style ring has too points at the harness, not at the implementation."""
+    from hypothesis import strategies as st
+
+    from harness.judging import tolerance
+    from harness.ranks.pool import RankPool
+
+    real = tolerance.bound
+    monkeypatch.setattr(tolerance, "bound", lambda t, *a, **k: 1e-30 if t == "dv" else real(t, *a, **k))
+    c = case_mod.make_case(world_size=2, total_len=6, heads_q=1, heads_kv=1, head_dim=4, seed=3)
+    with RankPool(2) as pool:
+        out = fuzz.fuzz("reference", pool, save_dir=tmp_path, strategy=st.just(c), max_examples=5)
+    assert out.found is not None and out.bugs[0].signature.what == ("dv",)
+    assert out.reference_verdict is None and out.second_verdict == "silent-corruption"
+    assert out.disagreement
+    data = case_mod.load(out.shrunk_path)[1]["result"]
+    assert data["harness_disagreement"] is True and "HARNESS DISAGREEMENT" in out.shrunk_path.read_text()

@@ -1,0 +1,91 @@
+"""The growth check: the same global case at W = 1, 2, 4, 8; a correct ring's error does not grow with W,
+one that rounds a running result to the input dtype once per ring step does (and fails the check)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from harness.case import make_case
+from harness.checks import growth
+from harness.checks.options import CheckOptions
+from harness.context import Capabilities
+from harness.judging import oracle
+
+
+def test_plan_follows_the_declared_capabilities():
+    worlds, plans = growth.plan(Capabilities(), pool_size=8)
+    assert worlds == (1, 2, 4, 8) and len(plans) == 4  # bf16, fp16 x none, causal
+    for cases in plans:
+        c = cases[1]
+        assert {w: cases[w].total_len for w in worlds} == dict.fromkeys(worlds, c.total_len)
+        assert len({(x.seed, x.mask, x.dtype, x.head_dim, x.heads_q) for x in cases.values()}) == 1
+        assert all(len(set(x.seq_lens)) == 1 for x in cases.values())  # even shards at every W
+        assert c.dtype in ("bf16", "fp16")
+    narrow = Capabilities(dtypes=frozenset({"fp32"}))
+    assert growth.plan(narrow, 8)[1] == []  # rounding to fp32 is exact: nothing to measure
+    assert growth.plan(Capabilities(world_sizes=(2, 8)), 4)[0] == (2, 4)
+    assert growth.plan(Capabilities(), 8, dtype="bf16")[1][0][1].dtype == "bf16"
+    assert growth.plan(Capabilities(head_dims=(8, 64)), 8)[1][0][1].head_dim in (8, 64)
+
+
+def test_baseline_is_the_larger_error_of_the_one_and_two_rank_rings():
+    assert growth.baseline_sizes((1, 2, 4, 8)) == (1, 2)
+    assert growth.baseline_sizes((2, 4)) == (2,)
+    assert growth.baseline_sizes((1, 2)) == (1,)
+
+
+def _gc(rms: dict[int, dict[str, float]]) -> growth.GrowthCase:
+    cases = {w: make_case(world_size=w, total_len=16, dtype="bf16", head_dim=8, seed=1) for w in rms}
+    gc = growth.GrowthCase(label="t", cases=cases, rms=rms)
+    growth._figures(gc)
+    return gc
+
+
+def test_growth_figure_and_limit():
+    flat = _gc({1: {"dq": 1e-3}, 2: {"dq": 1.2e-3}, 4: {"dq": 1.2e-3}, 8: {"dq": 1.25e-3}})
+    assert flat.passed and flat.growth[8]["dq"] == pytest.approx(1.25 / 1.2, rel=1e-2)  # baseline max(W1, W2)
+    grows = _gc({1: {"dq": 1e-3}, 2: {"dq": 1e-3}, 4: {"dq": 1.5e-3}, 8: {"dq": 2e-3}})
+    assert not grows.passed and grows.worst[:2] == (8, "dq") and grows.worst[2] == pytest.approx(2.0, rel=1e-2)
+    # the float32 merge allowance: (W - 2) float32 roundings at the scale of the summed terms
+    t = max(oracle.references(grows.cases[2])[0].term_scale["dq"].values())
+    tiny = _gc({1: {"dq": 1e-9}, 2: {"dq": 1e-9}, 8: {"dq": 1e-9 + 6 * 2.0**-24 * t}})
+    assert tiny.passed and tiny.growth[8]["dq"] == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from harness.ranks.pool import RankPool
+
+    with RankPool(8) as p:
+        yield p
+
+
+BF16_NONE = dataclasses.replace(Capabilities(), masks=frozenset({"none"}), dtypes=frozenset({"bf16"}))
+
+
+@pytest.mark.parametrize("impl, passes", [("reference", True), ("flash-ring", True),
+                                          ("mutant:dkv-travel-in-input-dtype", False),
+                                          ("mutant:dq-accumulate-in-input-dtype", False),
+                                          ("mutant:out-merge-in-input-dtype", False)])
+def test_correct_rings_pass_and_per_step_rounding_fails(pool, impl, passes):
+    lines: list[str] = []
+    res = growth.growth_check(pool, CheckOptions(impl=impl), BF16_NONE, lines.append)
+    assert res.world_sizes == (1, 2, 4, 8) and len(res.cases) == 1
+    gc = res.cases[0]
+    assert set(gc.rms) == {1, 2, 4, 8} and all(r.verdict == "pass" for r in gc.results.values())
+    assert res.passed is passes, lines
+    w, t, g = gc.worst
+    if passes:
+        assert g < 1.15
+    else:
+        assert w == 8 and g > 1.6, lines
+    assert lines[-1].startswith(f"growth check: {'pass' if passes else 'FAIL'}")
+    assert res.to_dict()["cases"][0]["growth"][str(w)][t] == g
+
+
+def test_skipped_for_fp32_only(pool):
+    lines: list[str] = []
+    res = growth.growth_check(pool, CheckOptions(impl="reference", dtype="fp32"), Capabilities(), lines.append)
+    assert res.passed and res.skipped and not res.cases and "skipped" in lines[0]

@@ -34,8 +34,10 @@ echo "slow tier: exit $rc after $(( $(date +%s) - start )) s"
 [ "$rc" -eq 0 ] || exit "$rc"
 
 if [ -f ci/thirdparty-check.sh ]; then
+  # reported, not gating: a library or the stand-in may move under us; the adapters' own tests (in the
+  # suite above, with the pinned libraries installed) gate
   echo "== third-party rings on CPU ranks"
-  bash ci/thirdparty-check.sh
+  bash ci/thirdparty-check.sh || echo "THIRD-PARTY CHECK FAILED (exit $?): see the lines above (not gating CI)"
 fi
 
 echo "== benchmark figures (quick sizes; printed, not asserted)"

@@ -63,9 +63,9 @@ def test_bad_expect_is_one_error_line(tmp_path):
 
 def test_module_path_and_missing_extra_cases_are_skipped_with_one_line(pytester):
     pytester.makefile(".yaml", modpath=case_mod.dumps(make_case(world_size=1, total_len=2, impl="pkg.mod:ring")))
-    pytester.makefile(".yaml", extra=case_mod.dumps(make_case(world_size=2, total_len=4, impl="yunchang-usp")))
+    pytester.makefile(".yaml", extra=case_mod.dumps(make_case(world_size=2, total_len=4, impl="te-cp-p2p")))
     res = pytester.runpytest("-p", "no:randomly", "--ring-cases", str(pytester.path), "-rs", "-p", "no:cacheprovider")
     res.assert_outcomes(skipped=2)
     out = res.stdout.str()
     assert "a case file never imports code; run with --ring-impl pkg.mod:ring" in out
-    assert "yunchang" in out and "Traceback" not in out
+    assert "te-cp-p2p" in out and "Traceback" not in out

@@ -14,6 +14,12 @@ if [ -f ci/requirements-thirdparty.txt ]; then
   python -m pip install -q --no-deps -r ci/requirements-thirdparty.txt
 fi
 
+# hypothesis keeps a cache (.hypothesis/constants) in the working directory of every process that runs
+# it, `ring-harness check`'s property stage included: point all of CI at a scratch dir, removed at the end
+HYPOTHESIS_STORAGE_DIRECTORY="$(mktemp -d)"
+export HYPOTHESIS_STORAGE_DIRECTORY
+trap 'rm -rf "$HYPOTHESIS_STORAGE_DIRECTORY"' EXIT
+
 echo "== lint"
 ruff check .
 echo "== architecture contracts (import-linter, pyproject.toml)"

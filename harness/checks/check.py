@@ -1,7 +1,8 @@
 """The default `check` pipeline as one function, shared by `ring-harness check` and `ring-harness selftest`.
 
 Stages, in order: the fixed battery (then probes of undeclared features and the capability matrix),
-the buffer-discipline fault stage, and the property-based run. `stop_at_first_failure` ends the
+the buffer-discipline fault stage, the growth check (harness.checks.growth: the same global case at
+W = 1, 2, 4, 8, whose error must not grow with W), and the property-based run. `stop_at_first_failure` ends the
 check at the first failing case that `accept` takes (selftest accepts only failures that reproduce
 bit for bit); a failure it refuses is recorded and the check goes on.
 """
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.case import Case, make_case
+from harness.checks import growth as growth_stage
 from harness.checks import property as prop_stage
 from harness.checks import report
 from harness.checks.capability_matrix import format_matrix, matrix
@@ -43,12 +45,13 @@ FAULT_STAGE_SHAPES = (
 class Failure:
     """One failing case of a check: its stage, how many cases had run and how long it took to find it."""
 
-    stage: str  # "battery", "faults" or "property"
+    stage: str  # "battery", "faults", "growth" or "property"
     cases: int  # cases run by the check up to and including this one
     seconds: float  # since the check started
     result: CaseResult
     accepted: bool = True
     shrunk: CaseResult | None = None  # the property-based run's minimal failure
+    growth: growth_stage.GrowthCase | None = None  # a growth-check failure: its figures (`result` is its worst W)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class CheckOutcome:
     results: list[CaseResult] = field(default_factory=list)  # the fixed battery
     probe_results: list[CaseResult] = field(default_factory=list)
     fault_results: list[CaseResult] = field(default_factory=list)
+    growth: growth_stage.GrowthOutcome | None = None
     prop: FuzzOutcome | None = None
     failures: list[Failure] = field(default_factory=list)
     cases: int = 0
@@ -77,6 +81,7 @@ class CheckOutcome:
         if self.follower:
             return True
         return (all(r.passed for r in self.results) and all(fault_ok(r) for r in self.fault_results)
+                and (self.growth is None or self.growth.passed)
                 and (self.prop is None or self.prop.passed) and not self.findings)
 
     def kill(self) -> Failure | None:
@@ -148,12 +153,13 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         """The check's own time: without the time `accept` spends re-running failures."""
         return time.perf_counter() - start - paused[0]
 
-    def failed(stage: str, r: CaseResult, minimal: CaseResult | None = None) -> bool:
+    def failed(stage: str, r: CaseResult, minimal: CaseResult | None = None,
+               grown: growth_stage.GrowthCase | None = None) -> bool:
         """Record a failure (`accept` judges the minimal one when there is one); True: stop here."""
         seconds, t0 = elapsed(), time.perf_counter()
         ok = accept is None or accept(minimal or r)
         paused[0] += time.perf_counter() - t0
-        res.failures.append(Failure(stage, res.cases, seconds, r, ok, minimal))
+        res.failures.append(Failure(stage, res.cases, seconds, r, ok, minimal, grown))
         if not ok:
             out("        not accepted as this check's failure (it did not reproduce); going on")
         if opts.maxfail is not None and len(res.failures) >= opts.maxfail:
@@ -215,6 +221,8 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         out(line)
     if _fault_stage(pool, opts, caps, res, out, failed, save):
         return finish(f"stopped at fault stage case {len(res.fault_results)} ({len(res.failures)} failing)")
+    if _growth_stage(pool, opts, caps, res, out, failed):
+        return finish(f"stopped at the growth check ({len(res.failures)} failing)")
     before, t_prop = res.cases, elapsed()
     res.prop = prop_stage.run_property(opts, pool, [r for r in res.results if not r.passed], reporter=out)
     res.cases += res.prop.examples
@@ -257,12 +265,37 @@ def _fault_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome
     return False
 
 
+def _growth_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome, out: Reporter,
+                  failed: Callable[..., bool]) -> bool:
+    """Run the growth check into `res`; True when the check should stop at one of its failures. A failing
+    global case is recorded with its worst ring size's run as the result (that run passes on its own:
+    the failure is the figure, kept in `Failure.growth`)."""
+    if not opts.growth:
+        return False
+    res.growth = g = growth_stage.growth_check(pool, opts, caps, out)
+    res.cases += sum(len(c.results) for c in g.cases)
+    for gc in g.failures:
+        w = gc.worst[0]
+        out(f"        -> {gc.detail}")
+        if failed("growth", gc.results[w], grown=gc):
+            return True
+    return False
+
+
+def growth_pool_size(opts: CheckOptions, caps: Capabilities) -> int:
+    """Ranks the growth check would like (its largest ring size the implementation declares); 0 when off."""
+    if not opts.growth:
+        return 0
+    return max((w for w in growth_stage.WORLD_SIZES if caps.world_sizes[0] <= w <= caps.world_sizes[1]), default=0)
+
+
 def outcome_json(res: CheckOutcome) -> dict:
     """Machine-readable results of a check (for --json)."""
     return {"impl": res.impl, "seconds": res.seconds, "passed": res.passed, "stopped": res.stopped,
             "results": [r.to_dict() for r in res.results],
             "probes": [r.to_dict() for r in res.probe_results],
             "faults": [r.to_dict() for r in res.fault_results],
+            "growth": None if res.growth is None else res.growth.to_dict(),
             "property": None if res.prop is None else prop_stage.outcome_json(res.prop)}
 
 
@@ -276,7 +309,8 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     out = reporter or report.out
     caps = registry.resolve(opts.impl, allow_import=opts.allow_import).capabilities
     cases, probes = battery_plan(opts, caps)
-    with open_pool(opts.launcher, opts.backend, battery_pool_size(cases + probes)) as pool:
+    size = max(battery_pool_size(cases + probes), growth_pool_size(opts, caps))
+    with open_pool(opts.launcher, opts.backend, size) as pool:
         if pool is None:  # a torchrun follower rank: rank 0 reports
             return CheckOutcome(impl=opts.impl, follower=True)
         if opts.world_size > pool.size:  # torchrun started fewer processes than the battery's main ring needs
@@ -303,8 +337,12 @@ def verdict_line(res: CheckOutcome) -> str:
     failures (one saved file each)."""
     if res.passed:
         n_prop = res.prop.examples if res.prop else 0
-        return (f"check PASSED (exit 0): {len(res.results)} battery, {len(res.fault_results)} fault-stage and "
-                f"{n_prop} property-based cases of {res.impl}")
+        g = res.growth
+        n_growth = sum(len(c.results) for c in g.cases) if g else 0
+        worst = max((c.worst for c in g.cases if c.worst), key=lambda x: x[2], default=None) if g else None
+        grew = f" (worst x{worst[2]:.2f}, {worst[1]} at W{worst[0]})" if worst else ""
+        return (f"check PASSED (exit 0): {len(res.results)} battery, {len(res.fault_results)} fault-stage, "
+                f"{n_growth} growth-check{grew} and {n_prop} property-based cases of {res.impl}")
     stages = []
     bad_battery = sum(not r.passed for r in res.results)
     bad_faults = sum(not fault_ok(r) for r in res.fault_results)
@@ -312,11 +350,15 @@ def verdict_line(res: CheckOutcome) -> str:
         stages.append(f"battery {bad_battery}/{len(res.results)} cases")
     if bad_faults:
         stages.append(f"fault stage {bad_faults}/{len(res.fault_results)} cases")
+    if res.growth is not None and not res.growth.passed:
+        gc = res.growth.failures[0]
+        stages.append(f"growth check {len(res.growth.failures)}/{len(res.growth.cases)} global cases ({gc.detail})")
     if res.prop is not None and not res.prop.passed:
         stages.append(f"property-based ({res.prop.found.verdict}: {res.prop.found.case.summary()})")
     if res.findings:
         stages.append(f"{len(res.findings)} undeclared-feature finding(s)")
-    distinct = len(res.distinct) + (1 if res.prop is not None and not res.prop.passed else 0)
+    distinct = (len(res.distinct) + (1 if res.prop is not None and not res.prop.passed else 0)
+                + (1 if res.growth is not None and not res.growth.passed else 0))
     why = f"; {res.stopped}" if res.stopped else ""
     return f"check FAILED (exit 1): {'; '.join(stages)}; {distinct} distinct failure(s){why}"
 

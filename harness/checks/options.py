@@ -85,6 +85,7 @@ class CheckOptions:
     fault_deadline: float = 8.0  # per-case deadline of the fault stage
     maxfail: int | None = None  # stop after this many failing cases, as pytest's --maxfail (-x: 1)
     repeat: bool = True  # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
+    growth: bool = True  # the growth check: the same global case at W = 1, 2, 4, 8; error must not grow with W
 
     @property
     def allow_import(self) -> bool:

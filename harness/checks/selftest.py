@@ -3,14 +3,16 @@ mutant of the reference ring (ring_impl.mutants, one real, publicly reported bug
 against the reference itself, and report a kill matrix.
 
 Each mutant gets exactly what a user gets: `check`'s own default options (fixed battery, fault
-stage, property-based run with the ci budget), through the same `run_check`, stopped at the first
+stage, growth check, property-based run with the ci budget), through the same `run_check`, stopped at the first
 failure. A failure counts as the kill only if it reproduces bit for bit on two re-runs and once
 under perturbed timing (a data race, e.g. reading a receive buffer before waiting on plain gloo,
 fails with different numbers from run to run; it is reported, and the check goes on to a
 deterministic failure); the time to kill does not count those re-runs. The kill is shrunk (by
 hypothesis for a property-based failure, by `harness.shrink` for a fixed case, each smaller
 candidate also reproducing bit for bit), confirmed once more, run on the reference (which must
-pass), and saved as `mutant-NAME.yaml`, a regression case for the `cases/` corpus. Its op log is
+pass), and saved as `mutant-NAME.yaml`, a regression case for the `cases/` corpus. A growth-check kill
+(an error that grows with the ring size: no single case fails) has no case to shrink; its witness is
+the growth figure, and its worst ring size's run must reproduce bit for bit. Its op log is
 compared with the reference's on the same case ("comm count": a ring of W ranks makes W - 1 K/V
 hops in forward).
 
@@ -174,7 +176,12 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
         f = kill or res.failures[0]
         run.stage, run.cases, run.seconds = f.stage, f.cases, f.seconds
         run.verdict, run.killed_by = f.result.verdict, killed_by(f.result)
-        if kill is not None and name != REFERENCE:
+        if f.growth is not None:  # no single case fails: the figure is the witness, re-run bit for bit
+            run.verdict, run.killed_by = "growth", [f"error grows with W: {f.growth.detail}"]
+            if kill is not None and name != REFERENCE:
+                run.note = ("growth-check kill: no single case fails, so no regression case is saved; its witness "
+                            "is the growth figure (tests/checks/test_growth.py)")
+        elif kill is not None and name != REFERENCE:
             _shrink_and_save(pool, name, run, kill, mopts, corpus or work)
         elif kill is None:
             run.note = "no failure reproduced bit for bit: no regression case saved"
@@ -262,7 +269,11 @@ def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = No
             for line in km.notes(r):
                 out(line)
 
-    with RankPool(battery_pool_size(default_battery(copts.world_size)), spare=True) as pool:
+    from harness.checks.check import growth_pool_size
+    from harness.context import Capabilities
+
+    size = max(battery_pool_size(default_battery(copts.world_size)), growth_pool_size(copts, Capabilities()))
+    with RankPool(size, spare=True) as pool:
         runs = run_selftest(pool, names, copts, work, corpus, false_alarm_cases=opts.false_alarm_cases, on_done=done)
         pids.update(pool.pids())
     res = SelftestOutcome(runs=runs, leftovers=leftover_workers(pids), seconds=time.perf_counter() - start)

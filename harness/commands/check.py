@@ -1,5 +1,5 @@
 """`ring-harness check`: the default check (harness.checks.check: fixed battery, fault stage,
-property-based run) against one implementation, or the fault battery with --faults."""
+growth check, property-based run) against one implementation, or the fault battery with --faults."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop at the first failing case (--maxfail 1)")
     p.add_argument("--no-repeat", dest="repeat", action="store_false", default=S,
                    help="do not run each battery case a second time on the same ranks (the repeat check)")
+    p.add_argument("--no-growth", dest="growth", action="store_false", default=S,
+                   help="skip the growth check (the same global case at W = 1, 2, 4, 8: the error must not grow "
+                        "with the ring size)")
     g = p.add_argument_group("property-based stage")
     g.add_argument("--profile", choices=("ci", "nightly"), default=S,
                    help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, large budget"

@@ -89,3 +89,35 @@ def test_skipped_for_fp32_only(pool):
     lines: list[str] = []
     res = growth.growth_check(pool, CheckOptions(impl="reference", dtype="fp32"), Capabilities(), lines.append)
     assert res.passed and res.skipped and not res.cases and "skipped" in lines[0]
+
+
+def test_the_default_check_runs_the_growth_stage(pool, tmp_path):
+    """The growth check is a stage of `check`: a per-step-rounding mutant that passes every single case
+    fails it, with its own line in the verdict; the reference passes and the line states its figure."""
+    from harness.checks.check import outcome_json, run_check, verdict_line
+    from harness.checks.report import ListReporter
+
+    opts = CheckOptions(impl="mutant:out-merge-in-input-dtype", dtype="bf16", max_examples=0, fault_stage=(),
+                        repeat=False, save_dir=str(tmp_path))
+    rep = ListReporter()
+    res = run_check(pool, opts, reporter=rep)
+    assert all(r.passed for r in res.results)  # no single case shows it
+    assert not res.passed and [f.stage for f in res.failures] == ["growth"]
+    f = res.failures[0]
+    assert f.growth is not None and f.growth.worst[1] == "out" and f.result.case.world_size == f.growth.worst[0]
+    assert "growth check 1/2 global cases (out error x" in verdict_line(res)
+    assert outcome_json(res)["growth"]["passed"] is False and not list(tmp_path.iterdir())
+
+    ok = run_check(pool, opts.with_(impl="reference"), reporter=rep)
+    assert ok.passed and ok.growth is not None and len(ok.growth.cases) == 2
+    assert "16 growth-check" not in verdict_line(ok) and " 8 growth-check (worst x" in verdict_line(ok)
+    assert not run_check(pool, opts.with_(impl="reference", growth=False), reporter=rep).growth
+
+
+def test_selftest_counts_a_growth_kill(pool, tmp_path):
+    from harness.checks.selftest import run_one
+
+    opts = CheckOptions(dtype="bf16", max_examples=0, fault_stage=(), repeat=False)
+    run = run_one(pool, "mutant:dq-accumulate-in-input-dtype", opts, tmp_path, tmp_path)
+    assert run.status == "killed" and run.stage == "growth" and run.verdict == "growth", run.note
+    assert run.killed_by[0].startswith("error grows with W: dq error x") and run.path is None

@@ -62,6 +62,8 @@ class TensorCheck:
     position: dict  # {"batch", "token" (global), "head"} of the worst error
     passed: bool
     nonfinite_kinds: str = ""  # "NaN", "+inf", "-inf" (comma list) when `nonfinite` values came back
+    grid: str = ""  # a narrower dtype every value lies on (precision lost on the way: judge.coarse_grid)
+    grid_values: int = 0  # how many nonzero values were looked at for `grid`
 
     @property
     def ratio(self) -> float:

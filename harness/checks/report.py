@@ -53,8 +53,13 @@ def details(r: CaseResult) -> list[str]:
             lines.append(f"        {c.tensor:>3} rank {c.rank}: {c.nonfinite} non-finite value(s) "
                          f"({c.nonfinite_kinds or 'NaN/inf'}), first {where}")
             continue
+        if c.grid and c.error <= c.allowed:
+            lines.append(f"        {c.tensor:>3} rank {c.rank}: precision lost: all {c.grid_values} nonzero values are "
+                         f"exactly {c.grid} values (rounded through {c.grid}; max err {c.error:.3g}, x{c.ratio:.3g} "
+                         "of allowed)")
+            continue
         lines.append(f"        {c.tensor:>3} rank {c.rank}: max err {c.error:.3g} > allowed {c.allowed:.3g} "
-                     f"(x{c.ratio:.3g}) {where}")
+                     f"(x{c.ratio:.3g}) {where}" + (f"; all values are {c.grid} values" if c.grid else ""))
     for g, s in sorted(r.hung.items()):
         lines.append(f"        rank {g} stack:")
         lines.extend("          " + ln for ln in s.splitlines()[:12])

@@ -1,5 +1,17 @@
-"""Judging one case: every rank's out/lse/dq/dk/dv against the float64 oracle, and the exact
-causality-leak check. Produces per-rank, per-tensor checks with error ratios and positions."""
+"""Judging one case: every rank's out/lse/dq/dk/dv against the float64 oracle, the precision check,
+and the exact causality-leak check. Produces per-rank, per-tensor checks with error ratios and positions.
+
+The precision check (`coarse_grid`): a tensor returned in the case's dtype must carry that dtype's
+precision. When every one of at least GRID_MIN_VALUES nonzero normal values of a rank's out/dq/dk/dv
+is exactly a value of a narrower dtype (fp16 -> bf16; fp32 -> bf16 or fp16), the tensor went through
+that dtype on its way: a real bug class (ring-flash-attn and yunchang return an fp16 dq rounded through
+bf16, zhuzilin/ring-flash-attention#87) that the error bound alone cannot see, since a single bf16
+rounding (8 fp16 units) is inside what a correct flash-style backward may err. Why no correct
+implementation fails it: a value computed in fp16 has uniformly distributed low mantissa bits, so it is
+a bf16 value with probability 1/8 (fp32: 2^-16 for bf16, 2^-13 for fp16), independently enough across
+elements of random-normal inputs that 64 of them all on the grid has probability <= 8^-64 ~ 1e-58.
+Zeros (masked rows, zero gradients) and subnormals are not looked at; tensors with fewer values give
+no evidence and are not judged. lse is float32 whatever the dtype and is left to the error bound."""
 
 from __future__ import annotations
 
@@ -7,6 +19,7 @@ import torch
 
 from harness import inputs
 from harness.case import Case
+from harness.dtypes import TORCH_DTYPES
 from harness.judging import tolerance
 from harness.judging.oracle import Reference
 from harness.result import LeakCheck, TensorCheck
@@ -25,6 +38,27 @@ def _unravel(flat: int, shape: torch.Size) -> tuple[int, int, int]:
     rest, hi = divmod(rest, shape[2])
     bi, li = divmod(rest, shape[1])
     return bi, li, hi
+
+
+GRID_MIN_VALUES = 64
+NARROWER = {"fp16": ("bf16",), "fp32": ("bf16", "fp16"), "bf16": ()}  # coarsest first
+
+
+def coarse_grid(t: torch.Tensor, dtype: str) -> tuple[str, int]:
+    """(the coarsest dtype narrower than `dtype` on whose grid every nonzero normal value of `t` lies, or
+    '' when there is none or fewer than GRID_MIN_VALUES values to tell; the number of values looked at)."""
+    narrower = NARROWER.get(dtype, ())
+    if not narrower or t.dtype != TORCH_DTYPES[dtype] or not t.is_floating_point():
+        return "", 0
+    x = t.reshape(-1)
+    x = x[torch.isfinite(x) & (x.abs() >= torch.finfo(t.dtype).tiny)]
+    n = x.numel()
+    if n < GRID_MIN_VALUES:
+        return "", n
+    for name in narrower:
+        if bool((x.to(TORCH_DTYPES[name]).to(t.dtype) == x).all()):
+            return name, n
+    return "", n
 
 
 def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: Reference, base: Reference,
@@ -67,8 +101,10 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
                 bad = got[~torch.isfinite(got)]
                 counts = (("NaN", bad.isnan()), ("+inf", bad == float("inf")), ("-inf", bad == float("-inf")))
                 kinds = ",".join(k for k, mask in counts if bool(mask.any()))
+            grid, looked = ("", 0) if name == "lse" else coarse_grid(tensors[name], case.dtype)
             checks.append(TensorCheck(name, rank, err, allowed, nonfinite, position,
-                                      passed=nonfinite == 0 and err <= allowed, nonfinite_kinds=kinds))
+                                      passed=nonfinite == 0 and err <= allowed and not grid, nonfinite_kinds=kinds,
+                                      grid=grid, grid_values=looked if grid else 0))
     return checks
 
 

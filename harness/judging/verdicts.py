@@ -74,6 +74,9 @@ def killed_by(r: CaseResult) -> list[str]:
         out.append(f"fault verdict ({'+'.join(sorted({f['kind'] for f in r.case.faults}))})")
     bad = {c.tensor for c in r.failed_checks()}
     out += [t for t in TENSORS if t in bad]
+    grids = sorted({f"{c.tensor} on the {c.grid} grid" for c in r.failed_checks() if c.grid})
+    if grids:
+        out.append(f"precision ({', '.join(grids)})")
     if r.leak is not None and not r.leak.passed:
         out.append("leak check")
     if r.extra.get("violations"):
@@ -93,6 +96,7 @@ def failure_signature(r: CaseResult) -> tuple[str, ...]:
     sig: list[str] = [str(r.verdict)]
     if r.verdict == Verdict.SILENT_CORRUPTION:
         sig += sorted({c.tensor for c in r.failed_checks()})
+        sig += sorted({f"{c.tensor}@{c.grid}" for c in r.failed_checks() if c.grid})  # precision lost
         if r.leak is not None and not r.leak.passed:
             sig.append("leak")
         if r.extra.get("violations"):
@@ -177,7 +181,9 @@ def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool
     bad = res.failed_checks()
     if bad or (res.leak is not None and not res.leak.passed):
         res.verdict = Verdict.SILENT_CORRUPTION
-        parts = [f"{c.tensor}@rank{c.rank} x{c.ratio:.3g}" for c in sorted(bad, key=lambda c: -c.ratio)[:4]]
+        parts = [f"{c.tensor}@rank{c.rank} " + (f"x{c.ratio:.3g}" if c.ratio > 1 or not c.grid else
+                                                 f"on the {c.grid} grid (precision lost)")
+                 for c in sorted(bad, key=lambda c: -c.ratio)[:4]]
         if res.leak is not None and res.leak.leaks:
             lk = res.leak.leaks[0]
             parts.append(f"leak: {lk['tensor']} nonzero at hidden key {lk['token']} on rank {lk['rank']}")

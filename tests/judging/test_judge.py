@@ -118,3 +118,51 @@ def test_leak_check_is_exact():
 def test_no_leak_check_without_mask():
     c = make_case(world_size=1, total_len=4, mask=MaskSpec("none"))
     assert check_leak(c, {0: {}}) is None
+
+
+# -- the precision check: a tensor returned in the case's dtype carries that dtype's precision ---------
+
+
+def test_coarse_grid_names_the_narrower_dtype_a_tensor_went_through():
+    from harness.judging.judge import GRID_MIN_VALUES, coarse_grid
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 32, generator=g)
+    assert coarse_grid(x.half(), "fp16") == ("", 128)
+    assert coarse_grid(x.to(torch.bfloat16).half(), "fp16") == ("bf16", 128)
+    assert coarse_grid(x, "fp32") == ("", 128)
+    assert coarse_grid(x.half().float(), "fp32")[0] == "fp16"
+    assert coarse_grid(x.to(torch.bfloat16).float(), "fp32")[0] == "bf16"  # the coarsest first
+    assert coarse_grid(x.to(torch.bfloat16), "bf16") == ("", 0)  # nothing narrower to go through
+    # zeros and subnormals are not evidence; too few values give no verdict
+    few = x.to(torch.bfloat16).half().reshape(-1)[: GRID_MIN_VALUES - 1]
+    assert coarse_grid(torch.cat([few, torch.zeros(500, dtype=torch.half)]), "fp16") == ("", GRID_MIN_VALUES - 1)
+    # one value off the grid is enough to clear it
+    y = x.to(torch.bfloat16).half()
+    y[0, 0] = torch.tensor(1.0009765625, dtype=torch.half)  # 1 + 2^-10: an fp16 value, not a bf16 one
+    assert coarse_grid(y, "fp16")[0] == ""
+
+
+def test_correct_fp16_results_are_not_on_the_bf16_grid():
+    """The false-alarm side on real arithmetic: float64 results rounded once to fp16 (what a correct kernel
+    returns at best) over 200 seeds and every tensor: never all on the bf16 grid."""
+    from harness.judging.judge import coarse_grid
+
+    for seed in range(200):
+        c = make_case(world_size=1, total_len=16, heads_q=2, heads_kv=1, head_dim=8, seed=seed, dtype="fp16",
+                      mask={"kind": "causal"})
+        ref = references(c)[0]
+        for n in ("out", "dq", "dk", "dv"):
+            assert coarse_grid(getattr(ref, n).half(), "fp16")[0] == "", (seed, n)
+
+
+def test_a_tensor_rounded_through_bf16_fails_within_the_error_bound():
+    c = make_case(world_size=2, total_len=32, heads_q=2, heads_kv=2, head_dim=16, dtype="fp16", seed=3)
+    ref, base = references(c)
+    shards = {r: {n: t.half() for n, t in s.items()} for r, s in _shards(c, ref).items()}
+    assert all(ch.passed for ch in check_tensors(c, shards, ref, base))
+    for s in shards.values():
+        s["dq"] = s["dq"].to(torch.bfloat16).half()
+    bad = [ch for ch in check_tensors(c, shards, ref, base) if not ch.passed]
+    assert {(ch.tensor, ch.grid) for ch in bad} == {("dq", "bf16")} and len(bad) == 2
+    assert all(ch.error <= ch.allowed and ch.grid_values == 512 for ch in bad)  # the bound alone passes it

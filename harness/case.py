@@ -76,14 +76,16 @@ class Case:
         mask = {"window": f"window{m.window}", "document": f"doc{len(m.doc_starts)}{'' if m.causal else 'nc'}"}.get(
             m.kind, m.kind
         )
-        lens = "x".join(str(n) for n in self.seq_lens) if len(set(self.seq_lens)) > 1 else f"{self.seq_lens[0]}"
+        # the total, then the per-rank lengths: `L16=4/rank` (even split), `L27=7,7,7,6` (one per rank)
+        per = (f"{self.seq_lens[0]}/rank" if len(set(self.seq_lens)) == 1 else ",".join(map(str, self.seq_lens)))
+        lens = f"{self.total_len}={per}"
         extra = f" vals={self.values}" if self.values != "normal" else ""
         extra += f" off{self.group_offset}" if self.group_offset else ""
         extra += f" scale={self.softmax_scale:g}" if self.softmax_scale is not None else ""
         extra += f" faults={len(self.faults)}" if self.faults else ""
         return (
             f"W{self.world_size} {self.layout} {mask} {self.dtype} b{self.batch} {heads} d{self.head_dim} "
-            f"L[{lens}]{extra}"
+            f"L{lens}{extra}"
         )
 
     def key(self) -> str:

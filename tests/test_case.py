@@ -81,3 +81,12 @@ def test_key_is_stable_and_sensitive():
     a = Case(world_size=1, seq_lens=(4,), seed=1)
     assert a.key() == Case(world_size=1, seq_lens=(4,), seed=1).key()
     assert a.key() != a.replace(seed=2).key()
+
+
+def test_summary_states_the_total_and_the_per_rank_lengths():
+    """`L[1]` at W2 read as one token in total (issue #18): the summary says the total, then per rank."""
+    from harness.case import make_case
+
+    assert make_case(world_size=2, total_len=2).summary().endswith(" L2=1/rank")
+    assert make_case(world_size=4, total_len=27).summary().endswith(" L27=7,7,7,6")
+    assert " L5=5/rank" in make_case(world_size=1, total_len=5, values="near-tie").summary()

@@ -7,6 +7,7 @@ The public Python API, re-exported here (imported lazily, so a rank process that
     outcome = check(CheckOptions(impl="mypkg.attn:my_ring", max_examples=50))
     assert outcome.passed
 
+- one call for your own tests: `assert_ring_close(impl, case=None)` (AssertionError with the localised report);
 - checks: `check` / `CheckOptions`, `replay` / `ReplayOptions`, `selftest` / `SelftestOptions`,
   `fault_battery` / `FaultBatteryOptions`, `Reporter` (where their lines go);
 - your own adapter: `Impl`, `Capabilities`, `RunContext`; your own cases: `Case`, `make_case`;
@@ -31,6 +32,7 @@ _EXPORTS = {
     "CaseResult": "harness.result", "Verdict": "harness.result",
     "HarnessError": "harness.errors", "RingHarnessError": "harness.errors",
     "run_case": "harness.runner",
+    "assert_ring_close": "harness.checks.assertion",
 }
 __all__ = sorted(_EXPORTS)
 

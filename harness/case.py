@@ -1,6 +1,12 @@
 """Case: everything one run depends on, and its YAML form (safe_load, validated schema).
 
 Tensors are never stored: every rank rebuilds its shard of Q, K, V and dout from the seed.
+
+A sequence case (`CaseSequence`) is a list of cases run in order on the same fresh ranks, the last
+one the failing case with its recorded `result:`: the reproducer of a failure that depends on what
+ran before it in the same processes (a buffer cached across calls and not zeroed; issue #19). Its
+file is a top-level `sequence:` list of case mappings (each may say `leak_check: false`: that run
+skipped the causality-leak run, a second forward + backward), validated like a case file.
 """
 
 from __future__ import annotations
@@ -268,7 +274,8 @@ def from_dict(d: Any) -> Case:
 
 
 def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
-    """Parse YAML text into (Case, the whole mapping). Only safe_load: a case file is data."""
+    """Parse YAML text into (Case, the whole mapping). Only safe_load: a case file is data. For a
+    sequence file the Case is its last (failing) member; `is_sequence(mapping)` tells them apart."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -278,6 +285,8 @@ def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
     if data is None:
         raise HarnessError(f"{source}: empty case file")
     try:
+        if is_sequence(data):
+            return sequence_from_dict(data).last, data
         return from_dict(data), data
     except HarnessError as e:
         raise HarnessError(f"{source}: {e}") from None
@@ -318,9 +327,11 @@ def dumps(c: Case, *, result: dict | None = None, note: str | None = None, expec
 def save(c: Case, path: str | os.PathLike, *, result: dict | None = None, note: str | None = None,
          expect: str | None = None) -> Path:
     """Atomic write (temp file + fsync + rename): a crash never leaves a half-written case."""
-    p = Path(path)
+    return _write(Path(path), dumps(c, result=result, note=note, expect=expect))
+
+
+def _write(p: Path, text: str) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(c, result=result, note=note, expect=expect)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -334,3 +345,138 @@ def save(c: Case, path: str | os.PathLike, *, result: dict | None = None, note: 
             os.unlink(tmp)
         raise
     return p
+
+
+# -- sequence cases -----------------------------------------------------------------------------
+
+MAX_SEQUENCE = 256
+SEQUENCE_KEYS = {"format", "sequence", "expect", "note"}
+STEP_KEYS = (FILE_KEYS - {"expect", "note"}) | {"leak_check"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One member of a sequence: a case and whether its run included the leak run."""
+
+    case: Case
+    leak: bool = True
+
+
+@dataclass(frozen=True)
+class CaseSequence:
+    """Cases run in order on the same fresh ranks; the last one is the case that fails."""
+
+    steps: tuple[Step, ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise HarnessError("a sequence needs at least one case")
+        if len(self.steps) > MAX_SEQUENCE:
+            raise HarnessError(f"a sequence has at most {MAX_SEQUENCE} cases, got {len(self.steps)}")
+
+    @property
+    def last(self) -> Case:
+        return self.steps[-1].case
+
+    @property
+    def pool_size(self) -> int:
+        return max(s.case.pool_size for s in self.steps)
+
+    def summary(self) -> str:
+        before = len(self.steps) - 1
+        return f"{self.last.summary()} after {before} earlier case{'s' if before != 1 else ''} on the same ranks"
+
+    def key(self) -> str:
+        blob = json.dumps([[to_dict(s.case), s.leak] for s in self.steps], sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def is_sequence(data: Any) -> bool:
+    """Whether a loaded mapping is a sequence case file (a top-level `sequence:` list)."""
+    return isinstance(data, dict) and "sequence" in data
+
+
+def recorded_result(data: dict) -> dict:
+    """The recorded `result:` of a loaded case or sequence file (the last member's), or {}."""
+    if is_sequence(data):
+        seq = data.get("sequence") or [{}]
+        return (seq[-1] if isinstance(seq[-1], dict) else {}).get("result") or {}
+    return data.get("result") or {}
+
+
+def sequence_from_dict(d: Any) -> CaseSequence:
+    """Validated CaseSequence from plain data; raises HarnessError naming the bad member and field."""
+    if not isinstance(d, dict):
+        raise HarnessError(f"a sequence case must be a mapping, got {type(d).__name__}")
+    unknown = set(d) - SEQUENCE_KEYS
+    if unknown:
+        raise HarnessError(f"unknown sequence field(s): {', '.join(sorted(map(str, unknown)))} "
+                           f"(a sequence file has {', '.join(sorted(SEQUENCE_KEYS))}; case fields go in its members)")
+    if d.get("expect", "pass") not in EXPECT:
+        raise HarnessError(f"case field 'expect': must be one of {', '.join(EXPECT)}, got {d.get('expect')!r}")
+    fmt = d.get("format", FORMAT)
+    if fmt != FORMAT:
+        raise HarnessError(f"case field 'format': unsupported case format {fmt!r} (this version reads {FORMAT})")
+    members = d.get("sequence")
+    if not isinstance(members, list) or not members:
+        raise HarnessError(f"'sequence' must be a non-empty list of case mappings, got {members!r}")
+    if len(members) > MAX_SEQUENCE:
+        raise HarnessError(f"'sequence' has {len(members)} cases; at most {MAX_SEQUENCE}")
+    steps = []
+    for i, m in enumerate(members):
+        where = f"sequence[{i}]"
+        if not isinstance(m, dict):
+            raise HarnessError(f"{where}: a case must be a mapping of fields, got {type(m).__name__}")
+        unknown = set(m) - STEP_KEYS
+        if unknown:
+            raise HarnessError(f"{where}: unknown case field(s): {', '.join(sorted(map(str, unknown)))}")
+        if "result" in m and i != len(members) - 1:
+            raise HarnessError(f"{where}: only the last case of a sequence carries a 'result'")
+        leak = m.get("leak_check", True)
+        if not isinstance(leak, bool):
+            raise HarnessError(f"{where}: case field 'leak_check': must be true or false, got {leak!r}")
+        try:
+            steps.append(Step(from_dict({k: v for k, v in m.items() if k != "leak_check"}), leak))
+        except HarnessError as e:
+            raise HarnessError(f"{where}: {e}") from None
+    return CaseSequence(tuple(steps))
+
+
+def sequence_to_dict(seq: CaseSequence, *, result: dict | None = None, expect: str | None = None) -> dict:
+    """Plain-data form of a sequence (the inverse of `sequence_from_dict`)."""
+    members = []
+    for i, s in enumerate(seq.steps):
+        m = {k: v for k, v in to_dict(s.case).items() if k != "format"}
+        if not s.leak:
+            m["leak_check"] = False
+        if result is not None and i == len(seq.steps) - 1:
+            m["result"] = result
+        members.append(m)
+    d: dict = {"format": FORMAT}
+    if expect is not None:
+        d["expect"] = expect
+    d["sequence"] = members
+    return d
+
+
+def load_sequence(path: str | os.PathLike) -> tuple[CaseSequence, dict]:
+    """Read a case file as a sequence: a sequence file's members, or a plain case file as a sequence of one."""
+    case, data = load(path)
+    if is_sequence(data):
+        return sequence_from_dict(data), data
+    return CaseSequence((Step(case),)), data
+
+
+def dumps_sequence(seq: CaseSequence, *, result: dict | None = None, note: str | None = None,
+                   expect: str | None = None) -> str:
+    d = sequence_to_dict(seq, result=result, expect=expect)
+    text = yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
+    if note:
+        text = "".join(f"# {line}\n" for line in note.splitlines()) + text
+    return text
+
+
+def save_sequence(seq: CaseSequence, path: str | os.PathLike, *, result: dict | None = None,
+                  note: str | None = None, expect: str | None = None) -> Path:
+    """Atomic write of a sequence case file (as `save`)."""
+    return _write(Path(path), dumps_sequence(seq, result=result, note=note, expect=expect))

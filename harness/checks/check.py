@@ -26,8 +26,9 @@ from harness.faults.schema import make_fault
 from harness.impls import registry
 from harness.impls.capabilities import adapt, unsupported
 from harness.judging.verdicts import failure_signature, fault_ok, probe_acceptable
-from harness.result import CaseResult, Verdict, save_result
+from harness.result import CaseResult, Verdict, failure_path, save_result
 from harness.runner import run_case
+from harness.search import history
 from harness.search.battery import battery_pool_size, default_battery
 from harness.search.fuzz import FuzzOutcome
 from ring_impl.masks import MaskSpec
@@ -70,6 +71,7 @@ class CheckOutcome:
     stopped: str = ""  # why the check ended before its last stage, if it did
     distinct: dict = field(default_factory=dict)  # failure signature -> [saved path, failing cases]
     follower: bool = False  # a torchrun rank other than 0: it ran cases, rank 0 judged and reports
+    histories: dict = field(default_factory=dict)  # failure signature -> its fresh-rank confirmation (HistoryFinding)
 
     @property
     def findings(self) -> list[CaseResult]:
@@ -166,14 +168,39 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             return True
         return stop_at_first_failure and ok
 
-    def save(r: CaseResult, note: str | None = None) -> None:
-        """One saved file per distinct failure (its first case); the others are counted."""
+    def save(r: CaseResult, note: str | None = None, again: CaseResult | None = None) -> None:
+        """One saved file per distinct failure (its first case), confirmed on fresh ranks first; one that
+        does not reproduce there is history-dependent and saved as the sequence of cases that does
+        (harness.search.history). `again`: the repeat check's second run of the case."""
         sig = failure_signature(r)
         if sig in res.distinct:
             res.distinct[sig][1] += 1
             out(f"        same failure as {res.distinct[sig][0]} ({' '.join(sig)}): not saved again")
             return
-        path = save_result(r, opts.save_dir, backend=pool.backend, note=note)
+        t0 = time.perf_counter()
+        repeat = again is not None and r.extra.get("repeat", {}).get("identical") is False
+        if repeat and again.passed:  # differs only in bits, passes on its own: no failing run to reproduce
+            path = save_result(r, opts.save_dir, backend=pool.backend, note="\n".join(filter(None, [
+                note, f"{r.verdict}: {r.case.summary()}", r.detail, "history-dependent: the second run differs in "
+                "bits but passes on its own; replaying this case alone does not reproduce the divergence"])))
+            res.distinct[sig] = [path, 1]
+            out(f"        saved {path} (history-dependent: NOT a reproducer on its own)")
+            return
+        target = again if repeat else r  # the repeat check's failing run is the second one
+        found = history.confirm(pool, target, impl, leak=not repeat, allow_import=allow_import)
+        res.histories[sig] = found
+        for line in found.lines():
+            out(line)
+        if found.sequence is not None:
+            stem = failure_path(opts.save_dir, found.reproducer).stem + "-sequence"
+            path = history.save_sequence(found, failure_path(opts.save_dir, found.reproducer, stem),
+                                         backend=pool.backend, note=note or "")
+        else:
+            text = note or f"{target.verdict}: {target.case.summary()}\n{target.detail}"
+            if found.history_dependent:
+                text += f"\nNOT A REPRODUCER on fresh ranks: {found.evidence()}; {found.note}"
+            path = save_result(target, opts.save_dir, backend=pool.backend, note=text)
+        paused[0] += time.perf_counter() - t0  # the confirmation is not the check's own time
         res.distinct[sig] = [path, 1]
         out(f"        saved {path}")
 
@@ -196,15 +223,17 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
     out(report.header())
     for i, c in enumerate(cases, 1):
         r = run_case(c, pool, impl, allow_import=allow_import)
+        again = None
         if opts.repeat and resolved.deterministic:
-            repeat_check(r, run_case(c, pool, impl, allow_import=allow_import, leak=False))
+            again = run_case(c, pool, impl, allow_import=allow_import, leak=False)
+            repeat_check(r, again)
         res.results.append(r)
         res.cases += 1
         out(report.row(i, len(cases), r))
         for line in report.details(r):
             out(line)
         if not r.passed:
-            save(r)
+            save(r, again=again)
             if failed("battery", r):
                 return finish(f"stopped at battery case {i} ({len(res.failures)} failing)")
     if probes:

@@ -1,6 +1,10 @@
 """Replaying a saved case: does the recorded verdict reproduce, and (for a deterministic
 implementation on the same torch) do the output hashes match bit for bit? `replay(ReplayOptions)` is
-`ring-harness replay` as a library call; `replay_on(pool, path)` re-runs a file on a pool you hold."""
+`ring-harness replay` as a library call; `replay_on(pool, path)` re-runs a file on a pool you hold.
+
+A sequence file (harness.case.CaseSequence: the reproducer of a failure that depends on what ran
+before it, harness.search.history) runs its cases in order on fresh ranks (the pool is restarted
+first) and its last case is judged and compared with the record."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from harness.impls import registry
 from harness.ranks.launch import open_pool
 from harness.result import CaseResult
 from harness.runner import run_case
+from harness.search import history
 from harness.search.fuzz import impl_info
 
 if TYPE_CHECKING:
@@ -38,6 +43,7 @@ class Replay:
     hashes_compared: int = 0
     hash_note: str = ""
     localisation: object | None = None  # harness.diagnose.localise.Localisation of a failing replay
+    sequence: int = 0  # cases in a sequence file (0: a single case)
 
     @property
     def verdict_reproduced(self) -> bool:
@@ -58,12 +64,23 @@ def compare_hashes(recorded: dict, result: CaseResult) -> tuple[int, list[str]]:
 
 
 def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, allow_import: bool = False) -> Replay:
-    """Re-run a case file (optionally under another implementation) and compare with its record."""
+    """Re-run a case file (optionally under another implementation) and compare with its record; a
+    sequence file runs in order on the pool restarted (fresh ranks), `impl` replacing the
+    implementation of the members that name the last one's."""
     case, data = case_mod.load(path)
-    recorded = data.get("result") or {}
+    recorded = case_mod.recorded_result(data)
     name = impl or case.impl
-    res = run_case(case, pool, name, allow_import=allow_import)
-    out = Replay(result=res, recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None)
+    n = 0
+    if case_mod.is_sequence(data):
+        seq, _ = case_mod.load_sequence(path)
+        n = len(seq.steps)
+        res = history.run_file_sequence(pool, seq, impl, allow_import=allow_import)
+        if res is None:
+            raise HarnessError(f"{path}: an earlier case of the sequence hung or killed a rank; the last was not run")
+    else:
+        res = run_case(case, pool, name, allow_import=allow_import)
+    out = Replay(result=res, recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None,
+                 sequence=n)
     if out.recorded_verdict is not None and recorded.get("hashes"):
         same_torch = recorded.get("versions", {}).get("torch") == str(torch.__version__)
         out.hashes_compared, out.hash_mismatches = compare_hashes(recorded["hashes"], res)
@@ -95,7 +112,14 @@ def replay_expectations(path: str | os.PathLike, pool: Pool, *, allow_import: bo
     if rp.hash_mismatches and not rp.hash_note:
         problems.append("output hashes differ from the record: " + "; ".join(rp.hash_mismatches[:4]))
     if case.impl != "reference":
-        ref = run_case(case, pool, "reference")
+        if rp.sequence:  # the same sequence with the reference in place of the implementation, on fresh ranks
+            seq, _ = case_mod.load_sequence(path)
+            ref = history.run_file_sequence(pool, seq, "reference")
+            if ref is None:
+                problems.append("reference: an earlier case of the sequence hung or killed a rank")
+                return problems
+        else:
+            ref = run_case(case, pool, "reference")
         if not ref.passed:
             problems.append(f"reference: expected pass, got {ref.verdict} ({ref.detail})")
     return problems
@@ -122,13 +146,18 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
     out = reporter or report.out
     path = Path(opts.case)
     case, data = case_mod.load(path)
+    seq = case_mod.load_sequence(path)[0] if case_mod.is_sequence(data) else None
     impl = opts.impl or case.impl
     if opts.impl is None and registry.is_module_path(case.impl):
         raise HarnessError(f"{path} names implementation {case.impl!r}, a module path; a case file never imports "
                            f"code by itself, so give it on the command line: --impl {case.impl}")
+    for s in (seq.steps if seq is not None else ()):
+        if s.case.impl != case.impl and registry.is_module_path(s.case.impl):
+            raise HarnessError(f"{path}: an earlier case of the sequence names implementation {s.case.impl!r}, a "
+                               "module path; only the last case's implementation can be given with --impl")
     allow_import = registry.is_module_path(impl)
     registry.resolve(impl, allow_import=allow_import)  # a missing optional extra: one line, exit 2
-    recorded = data.get("result") or {}
+    recorded = case_mod.recorded_result(data)
     _, version = impl_info(impl, allow_import)
     deterministic = _deterministic(impl, allow_import)
     out(f"replay {path}: impl {impl}" + (f" (recorded for {case.impl})" if impl != case.impl else ""))
@@ -136,15 +165,24 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
         v = recorded.get("versions", {})
         out(f"recorded: {recorded.get('verdict')} (torch {v.get('torch')}, ring-harness "
                    f"{v.get('ring-harness')}, impl {v.get('impl')}, backend {recorded.get('backend')})")
-    with open_pool("local", opts.backend, case.pool_size) as pool:
+    if seq is not None:
+        n = len(seq.steps)
+        out(f"a sequence of {n} cases, run in order on fresh ranks; the last one is judged (a failure that "
+            "depends on what ran before it on the same ranks)")
+        for i, s in enumerate(seq.steps[:-1], 1):
+            out(f"    {i}/{n}  {s.case.summary()}  [{s.case.impl}{'' if s.leak else ', no leak run'}]")
+    with open_pool("local", opts.backend, seq.pool_size if seq is not None else case.pool_size) as pool:
         rp = replay_on(pool, path, impl if opts.impl else None, allow_import=allow_import)
         r = rp.result
         out(report.header())
-        out(report.row(1, 1, r))
+        out(report.row(rp.sequence or 1, rp.sequence or 1, r))
         for line in report.details(r):
             out(line)
         loc = None
-        if not r.passed and r.checks:
+        if seq is not None and not r.passed:
+            out("        localisation: not run for a sequence (re-running its last case on these ranks would run "
+                "after it, not in its place)")
+        elif not r.passed and r.checks:
             loc = localise.localise(r, pool, probes=bool(opts.plot))
             for line in localise.lines(loc):
                 out(line)

@@ -5,6 +5,10 @@ never collide); control messages go over per-rank Unix sockets with an auth key.
 in its own session and is killed as a group (SIGTERM, then SIGKILL). A case that passes its
 deadline gets each pending rank's faulthandler stack, then the pool is torn down and restarted
 on the next case. Workers also die with the parent (PDEATHSIG), so nothing is left running.
+
+`history` lists what the ranks ran since their last start (case, implementation, leak run), oldest
+first, bounded (HISTORY_MAX): a failure that depends on what ran before (a buffer cached across calls
+and not zeroed) is reproduced from it (harness.search.history). A start (a restart) clears it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, wait
 from pathlib import Path
@@ -27,13 +32,14 @@ from harness.errors import PoolError
 from harness.ranks import wire
 from harness.ranks.protocol import RUN, SETTLED, STOP, LocalTicket, PoolReply, RunMessage, StopMessage
 
-__all__ = ["PoolError", "PoolReply", "RankPool", "TMPDIR_ENV"]
+__all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
 
 START_TIMEOUT_S = 120.0
 MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
 STACK_GRACE_S = 1.0
 TMPDIR_ENV = "RING_HARNESS_TMPDIR"  # where the pool's ring-harness-* dir goes (default: tempfile.gettempdir())
 _SOCKET_PATH_MAX = 107  # AF_UNIX paths: 108 bytes with the terminating NUL; rank<N>.sock must fit
+HISTORY_MAX = 256  # runs kept in RankPool.history (the oldest dropped first)
 
 
 
@@ -51,6 +57,18 @@ def temp_root() -> str:
         return tempfile.gettempdir()
     os.makedirs(root, exist_ok=True)
     return root
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One run the ranks made since their last start: the case, the implementation it ran under, whether
+    the leak run (a second forward + backward in the same case) was asked for, and its import permission."""
+
+    case: case_mod.Case
+    impl: str
+    leak: bool = True
+    allow_import: bool = False
+    whole_world: bool = False
 
 
 @dataclass
@@ -84,6 +102,7 @@ class RankPool:
         self.fresh_group = False
         self._case_id = 0
         self._finalizer = None
+        self.history: deque[Ran] = deque(maxlen=HISTORY_MAX)  # what the ranks ran since their last start
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,6 +134,7 @@ class RankPool:
             self.close()
             raise PoolError(f"rank pool failed to start: {e}") from None
         self.broken = False
+        self.history.clear()
         self.starts += 1
         self.heals = 0
         self.fresh_group = False
@@ -219,6 +239,7 @@ class RankPool:
                leak: bool = True, whole_world: bool = False) -> LocalTicket:
         """Send a case to every rank (restarting the pool if needed); the deadline starts now."""
         restarted = self.ensure(case.pool_size, exact=whole_world)
+        self.history.append(Ran(case, impl or case.impl, leak, allow_import, whole_world))
         self._case_id += 1
         msg = RunMessage(op=RUN, case=case_mod.to_dict(case), impl=impl or case.impl, allow_import=allow_import,
                          leak=leak, case_id=self._case_id, fresh_group=self.fresh_group and not restarted)

@@ -117,7 +117,9 @@ def heatmaps(loc: Localisation, directory: str | Path, stem: str = "case") -> li
         what = ("V kept on one key block" if tensor == "out" else
                 "V kept on one key block (not an exact split for dq)" if tensor == "dq" else
                 "dout kept on one query block")
-        fig, axes = plt.subplots(1, 2, figsize=(5 + 1.1 * w, 3.2 + min(0.22 * len(rows), 9)), squeeze=False,
+        # at least 10 x 4.5 inches: the two x-labels and the title lines fit even for a 1 x 1 grid (W1, L = 1)
+        fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 5 + 1.1 * w), max(4.5, 3.2 + min(0.22 * len(rows), 9))),
+                                 squeeze=False,
                                  layout="constrained")
         im = _panel(axes[0][0], g, vis, lambda r: r, norm, cmap, other, ylabel, rows, rank_of_row,
                     "by key block" if query_side else "by query block")
@@ -128,7 +130,7 @@ def heatmaps(loc: Localisation, directory: str | Path, stem: str = "case") -> li
         cb.set_label("|error| / tolerance (log; > 1 fails)")
         cb.ax.axhline(1.0, color="cyan", lw=1.5)
         fig.suptitle(f"{tensor} error by block ({what}) - {loc.verdict}\n{case.summary()}\n"
-                     "rows grouped by rank; cyan outline: local (causal-diagonal) block; "
+                     "rows grouped by rank; cyan outline: local (causal-diagonal) block;\n"
                      "hatched: block fully masked (must be 0); grey: not run",
                      fontsize=9)
         path = out_dir / f"{stem}-{tensor}.png"

@@ -196,10 +196,10 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             path = history.save_sequence(found, failure_path(opts.save_dir, found.reproducer, stem),
                                          backend=pool.backend, note=note or "")
         else:
-            text = note or f"{target.verdict}: {target.case.summary()}\n{target.detail}"
-            if found.history_dependent:
-                text += f"\nNOT A REPRODUCER on fresh ranks: {found.evidence()}; {found.note}"
-            path = save_result(target, opts.save_dir, backend=pool.backend, note=text)
+            rec = found.reproducer  # the fresh run when it confirmed the failure
+            text = note or f"{rec.verdict}: {rec.case.summary()}\n{rec.detail}"
+            text += f"\n{found.evidence()}" + (f"; NOT A REPRODUCER: {found.note}" if found.history_dependent else "")
+            path = save_result(rec, opts.save_dir, backend=pool.backend, note=text)
         paused[0] += time.perf_counter() - t0  # the confirmation is not the check's own time
         res.distinct[sig] = [path, 1]
         out(f"        saved {path}")
@@ -269,9 +269,6 @@ def _fault_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome
     impl, allow_import = opts.impl, opts.allow_import
     kinds = parse_kinds(opts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
     if not kinds:
-        return False
-    if opts.launcher != "local":
-        out("fault stage: skipped (it runs on the local pool only)")
         return False
     lo, hi = caps.world_sizes
     deadline = min(opts.fault_deadline, opts.deadline or opts.fault_deadline)

@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/ranks/...)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def _run(args, timeout=240):
+def _run(args, timeout=240, nproc=2):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run(TORCHRUN + ["-m", "harness"] + args, capture_output=True, text=True, timeout=timeout,
+    launcher = TORCHRUN[:-1] + [str(nproc)]
+    return subprocess.run(launcher + ["-m", "harness"] + args, capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
 
 
@@ -22,6 +25,19 @@ def test_check_under_torchrun_passes(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "skipping" in p.stdout  # W=3 and W=8 cases need more than the 2 ranks started
     assert p.stdout.count(" pass ") >= 20
+
+
+@pytest.mark.slow
+def test_benign_fault_stage_under_torchrun_with_four_processes(tmp_path):
+    """The fault stage's 9 cases (W = 2, 3, 4) run under torchrun on gloo, and a read-before-wait bug is
+    caught there as on the pool."""
+    args = ["check", "--launcher", "torchrun", "--world-size", "4", "--max-examples", "0", "--no-repeat",
+            "--no-growth", "--save-dir", str(tmp_path)]
+    p = _run(args, nproc=4, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "fault stage: 9 cases, early-read, send-reuse" in p.stdout and ", 9 fault-stage," in p.stdout
+    bad = _run(args + ["--impl", "mutant:read-before-wait"], nproc=4, timeout=400)
+    assert bad.returncode == 1 and "fault stage 9/9 cases" in bad.stdout.splitlines()[-1], bad.stdout[-3000:]
 
 
 def test_hang_under_torchrun_is_reported_and_ends_the_job(tmp_path):

@@ -1,8 +1,9 @@
 """The default `check` pipeline as one function, shared by `ring-harness check` and `ring-harness selftest`.
 
 Stages, in order: the fixed battery (then probes of undeclared features and the capability matrix),
-the buffer-discipline fault stage, the growth check (harness.checks.growth: the same global case at
-W = 1, 2, 4, 8, whose error must not grow with W), and the property-based run. `stop_at_first_failure` ends the
+the growth check (harness.checks.growth: the same global case at W = 1, 2, 4, 8, whose error must not
+grow with W; a second, cheap stage so a per-step precision loss is found in seconds), the
+buffer-discipline fault stage, and the property-based run. `stop_at_first_failure` ends the
 check at the first failing case that `accept` takes (selftest accepts only failures that reproduce
 bit for bit); a failure it refuses is recorded and the check goes on.
 """
@@ -224,7 +225,8 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
     for i, c in enumerate(cases, 1):
         r = run_case(c, pool, impl, allow_import=allow_import)
         again = None
-        if opts.repeat and resolved.deterministic:
+        if opts.repeat and resolved.deterministic and r.verdict in (Verdict.PASS, Verdict.SILENT_CORRUPTION):
+            # (a run that hung or raised is not repeated: nothing to compare, and a hang costs its deadline)
             again = run_case(c, pool, impl, allow_import=allow_import, leak=False)
             repeat_check(r, again)
         res.results.append(r)
@@ -248,10 +250,10 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
                 out(f"        finding saved {path}")
     for line in format_matrix(matrix(caps, res.results, res.probe_results)):
         out(line)
-    if _fault_stage(pool, opts, caps, res, out, failed, save):
-        return finish(f"stopped at fault stage case {len(res.fault_results)} ({len(res.failures)} failing)")
     if _growth_stage(pool, opts, caps, res, out, failed):
         return finish(f"stopped at the growth check ({len(res.failures)} failing)")
+    if _fault_stage(pool, opts, caps, res, out, failed, save):
+        return finish(f"stopped at fault stage case {len(res.fault_results)} ({len(res.failures)} failing)")
     before, t_prop = res.cases, elapsed()
     res.prop = prop_stage.run_property(opts, pool, [r for r in res.results if not r.passed], reporter=out)
     res.cases += res.prop.examples

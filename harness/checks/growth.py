@@ -215,14 +215,18 @@ def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> Grow
             e = rms_errors(r)
             r.shards = None  # large: keep only the figures
             gc.results[w] = r
-            if e is None:
-                gc.note = gc.note or f"no figure: W{w} ended {r.verdict}"
-            else:
-                gc.rms[w] = e
+            if e is None:  # no figure for this global case: its other ring sizes cannot give one
+                gc.note = f"no figure: W{w} ended {r.verdict}"
+                break
+            gc.rms[w] = e
         if not gc.note:
             _figures(gc)
         res.cases.append(gc)
         reporter(_line(gc, worlds))
+        if any(r.verdict in ("hang", "fail-stop") for r in gc.results.values()):
+            res.skipped = f"stopped after {gc.label}: {gc.note} (the other stages report why)"
+            reporter(f"growth check: {res.skipped}")
+            break
     res.seconds = time.perf_counter() - start
     worst = max((c.worst + (c.label,) for c in res.cases if c.worst), key=lambda x: x[2], default=None)
     verdict = "pass" if res.passed else f"FAIL ({len(res.failures)} case(s))"

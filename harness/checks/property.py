@@ -57,9 +57,19 @@ def outcome_lines(out: fuzz.FuzzOutcome) -> list[str]:
         return lines
     lines.append(f"    first failure at example {out.first_failure_example} after {out.first_failure_s:.1f} s: "
                  f"{out.found.verdict}: {out.found.case.summary()}")
+    first = out.bugs[0] if out.bugs else None
+    if first is not None and first.history is not None:  # its fresh-rank confirmation (harness.search.history)
+        lines.extend(first.history.lines())
     lines.append(f"        saved {out.found_path}")
+    if out.refused:
+        lines.append(f"    shrinking refused {out.refused} candidate(s) that failed on the warm ranks but not alone "
+                     "on fresh ones")
     r = out.shrunk
-    lines.append(f"    shrunk to: {r.verdict}: {r.case.summary()}")
+    seq = first.history.sequence if first is not None and first.history is not None else None
+    if seq is not None:
+        lines.append(f"    shrunk to: {r.verdict}: {seq.summary()} (a sequence of {len(seq.steps)} cases)")
+    else:
+        lines.append(f"    shrunk to: {r.verdict}: {r.case.summary()}")
     lines.extend(report.details(r))
     if out.localisation is not None:
         lines.extend(localise.lines(out.localisation))

@@ -15,6 +15,14 @@ and `-shrunk.yaml` (FuzzOutcome.bugs); the first one found is the outcome's `fou
 case is run on the reference and on the second independent implementation (SECOND_IMPL); if either
 fails it too, it is reported as a harness disagreement (suspect the oracle or the tolerance) rather
 than a bug of the implementation.
+
+Fresh-rank confirmations (issue #19, harness.search.history) are interleaved with the search: a new
+failure is re-run alone on fresh ranks before its `-found.yaml` is written. One that does not
+reproduce there is history-dependent: the run stops, the sequence of earlier cases that makes it
+reproduce on fresh ranks is minimised and saved (`-found-sequence.yaml`), then shrunk as a sequence
+(`-shrunk-sequence.yaml`). While hypothesis shrinks a failure that did reproduce fresh, every
+candidate that would become the smallest so far is confirmed the same way; one that fails only on the
+warm ranks is refused (hypothesis sees it pass), so shrinking never swaps a bug for a history effect.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from harness.errors import HarnessError
 from harness.ranks.pool import RankPool
 from harness.result import CaseResult, result_record
 from harness.runner import run_case
+from harness.search import history as history_mod
 from harness.search import strategies
 from harness.search.shrink import case_size
 from harness.search.signature import CaseFailed, Signature, raise_failure
@@ -85,6 +94,11 @@ class Bug:
     localisation: localise_mod.Localisation | None = None
     reference_verdict: str | None = None
     second_verdict: str | None = None
+    history: history_mod.HistoryFinding | None = None  # its fresh-rank confirmation (None: not confirmed)
+
+    @property
+    def history_dependent(self) -> bool:
+        return self.history is not None and self.history.history_dependent
 
     @property
     def disagreement(self) -> bool:
@@ -113,6 +127,8 @@ class FuzzOutcome:
     reference_verdict: str | None = None  # the shrunk case on the reference implementation
     second_verdict: str | None = None  # the shrunk case on SECOND_IMPL ("unsupported" when it cannot run it)
     bugs: list[Bug] = field(default_factory=list)  # every distinct failure (signature), in the order found
+    refused: int = 0  # shrinking candidates that failed on the warm ranks only (not on fresh ones)
+    confirmations: int = 0  # fresh-rank confirmation runs
     stop: str = ""
     verdicts: Counter = field(default_factory=Counter)
     worst_pass_ratio: dict[str, float] = field(default_factory=dict)  # dtype -> worst ratio of a passing case
@@ -187,10 +203,12 @@ def fuzz(
     localise: bool = True,
     impl_version: str = "unknown",
     backend: str = "gloo",
+    confirm: bool = True,
 ) -> FuzzOutcome:
     """Search for a failing case of `impl`, shrink it, save it; see the module docstring.
 
     `run` replaces `run_case` on `pool` (tests); `progress(outcome, phase)` is called after every run.
+    `confirm`: confirm failures on fresh ranks (needs a pool that records its history; not with `run`).
     """
     prof = PROFILES[profile]
     n_examples = prof.max_examples if max_examples is None else max_examples
@@ -202,6 +220,7 @@ def fuzz(
     if n_examples <= 0 or budget <= 0:
         out.stop = "no examples requested"
         return out
+    confirming = confirm and run is None and history_mod.recorded_history(pool) is not None
     if run is None:
         if pool is None:
             raise ValueError("fuzz needs a rank pool or a `run` function")
@@ -216,6 +235,32 @@ def fuzz(
     start = time.monotonic()
     shrink_end = [float("inf")]
     bugs: dict[Signature, Bug] = {}
+    fresh = history_mod.FreshRanks(backend=backend) if confirming else None
+    refused: set[str] = set()  # keys of candidates that failed on the warm ranks only
+    raised: dict[str, CaseResult] = {}  # case key -> the failure its first failing run raised
+
+    fresh_of: dict[str, CaseResult] = {}  # case key -> its confirming run on fresh ranks (what is saved)
+
+    def confirmed(r: CaseResult, minimise: bool) -> history_mod.HistoryFinding:
+        found = history_mod.confirm(pool, r, impl, allow_import=allow_import, minimise=minimise, fresh=fresh)
+        out.confirmations += 1 + found.trials
+        if found.confirmed:
+            fresh_of[r.case.key()] = found.fresh
+        return found
+
+    def warm_only(c: Case, r: CaseResult) -> bool:
+        """A shrinking candidate that would be the smallest of its bug so far, failing on the warm ranks
+        but not alone on fresh ones: refused."""
+        bug = bugs.get(Signature.of(r))
+        if fresh is None or bug is None or bug.history_dependent or c.key() in fresh_of:
+            return False
+        if case_size(c) > case_size((bug.shrunk or bug.found).case):
+            return False
+        if confirmed(r, minimise=False).confirmed:
+            return False
+        refused.add(c.key())
+        out.refused += 1
+        return True
 
     def note_pass(c: Case, r: CaseResult) -> None:
         worst = max((x for x in (r.worst(t) for t in TENSORS) if x is not None), default=0.0)
@@ -228,20 +273,36 @@ def fuzz(
     def note_failure(c: Case, r: CaseResult) -> None:
         out.failures += 1
         sig = Signature.of(r)
+        r = fresh_of.get(c.key(), r)  # a confirmed failure is recorded as its fresh run (replays bit for bit)
         bug = bugs.get(sig)
-        if bug is None:  # a new failure: saved at once, before any shrinking
+        if bug is None:  # a new failure: confirmed on fresh ranks, saved at once, before any shrinking
             stem = f"{slug(impl)}-{r.verdict}-{c.key()}"
             first = not bugs
             what = "found by property-based search" if first else f"another failure ({sig.label()}) found"
-            path = save_failure(r, save_dir / f"{stem}-found.yaml", failure_note(
-                r, f"{what} (profile {profile}, seed {seed}, example {out.examples}); shrunk version: "
-                   f"{stem}-shrunk.yaml", [f"signature: {sig.label()}"]), impl_version=impl_version, backend=backend)
-            bug = bugs[sig] = Bug(sig, r, path, save_dir / f"{stem}-shrunk.yaml", out.examples, out.seconds)
+            found = confirmed(r, minimise=True) if fresh is not None else None
+            r = found.reproducer if found is not None and found.confirmed else r
+            lines = [f"signature: {sig.label()}"] + ([found.evidence()] if found is not None else [])
+            if found is not None and found.sequence is not None:
+                path = history_mod.save_sequence(
+                    found, save_dir / f"{stem}-found-sequence.yaml", impl_version=impl_version, backend=backend,
+                    note=f"{what} (profile {profile}, seed {seed}, example {out.examples}); shrunk version: "
+                         f"{stem}-shrunk-sequence.yaml")
+                shrunk_path = save_dir / f"{stem}-shrunk-sequence.yaml"
+            else:
+                if found is not None and found.history_dependent:
+                    lines.append(f"NOT A REPRODUCER on fresh ranks: {found.note}")
+                path = save_failure(r, save_dir / f"{stem}-found.yaml", failure_note(
+                    r, f"{what} (profile {profile}, seed {seed}, example {out.examples}); shrunk version: "
+                       f"{stem}-shrunk.yaml", lines), impl_version=impl_version, backend=backend)
+                shrunk_path = save_dir / f"{stem}-shrunk.yaml"
+            bug = bugs[sig] = Bug(sig, r, path, shrunk_path, out.examples, out.seconds, history=found)
             out.bugs.append(bug)
             if first:
                 out.found, out.first_failure_example, out.first_failure_s = r, out.examples, out.seconds
                 out.found_path, out.shrunk_path = bug.found_path, bug.shrunk_path
                 shrink_end[0] = time.monotonic() + shrink_budget
+        elif bug.history_dependent:
+            pass  # shrunk as a sequence on fresh ranks (_finish), not by hypothesis on warm ranks
         elif case_size(c) <= case_size((bug.shrunk or bug.found).case):  # no larger than the best so far
             bug.shrunk = r
             save_failure(r, bug.shrunk_path, failure_note(r, "shrinking (best so far)", [f"signature: {sig.label()}"]),
@@ -254,6 +315,10 @@ def fuzz(
             raise _Stop("time budget")
         if out.found is not None and now > shrink_end[0]:
             raise _Stop("shrink budget")
+        if c.key() in refused:
+            return
+        if c.key() in raised:  # a re-run (hypothesis replays its examples): the same answer, not a new run
+            raise_failure(raised[c.key()])
         try:
             r = run(c)
         except Exception as e:  # the harness broke, not the implementation: do not shrink it
@@ -263,6 +328,10 @@ def fuzz(
         out.seconds = time.monotonic() - start
         if out.found is None:
             out.examples += 1
+        if not r.passed and out.found is not None and warm_only(c, r):
+            if progress is not None:
+                progress(out, "shrink")
+            return  # failed on the warm ranks only: hypothesis must not shrink into it
         if r.passed:
             note_pass(c, r)
         else:
@@ -270,13 +339,46 @@ def fuzz(
         if progress is not None:
             progress(out, "search" if out.found is None else "shrink")
         if not r.passed:
-            raise_failure(r)  # one exception type per signature: hypothesis shrinks each on its own
+            bug = bugs[Signature.of(r)]
+            if bug.history_dependent:
+                if bug is out.bugs[0]:
+                    raise _Stop("history-dependent: shrunk as a sequence on fresh ranks")
+                return  # another bug's shrinking goes on; this one is shrunk as a sequence
+            # one exception type per signature: hypothesis shrinks each on its own. A case raises what it
+            # raised the first time (its fresh run's failure when confirmed): a warm re-run may fail
+            # differently, by what ran before it, and hypothesis needs one answer per example
+            raise_failure(raised.setdefault(c.key(), fresh_of.get(c.key(), r)))
 
     hyp = settings(max_examples=n_examples, derandomize=prof.derandomize, database=None, deadline=None,
                    phases=(Phase.explicit, Phase.generate, Phase.shrink), report_multiple_bugs=True,
                    suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, print_blob=False)
     wrapped = hypothesis_seed(seed)(hyp(given(strategy)(test)))
     minimal: dict[Signature, CaseResult] = {}
+    try:
+        _run_hypothesis(wrapped, out, minimal, n_examples)
+        out.seconds = time.monotonic() - start
+        for bug in out.bugs:
+            if bug.history_dependent:
+                bug.shrunk = bug.history.reproducer
+                _finish_sequence(out, bug, fresh, shrink_budget, impl_version, backend, allow_import)
+                continue
+            m = minimal.get(bug.signature)
+            bug.shrunk = (fresh_of.get(m.case.key(), m) if m is not None else None) or bug.shrunk or bug.found
+            _finish(out, bug, pool if localise else None, impl_version, backend, allow_import)
+    finally:
+        if fresh is not None:
+            fresh.close()
+    if out.bugs:
+        first = out.bugs[0]
+        out.shrunk, out.localisation = first.shrunk, first.localisation
+        out.reference_verdict, out.second_verdict = first.reference_verdict, first.second_verdict
+        out.shrunk_path = first.shrunk_path
+    return out
+
+
+def _run_hypothesis(wrapped: Callable[[], None], out: FuzzOutcome, minimal: dict[Signature, CaseResult],
+                    n_examples: int) -> None:
+    """Run the hypothesis test; its minimal failing example per signature goes into `minimal`."""
     try:
         wrapped()
         out.stop = "budget spent: no failure" if out.examples >= n_examples else "search space exhausted"
@@ -296,15 +398,6 @@ def fuzz(
         if e.error is not None:
             raise e.error from None
         out.stop = e.reason
-    out.seconds = time.monotonic() - start
-    for bug in out.bugs:
-        bug.shrunk = minimal.get(bug.signature) or bug.shrunk or bug.found
-        _finish(out, bug, pool if localise else None, impl_version, backend, allow_import)
-    if out.bugs:
-        first = out.bugs[0]
-        out.shrunk, out.localisation = first.shrunk, first.localisation
-        out.reference_verdict, out.second_verdict = first.reference_verdict, first.second_verdict
-    return out
 
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
@@ -349,3 +442,32 @@ def _finish(out: FuzzOutcome, bug: Bug, pool: RankPool | None, impl_version: str
     bug.shrunk_path = save_failure(r, bug.shrunk_path, note, impl_version=impl_version, backend=backend, extra=extra)
     if bug is out.bugs[0]:
         out.shrunk_path = bug.shrunk_path
+
+
+def _finish_sequence(out: FuzzOutcome, bug: Bug, fresh: history_mod.FreshRanks, shrink_budget: float,
+                     impl_version: str, backend: str, allow_import: bool) -> None:
+    """A history-dependent bug: shrink its sequence on fresh ranks, cross-check it (the same sequence on
+    the reference and on SECOND_IMPL, fresh ranks) and write its `-shrunk-sequence.yaml`."""
+    found = bug.history
+    if found.sequence is None:  # no sequence reproduces it: nothing replayable to shrink
+        bug.localisation = localise_mod.localise(bug.shrunk, None)
+        bug.shrunk_path = bug.found_path
+        return
+    history_mod.shrink_sequence(found, fresh, budget_s=shrink_budget, allow_import=allow_import)
+    r = bug.shrunk = found.reproducer
+    bug.localisation = localise_mod.localise(r, None)  # no probes: a re-run would not be in the sequence's place
+    ref = fresh.run(found.sequence, lambda s: "reference" if s.case.impl == r.impl else s.case.impl) \
+        if r.impl != "reference" else None
+    bug.reference_verdict = None if ref is None else str(ref.verdict)
+    if r.impl != SECOND_IMPL:
+        second = fresh.run(found.sequence, lambda s: SECOND_IMPL if s.case.impl == r.impl else s.case.impl)
+        unsupported = second is not None and second.verdict == "fail-stop" and "unsupported here" in second.detail
+        bug.second_verdict = None if second is None else "unsupported" if unsupported else str(second.verdict)
+    lines = [f"signature: {bug.signature.label()}"]
+    if bug.disagreement:
+        lines.append(f"HARNESS DISAGREEMENT: the shrunk sequence also fails on the reference ({bug.reference_verdict})"
+                     f" or on {SECOND_IMPL} ({bug.second_verdict}): suspect the oracle or the tolerance")
+    note = "\n".join([f"shrunk as a sequence from {bug.found_path.name} ({found.shrink_tries} candidates, each run as "
+                      f"the whole sequence on fresh ranks; {out.runs} runs, stop: {out.stop})", *lines])
+    bug.shrunk_path = history_mod.save_sequence(found, bug.shrunk_path, impl_version=impl_version, backend=backend,
+                                                note=note)

@@ -7,11 +7,13 @@ reused with leftover state. The persistent rank pool finds them, and exactly the
 stops being a reproducer: replayed on fresh ranks it passes.
 
 So every failure the harness saves is first confirmed (`confirm`): its case runs alone on fresh ranks
-(a pool of its own, started for the purpose) and must give the same verdict, failure signature and,
-for a completed run, the same output hashes bit for bit. One that does not is *history-dependent*.
-The pool records what its ranks ran since their last start (`RankPool.history`); the history up to
-the failing run, replayed in order on fresh ranks, must reproduce the failure bit for bit, and is
-then minimised by delta debugging (the immediately preceding run first, then the nearest run of the
+(a pool of its own, started for the purpose) and must fail the same way (the same failure signature:
+verdict, failing tensors or leak, error class). The saved file then records that fresh run, so it
+replays bit for bit (a warm run's numbers may carry state from earlier cases even when its failure
+does not depend on it). One that does not fail that way is *history-dependent*. The pool records what
+its ranks ran since their last start (`RankPool.history`); the history up to the failing run, replayed
+in order on fresh ranks, must reproduce the failure (same signature), and is minimised by delta
+debugging (the immediately preceding run first, then the nearest run of the
 same case, then longer and longer suffixes, then ddmin within the one that reproduces), under a trial
 and time budget. The result is a `CaseSequence` (harness.case: a list of cases, pure data) that
 `replay` runs in order on fresh ranks. `shrink_sequence` then shrinks the failing case (and every
@@ -40,8 +42,8 @@ from harness.search.signature import Signature
 if TYPE_CHECKING:
     from harness.ranks.protocol import Pool
 
-MAX_TRIALS = 24  # sequence runs on fresh ranks while looking for the shortest reproducing sequence
-BUDGET_S = 90.0
+MAX_TRIALS = 16  # sequence runs on fresh ranks while looking for the shortest reproducing sequence
+BUDGET_S = 60.0
 COMPLETED = ("pass", "silent-corruption", "diverged")
 
 
@@ -50,6 +52,11 @@ def same_run(a: CaseResult, b: CaseResult) -> bool:
     if failure_signature(a) != failure_signature(b):
         return False
     return str(a.verdict) not in COMPLETED or a.hashes == b.hashes
+
+
+def same_failure(got: CaseResult | None, want: CaseResult) -> bool:
+    """`got` fails the way `want` does (the same failure signature: the same bug)."""
+    return got is not None and not got.passed and failure_signature(got) == failure_signature(want)
 
 
 def outcome(r: CaseResult) -> str:
@@ -70,11 +77,10 @@ class FreshRanks:
     """Runs sequences, each on ranks started afresh: a pool of its own (`pool=None`, closed with this
     object) or a given pool that is restarted before every sequence."""
 
-    def __init__(self, pool: Pool | None = None, backend: str = "gloo", size: int = 1) -> None:
+    def __init__(self, pool: Pool | None = None, backend: str = "gloo") -> None:
         self._own = pool is None
         self.pool = pool
         self.backend = backend
-        self.size = size
         self.runs = 0
 
     def __enter__(self) -> FreshRanks:
@@ -92,11 +98,11 @@ class FreshRanks:
         if self.pool is None:
             from harness.ranks.pool import RankPool
 
-            self.pool = RankPool(max(size, self.size), backend=self.backend, spare=True)
+            self.pool = RankPool(size, backend=self.backend)
         start = getattr(self.pool, "start", None)
         if start is None:
             raise HarnessError("these ranks cannot be restarted (torchrun): a sequence needs fresh ranks")
-        if self.pool.size < size:
+        if self.pool.size < size or (self._own and self.pool.size != size):  # own pool: exactly what it needs
             self.pool.size = size
             start()
         elif getattr(self.pool, "history", None):  # an empty history: nothing ran since the last start
@@ -109,22 +115,29 @@ class FreshRanks:
         earlier member hung or killed a rank: the ranks restarted, the sequence is broken). `impls(step)`
         names the implementation of a member (default: the member's own); `allow_import(name)` says
         whether a module path may be imported (default: never)."""
-        from harness.runner import _BASELINES, needs_whole_world, run_case
+        from harness.runner import _BASELINES, baseline_for, needs_whole_world, run_case
 
         pool = self._restart(seq.pool_size)
         self.runs += 1
+        last = seq.steps[-1]
+        last_name = impls(last) if impls else last.case.impl
+        # a faulted case is judged against its fault-free run (runner.baseline_for): the one in the sequence
+        # (as it ran in the history), else one run just before it, on these ranks (as a fresh replay does)
+        plain = last.case.replace(faults=()) if last.case.faults else None
+        if plain is not None:
+            _BASELINES.pop((last_name, plain.key()), None)
         for step in seq.steps[:-1]:
             name = impls(step) if impls else step.case.impl
             imp = bool(allow_import and allow_import(name))
+            if plain is not None and step.case == plain and name == last_name and not step.leak:
+                _BASELINES.pop((last_name, plain.key()), None)
+                baseline_for(last.case, pool, last_name, imp)
+                continue
             reply = pool.collect(pool.submit(step.case, name, allow_import=imp, leak=step.leak,
                                              whole_world=needs_whole_world(name)))
             if reply.hung or reply.dead:
                 return None
-        last = seq.steps[-1]
-        name = impls(last) if impls else last.case.impl
-        if last.case.faults:  # its fault-free baseline runs here, on these ranks (as in a fresh replay)
-            _BASELINES.pop((name, last.case.replace(faults=()).key()), None)
-        return run_case(last.case, pool, name, allow_import=bool(allow_import and allow_import(name)),
+        return run_case(last.case, pool, last_name, allow_import=bool(allow_import and allow_import(last_name)),
                         leak=last.leak)
 
 
@@ -145,8 +158,8 @@ class HistoryFinding:
 
     @property
     def confirmed(self) -> bool:
-        """The case alone on fresh ranks reproduces the failure bit for bit."""
-        return self.fresh is not None and same_run(self.fresh, self.result)
+        """The case alone on fresh ranks fails the same way."""
+        return self.fresh is not None and same_failure(self.fresh, self.result)
 
     @property
     def history_dependent(self) -> bool:
@@ -154,15 +167,21 @@ class HistoryFinding:
 
     @property
     def reproducer(self) -> CaseResult:
-        """The result a saved file must record: the sequence's last run, else the failure itself."""
-        return self.seq_result if self.sequence is not None and self.seq_result is not None else self.result
+        """The result a saved file must record (a run on fresh ranks where there is one): the sequence's
+        last run, else the case's fresh run when it confirmed the failure, else the failure itself."""
+        if self.sequence is not None and self.seq_result is not None:
+            return self.seq_result
+        return self.fresh if self.confirmed else self.result
 
     def evidence(self) -> str:
         """The evidence in words: 'fresh ranks: pass; after 44 earlier cases on the same ranks: ...'."""
         if self.fresh is None:
             return f"not confirmed on fresh ranks ({self.note})"
         if self.confirmed:
-            return "reproduces on fresh ranks, bit for bit"
+            if same_run(self.fresh, self.result):
+                return "confirmed: reproduces alone on fresh ranks, bit for bit"
+            return ("confirmed: fails the same way alone on fresh ranks (its numbers there differ from this run's, "
+                    "which carried state from earlier cases; the saved file records the fresh run)")
         return (f"history-dependent: on fresh ranks this case alone gives {outcome(self.fresh)}; after "
                 f"{self.earlier} earlier case{'s' if self.earlier != 1 else ''} on the same ranks it gave "
                 f"{outcome(self.result)}")
@@ -179,7 +198,7 @@ class HistoryFinding:
             n = len(self.sequence.steps)
             out.append(f"        reproducer: a sequence of {n} case{'s' if n != 1 else ''} run in order on fresh ranks "
                        f"(minimised from {self.earlier + 1}, {self.trials} trial runs, {self.seconds:.1f} s) gives "
-                       f"{outcome(self.reproducer)} bit for bit")
+                       f"{outcome(self.reproducer)}")
         return out
 
     def to_dict(self) -> dict:
@@ -221,7 +240,7 @@ def confirm(pool: Pool, r: CaseResult, impl: str | None = None, *, leak: bool = 
     found.earlier = len(prefix)
     last = Step(r.case if r.case.impl == impl else r.case.replace(impl=impl), leak)
     own = fresh is None
-    fr = fresh or FreshRanks(backend=getattr(pool, "backend", "gloo"), size=r.case.pool_size)
+    fr = fresh or FreshRanks(backend=getattr(pool, "backend", "gloo"))
 
     def allowed(name: str) -> bool:
         return allow_import and name == impl
@@ -241,7 +260,7 @@ def confirm(pool: Pool, r: CaseResult, impl: str | None = None, *, leak: bool = 
                 return None
             trials[0] += 1
             got = fr.run(CaseSequence((*sub, last)), allow_import=allowed)
-            return got if got is not None and same_run(got, r) else None
+            return got if same_failure(got, r) else None
 
         best, best_r = _first_reproducing(prefix, last, reproduces)
         if best is None:
@@ -327,7 +346,7 @@ def shrink_sequence(found: HistoryFinding, fr: FreshRanks | None = None, *, back
     impl = found.seq_result.impl
     tried: dict[str, CaseSequence] = {}
     own = fr is None
-    fr = fr or FreshRanks(backend=backend, size=seq.pool_size)
+    fr = fr or FreshRanks(backend=backend)
 
     def as_sequence(c: Case) -> CaseSequence:
         return CaseSequence(tuple(Step(c, s.leak) if s.case == original else s for s in seq.steps))

@@ -51,7 +51,9 @@ for impl in "${IMPLS[@]}"; do
     1) echo "thirdparty: $impl exit 1 (${secs} s): failing cases${KNOWN[$impl]:+; known: ${KNOWN[$impl]}}"
        grep -E "^ +(first failure|shrunk to)" "$save/$impl.log" | head -n 4 ;;
     4) echo "thirdparty: $impl exit 1 (${secs} s) with a HANG verdict:"
-       grep -E " hang |\(hang: |first failure|shrunk to" "$save/$impl.log" | head -n 6; bad=1 ;;
+       grep -E " hang |\(hang: |first failure|shrunk to" "$save/$impl.log" | head -n 6
+       echo "thirdparty: the first hang's report (the case before it, its rank stacks):"
+       grep -n -B 3 -A 40 -m 1 -E "^ *[0-9]+/[0-9]+ .* hang " "$save/$impl.log" | head -n 60; bad=1 ;;
     124|137) echo "thirdparty: $impl TIMED OUT after ${LIMIT_S} s (a hang); last lines:"; tail -n 20 "$save/$impl.log"; bad=1 ;;
     *) echo "thirdparty: $impl exit $rc (${secs} s): usage error or crash; last lines:"; tail -n 30 "$save/$impl.log"; bad=1 ;;
   esac

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ring_impl import layouts
 from ring_impl.buffers import DoubleBuffer
 from ring_impl.comm import LocalComm, RingComm, RingPeers, ring_peers
-from ring_impl.kernel import block_backward, block_forward, gqa_kv_heads
+from ring_impl.kernel import TileMask, block_backward, block_forward, gqa_kv_heads, needs_tiles
 from ring_impl.masks import MaskSpec, allowed, block_is_empty
 from ring_impl.merge import merge
 
@@ -134,12 +134,20 @@ class RingPlan:
     scale: float
     peers: RingPeers | None
 
-    def block_mask(self, parts: RingParts, step: int, owner: int) -> tuple[bool, torch.Tensor | None]:
-        """(skip, mask) for this rank's queries against owner's keys at `step`."""
+    def block_mask(
+        self, parts: RingParts, step: int, owner: int, q: torch.Tensor | None = None
+    ) -> tuple[bool, torch.Tensor | TileMask | None]:
+        """(skip, mask) for this rank's queries against owner's keys at `step`. For a block larger than
+        the kernel's tile (given the queries `q`), the mask is a `TileMask`: `parts.block_mask` on each
+        tile's positions, so no (Lq, Lk) mask is built."""
         at = BlockAt(self.rank, owner, step, self.world, self.layout)
-        if parts.skip_block(self.mask, self.q_pos, self.k_pos[owner], at):
+        q_pos, k_pos = self.q_pos, self.k_pos[owner]
+        if parts.skip_block(self.mask, q_pos, k_pos, at):
             return True, None
-        return False, parts.block_mask(self.mask, self.q_pos, self.k_pos[owner], at)
+        if q is not None and needs_tiles(q.shape[0], q.shape[2], q_pos.numel(), k_pos.numel(), q.device):
+            fn, spec = parts.block_mask, self.mask
+            return False, TileMask(lambda qs, ks: fn(spec, q_pos[qs], k_pos[ks], at), (q_pos.numel(), k_pos.numel()))
+        return False, parts.block_mask(self.mask, q_pos, k_pos, at)
 
     def kv_shapes(self, k: torch.Tensor) -> list[tuple[int, ...]]:
         """Shape of every owner's K (and V) block."""
@@ -181,7 +189,7 @@ def ring_forward(
     acc = parts.acc_dtype(q.dtype)
     out = lse = None
     for step, owner, (k_j, v_j) in _kv_ring(parts, plan, k, v):
-        skip, mask = plan.block_mask(parts, step, owner)
+        skip, mask = plan.block_mask(parts, step, owner, q)
         if skip:
             continue
         block_out, block_lse = parts.block_forward(q, k_j, v_j, plan.scale, mask, kv_heads=parts.kv_heads)
@@ -218,7 +226,7 @@ def ring_backward(
 
     for step, owner, (k_j, v_j) in _kv_ring(parts, plan, k, v):
         block = parts.backward_kv(KVBlock(k_j, v_j, owner), local)
-        skip, mask = plan.block_mask(parts, step, block.owner)
+        skip, mask = plan.block_mask(parts, step, block.owner, q)
         grads = None
         if not skip:
             grads = parts.block_backward(

@@ -104,11 +104,18 @@ class Groups:
 
         key = (offset, size, round(timeout_s, 3))
         if key not in self.cache:
-            self.cache[key] = dist.new_group(
+            group = dist.new_group(
                 ranks=list(range(offset, offset + size)),
                 timeout=datetime.timedelta(seconds=timeout_s),
                 backend=self.backend,
             )
+            # every member has finished building the group before any uses it: without this, a member that
+            # returned from new_group, raised at once (e.g. refused the case) and closed its pairs
+            # (`_close_peers`) could do so while another member was still connecting them, which then
+            # waited forever inside new_group (seen: refusal cases hanging at the deadline on gloo)
+            if offset <= dist.get_rank() < offset + size:
+                dist.barrier(group=group)
+            self.cache[key] = group
         return self.cache[key]
 
 

@@ -229,7 +229,9 @@ def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> Grow
             break
     res.seconds = time.perf_counter() - start
     worst = max((c.worst + (c.label,) for c in res.cases if c.worst), key=lambda x: x[2], default=None)
-    verdict = "pass" if res.passed else f"FAIL ({len(res.failures)} case(s))"
+    figures = any(c.worst for c in res.cases)
+    verdict = (f"FAIL ({len(res.failures)} case(s))" if not res.passed else "pass" if figures
+               else "no figure (runs did not complete)")
     figure = f"; worst x{worst[2]:.2f} ({worst[1]} at W{worst[0]}, {worst[3]})" if worst else ""
     reporter(f"growth check: {verdict}{figure}  [{res.seconds:.1f} s]")
     return res

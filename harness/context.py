@@ -66,6 +66,8 @@ class Capabilities:
     returns_lse: bool = False
     head_dims: tuple[int, ...] | None = None  # None: any head_dim
     subgroups: bool = True  # False: the ring must be the whole world (global ranks 0..W-1)
+    zigzag_odd: bool = True  # False: in the zigzag layout every local length must be even (two equal chunks per rank)
+    heads_divisible_by_world: bool = False  # True: heads_q and heads_kv must be multiples of W (Ulysses head split)
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +82,8 @@ class Capabilities:
             "returns_lse": self.returns_lse,
             "head_dims": None if self.head_dims is None else list(self.head_dims),
             "subgroups": self.subgroups,
+            "zigzag_odd": self.zigzag_odd,
+            "heads_divisible_by_world": self.heads_divisible_by_world,
         }
 
 

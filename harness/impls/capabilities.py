@@ -6,7 +6,8 @@ Also here: the nearest supported variant of a case (`adapt`) and the capability 
 declared / passed / failed, plus what an undeclared feature really does when probed).
 
 Feature keys are `kind:value` strings or bare flags: "layout:zigzag", "mask:window", "dtype:fp32",
-"world:9", "gqa" / "mqa", "uneven", "head_dim:13", "subgroup", "backend:nccl".
+"world:9", "gqa" / "mqa", "heads" (a head count W does not divide), "uneven", "zigzag-odd" (an odd local
+length in the zigzag layout), "head_dim:13", "subgroup", "backend:nccl".
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def missing_features(
         missing.append(f"world:{world_size}")
     if heads_q != heads_kv and not caps.gqa:
         missing.append("gqa" if heads_kv > 1 else "mqa")
+    if caps.heads_divisible_by_world and (heads_q % world_size or heads_kv % world_size):
+        missing.append("heads")
     if len({int(n) for n in lengths}) > 1 and not caps.uneven:
         missing.append("uneven")
+    if layout == "zigzag" and not caps.zigzag_odd and odd_lengths(lengths):
+        missing.append("zigzag-odd")
     if caps.head_dims is not None and head_dim not in caps.head_dims:
         missing.append(f"head_dim:{head_dim}")
     if subgroup and not caps.subgroups:
@@ -71,16 +76,23 @@ def feature_words(
     heads_kv: int | None = None,
     lengths: Sequence[int] | None = None,
     global_ranks: Sequence[int] | None = None,
+    world_size: int | None = None,
 ) -> str:
     """A missing feature key in words for a one-line refusal, e.g. "uneven split [5, 1]"."""
     kind, _, value = feature.partition(":")
+    if world_size is None and lengths is not None:
+        world_size = len(lengths)
     if kind == "world":
         lo, hi = caps.world_sizes
         return f"world size {value} (supports {lo}..{hi})"
     if kind in ("gqa", "mqa"):
         return f"GQA ({heads_q} query heads, {heads_kv} kv heads)"
+    if kind == "heads":
+        return f"heads {heads_q}/{heads_kv} not divisible by W={world_size}"
     if kind == "uneven":
         return f"uneven split {[int(n) for n in lengths or ()]}"
+    if kind == "zigzag-odd":
+        return f"zigzag with an odd local length {[int(n) for n in lengths or ()]}"
     if kind == "subgroup":
         return (f"ring in a subgroup (global ranks {list(global_ranks or ())}): "
                 "runs only on the whole default process group")
@@ -89,13 +101,39 @@ def feature_words(
     return f"{kind} {value}" if value else kind  # layout, mask, dtype, head_dim
 
 
+def odd_lengths(lengths: Sequence[int]) -> bool:
+    """Whether some local length is odd (in the zigzag layout: a rank's two chunks differ in size)."""
+    return any(int(n) % 2 for n in lengths)
+
+
+def even_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
+    """Every odd local length rounded up to the next even one (an even split of N -> one of N rounded up
+    to a multiple of 2W)."""
+    return tuple(int(n) + int(n) % 2 for n in lengths)
+
+
+def divisible_heads(heads_q: int, heads_kv: int, world_size: int) -> tuple[int, int]:
+    """The nearest (heads_q, heads_kv), rounded up, that `world_size` divides both of: kv heads up to a
+    multiple of W, query heads up to a multiple of those; GQA/MQA stays grouped (at least 2 query heads per
+    kv head), MHA stays MHA. E.g. (4, 1) at W=3 -> (6, 3); (2, 2) at W=4 -> (4, 4)."""
+    kv = -(-heads_kv // world_size) * world_size
+    q = -(-heads_q // kv) * kv
+    if heads_q > heads_kv and q == kv:
+        q = 2 * kv
+    return q, kv
+
+
 def case_features(c: Case) -> list[str]:
     """The features a case exercises, as `kind:value` strings (the capability matrix's rows)."""
     feats = [f"layout:{c.layout}", f"mask:{c.mask.kind}", f"dtype:{c.dtype}", f"world:{c.world_size}"]
     if c.heads_q != c.heads_kv:
         feats.append("gqa" if c.heads_kv > 1 else "mqa")
+    if c.heads_q % c.world_size or c.heads_kv % c.world_size:
+        feats.append("heads")
     if len(set(c.seq_lens)) > 1:
         feats.append("uneven")
+    if c.layout == "zigzag" and odd_lengths(c.seq_lens):
+        feats.append("zigzag-odd")
     if c.group_offset:
         feats.append("subgroup")
     return feats
@@ -143,8 +181,9 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
     undeclared features replaced by the nearest declared ones (zigzag -> contiguous, window -> causal,
     document -> causal or none, an undeclared dtype -> a declared one, GQA -> as many kv heads as
     query heads, a subgroup -> global ranks 0..W-1, an uneven split -> the nearest even one, a world
-    size outside the range -> the nearest inside it, with the same total length); None when none
-    exists (e.g. an undeclared backend). So an implementation that declares fewer features gets the
+    size outside the range -> the nearest inside it, with the same total length; odd zigzag local
+    lengths -> rounded up to even ones, head counts W does not divide -> rounded up to multiples of W);
+    None when none exists (e.g. an undeclared backend). So an implementation that declares fewer features gets the
     same world sizes, splits and values as every other, not fewer cases (issue #17)."""
     from ring_impl.layouts import split_lengths
 
@@ -181,6 +220,12 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         unit = 2 * world
         total = max(unit, (sum(lens) + unit - 1) // unit * unit)
         changes["seq_lens"] = tuple(split_lengths(total, world))
+    lens = changes.get("seq_lens", tuple(c.seq_lens))
+    if changes.get("layout", c.layout) == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
+        changes["seq_lens"] = even_lengths(lens)
+    heads_q, heads_kv = c.heads_q, changes.get("heads_kv", c.heads_kv)
+    if caps.heads_divisible_by_world and (heads_q % world or heads_kv % world):
+        changes["heads_q"], changes["heads_kv"] = divisible_heads(heads_q, heads_kv, world)
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
         changes["head_dim"] = min(caps.head_dims, key=lambda d: abs(d - c.head_dim))
     if "seq_lens" in changes and c.mask.kind == "document":

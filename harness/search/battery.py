@@ -1,6 +1,6 @@
 """The default fixed battery: a few dozen small cases that together cover every feature
-(each mask, layout, dtype, uneven and even splits, GQA/MQA, value distribution, world sizes 1-4 and
-8, a ring inside a subgroup). An implementation that declares fewer features gets every case adapted
+(each mask, layout, dtype, uneven and even splits, odd zigzag chunks, GQA/MQA, value distribution, world
+sizes 1-4 and 8, a ring inside a subgroup). An implementation that declares fewer features gets every case adapted
 to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer cases."""
 
 from __future__ import annotations
@@ -66,6 +66,15 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
     # an even split at every world size (the cases above are uneven on purpose)
     for ws in sorted({1, 2, 3, 8, w}):
         add(world_size=ws, total_len=8 * ws, layout="contiguous", mask=MASKS["causal"], heads_q=4, heads_kv=2)
+    # an even split with an odd local length in the zigzag layout (two unequal chunks per rank; every other
+    # zigzag case has odd lengths only in an uneven split), bf16 with a flash head_dim: for a ring that
+    # needs even chunks (`Capabilities.zigzag_odd`) it is the one undeclared feature. The check probes an
+    # undeclared feature with the first case using it, so this one goes before the other zigzag cases;
+    # seeded after the rest, so theirs do not change
+    first_zigzag = next(i for i, c in enumerate(cases) if c.layout == "zigzag")
+    cases.insert(first_zigzag, make_case(world_size=w, seq_lens=(3,) * w, layout="zigzag", mask=MASKS["causal"],
+                                         dtype="bf16", heads_q=4, heads_kv=2, head_dim=32, impl=impl,
+                                         seed=len(cases) + 1))
     if dtype is not None:
         cases = [c.replace(dtype=dtype) for c in cases]
     return cases

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from harness.case import Case, make_case
 from harness.context import Capabilities
+from harness.impls.capabilities import divisible_heads, odd_lengths
 from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
 from ring_impl.masks import MASK_KINDS, MaskSpec
 
@@ -51,6 +52,12 @@ def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True) -
         lens.append(draw(st.integers(1, cap)))
         left -= lens[-1]
     return tuple(lens)
+
+
+def _even_within_budget(lens: tuple[int, ...]) -> tuple[int, ...]:
+    """Every odd length made even within the token budget: one token less, a length-1 shard one more (an
+    even split stays even)."""
+    return tuple(n - 1 if n % 2 and n > 1 else n + n % 2 for n in map(int, lens))
 
 
 def boundary_positions(layout: str, lens: tuple[int, ...]) -> list[int]:
@@ -126,7 +133,10 @@ def cases(
 ) -> Case:
     """A whole Case the implementation declares it supports, small enough to run in ~0.1 s.
 
-    `pool_size` bounds world_size + group_offset (a ring inside a subgroup of the pool).
+    `pool_size` bounds world_size + group_offset (a ring inside a subgroup of the pool). Where the
+    capabilities say so, zigzag cases get even local lengths (`zigzag_odd=False`: an odd length is made
+    even, one token less, a length-1 shard two tokens) and head counts W divides (`heads_divisible_by_world`:
+    rounded up as `adapt` does, so they may exceed `max_heads`); the draws stay the same, so shrinking does.
     """
     caps = caps or Capabilities()
     lo, hi = caps.world_sizes
@@ -139,9 +149,13 @@ def cases(
     offset = draw(st.integers(0, max(0, pool_size - lo))) % (pool_size - w + 1) if inside else 0
     lens = draw(seq_lens(w, max(max_tokens, w), caps.uneven))
     hq, hkv = draw(heads(caps.gqa, max_heads))
+    if caps.heads_divisible_by_world:
+        hq, hkv = divisible_heads(hq, hkv, w)
     head_dim = draw(_head_dims(caps, max_head_dim))
     batch = draw(st.integers(1, max_batch))
     layout = draw(st.sampled_from(_ordered(caps.layouts, LAYOUTS, "layout")))
+    if layout == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
+        lens = _even_within_budget(lens)
     total = sum(lens)
     mask = draw(masks(total, tuple(caps.masks), tuple(boundary_positions(layout, lens))))
     dtype = draw(st.sampled_from(_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))

@@ -36,6 +36,8 @@ TORCH_RING_CASES = {
     "w3-zigzag-causal-gqa-bf16": dict(
         world_size=3, seq_lens=(6, 6, 6), layout="zigzag", mask=CAUSAL, heads_q=4, heads_kv=2, dtype="bf16"
     ),
+    # odd local lengths are undeclared (zigzag_odd=False: one token per rank breaks torch) but let through:
+    # L >= 3 runs right
     "w2-offset1-zigzag-odd-local": dict(
         world_size=2, seq_lens=(5, 5), layout="zigzag", mask=CAUSAL, group_offset=1, softmax_scale=0.2
     ),
@@ -52,6 +54,15 @@ def test_torch_ring_passes(pool3, impl, key):
     res = run_case(case(**TORCH_RING_CASES[key]), pool3, impl)
     assert res.passed, explain(res)
     assert {c.tensor for c in res.checks} >= {"out", "lse", "dq", "dk", "dv"}
+
+
+@pytest.mark.parametrize("impl", ["torch-ring", "torch-ring-alltoall"])
+def test_torch_ring_one_token_per_rank_in_zigzag_is_torchs_own_error(pool3, impl):
+    """Why zigzag_odd=False: torch's causal zigzag ring halves each local shard with chunk(2), and one token
+    does not halve. The run is let through (lets_run) and ends in torch's IndexError on every rank, not a hang."""
+    res = run_case(case(world_size=2, seq_lens=(1, 1), layout="zigzag", mask=CAUSAL), pool3, impl)
+    assert res.verdict == "fail-stop", explain(res)
+    assert "IndexError: tuple index out of range" in res.detail
 
 
 def test_out_of_contract_case_is_refused_not_run(pool3):

@@ -34,6 +34,44 @@ def test_draws_only_what_the_capabilities_declare(c):
     assert c.group_offset == 0  # no subgroups: the ring is global ranks 0..W-1
 
 
+EVEN_ZIGZAG = Capabilities(zigzag_odd=False, heads_divisible_by_world=True)
+EVEN_ZIGZAG_NARROW = Capabilities(layouts=frozenset({"zigzag"}), uneven=False, gqa=False, zigzag_odd=False,
+                                  heads_divisible_by_world=True)
+
+
+@FAST
+@given(strategies.cases(EVEN_ZIGZAG), strategies.cases(EVEN_ZIGZAG_NARROW, subgroups=False))
+def test_never_draws_odd_zigzag_lengths_or_indivisible_heads_where_undeclared(c, narrow):
+    from harness.impls.capabilities import unsupported
+
+    for caps, case in ((EVEN_ZIGZAG, c), (EVEN_ZIGZAG_NARROW, narrow)):
+        assert unsupported(caps, case) == []
+        if case.layout == "zigzag":
+            assert all(n % 2 == 0 for n in case.seq_lens)
+        assert case.heads_q % case.world_size == 0 and case.heads_kv % case.world_size == 0
+        assert case.heads_q % case.heads_kv == 0
+        assert case.total_len <= 64  # odd lengths are made even within the budget
+        if case.mask.kind == "document":
+            assert case.mask.doc_starts[0] == 0 and case.mask.doc_starts[-1] < case.total_len
+    assert len(set(narrow.seq_lens)) == 1 and narrow.heads_q == narrow.heads_kv
+
+
+@pytest.mark.parametrize("what", ["odd local lengths elsewhere", "uneven even zigzag", "GQA at W=4", "W=1 MQA"])
+def test_the_rest_is_still_drawn_with_even_zigzag_and_divisible_heads(what):
+    cond = {
+        "odd local lengths elsewhere": lambda c: c.layout != "zigzag" and any(n % 2 for n in c.seq_lens),
+        "uneven even zigzag": lambda c: c.layout == "zigzag" and len(set(c.seq_lens)) > 1 and c.world_size >= 3,
+        "GQA at W=4": lambda c: c.world_size == 4 and c.heads_q > c.heads_kv,
+        "W=1 MQA": lambda c: c.world_size == 1 and c.heads_kv == 1 and c.heads_q > 1,
+    }[what]
+    find(strategies.cases(EVEN_ZIGZAG), cond, settings=SEARCH)
+
+
+def test_an_even_zigzag_failure_shrinks_to_two_tokens_per_rank():
+    c = find(strategies.cases(EVEN_ZIGZAG), lambda c: c.layout == "zigzag" and c.world_size >= 2, settings=SHRINK)
+    assert (c.world_size, c.seq_lens, c.heads_q, c.heads_kv) == (2, (2, 2), 2, 2)
+
+
 @FAST
 @given(strategies.cases())
 def test_cases_fit_the_budget(c):

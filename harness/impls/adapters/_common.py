@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +27,17 @@ class Variant:
 
     `capabilities`: what it declares it supports. `option`: the one setting that tells it apart from
     its siblings in the same module (a rotation method, a library function, a comm type, a mode), read
-    by the module's `make(name)`; empty when the module has a single variant.
+    by the module's `make(name)`; empty when the module has a single variant. `lets_run`: feature keys
+    (`capabilities.missing_features`) it does not declare but does not refuse at run time either, for a
+    library that runs some such cases right and others wrong or with an error of its own: the check's
+    probe of the undeclared feature and a replayed saved finding then show what the library really does
+    (a silent wrong answer is a finding), while declared-only runs (battery, property-based, faults)
+    never use them. Only for features that cannot hang a ring.
     """
 
     capabilities: Capabilities
     option: str = ""
+    lets_run: frozenset[str] = frozenset()
 
 
 def variant(variants: Mapping[str, Variant], name: str) -> Variant:
@@ -60,8 +66,10 @@ def is_subgroup(ctx: RunContext) -> bool:
     return tuple(ctx.global_ranks) != tuple(range(ctx.world_size))
 
 
-def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor) -> list[str]:
-    """What this run asks for that `caps` does not declare, in words (empty when all is supported).
+def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor,
+                        lets_run: Collection[str] = ()) -> list[str]:
+    """What this run asks for that `caps` does not declare, in words (empty when all is supported),
+    leaving out the feature keys in `lets_run` (see `Variant.lets_run`).
 
     The rule is `capabilities.missing_features`, the one the case side uses; here the subgroup and the
     backend are known, so they are checked too.
@@ -81,21 +89,24 @@ def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k:
     )
     return [
         feature_words(f, caps, heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths,
-                      global_ranks=ctx.global_ranks)
-        for f in missing
+                      global_ranks=ctx.global_ranks, world_size=ctx.world_size)
+        for f in missing if f not in lets_run
     ]
 
 
 def require_supported(
-    name: str, ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor
+    name: str, ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor,
+    lets_run: Collection[str] = (),
 ) -> None:
-    """Refuse, with one line, a run outside the declared capabilities.
+    """Refuse, with one line, a run outside the declared capabilities (but for the features in
+    `lets_run`: the variant's `Variant.lets_run`).
 
     Refusing is better than calling the library: out-of-contract inputs can hang a ring (mismatched
     send/recv sizes) or return silently wrong numbers. Probing a library outside its contract is a
-    separate, deliberate experiment, not something an adapter does by accident.
+    separate, deliberate experiment, not something an adapter does by accident: `lets_run` names the
+    few features a variant lets through on purpose, so that the probe sees the library's own answer.
     """
-    why = unsupported_reasons(ctx, caps, q, k)
+    why = unsupported_reasons(ctx, caps, q, k, lets_run)
     if why:
         raise ImplError(f"{name}: unsupported here: {'; '.join(why)}")
 

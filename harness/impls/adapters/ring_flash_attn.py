@@ -27,9 +27,14 @@ What the library supports, as declared: fp16/bf16 only and head_dim a multiple o
 2 refuses fp32 and other head dims with its own error); equal per-rank lengths (every ring step sends the
 same K/V buffer shape; llama3 asserts total % W == 0); zigzag and stripe assert causal. Zigzag also needs
 an even per-rank length: its forward splits a rank's tokens at L//2 but its backward with chunk(2), which
-for odd L disagree (zigzag_ring_flash_attn.py:22-23 vs :114-118, upstream issue #39). The adapter does
-not refuse odd lengths: the library accepts them silently, and the harness reports what happens then
-(see README, "Third-party rings").
+for odd L disagree (zigzag_ring_flash_attn.py:22-23 vs :114-118, upstream issue #39), so the zigzag variant
+declares `zigzag_odd=False`: battery cases are adapted to even lengths and property-based runs draw only
+even ones. Its run does not refuse odd lengths, though (`lets_run`): the library accepts them without an
+error (L = 3: every rank silently wrong; L >= 5: a size mismatch in backward; L = 1: IndexError), and
+refusing would turn the check's probe of the undeclared feature into "rejected with an error (right)"
+and a replay of the saved findings (cases/ring-flash-attn-zigzag-odd-local-length*.yaml) into a
+refusal. So the probe runs the library on an odd length and reports its wrong answer as a finding (see
+README, "Third-party rings").
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`
 
 
 def _caps(layout: str, masks: set[str], sends_to_itself: bool = True) -> Capabilities:
+    """What a variant declares; zigzag needs two equal chunks per rank (an even local length)."""
     return Capabilities(
         layouts=frozenset({layout}),
         masks=frozenset(masks),
@@ -70,6 +76,7 @@ def _caps(layout: str, masks: set[str], sends_to_itself: bool = True) -> Capabil
         backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
         returns_lse=True,
         head_dims=FLASH_HEAD_DIMS,
+        zigzag_odd=layout != "zigzag",
     )
 
 
@@ -77,7 +84,9 @@ LLAMA3 = "llama3_flash_attn_varlen_func"  # all-gathers K/V over packed document
 # option: the library function
 VARIANTS = {
     "ring-flash-attn": Variant(_caps("contiguous", {"none", "causal"}), option="ring_flash_attn_func"),
-    "ring-flash-attn-zigzag": Variant(_caps("zigzag", {"causal"}), option="zigzag_ring_flash_attn_func"),
+    # odd zigzag lengths are undeclared but let through to the library: the probe reports what it does
+    "ring-flash-attn-zigzag": Variant(_caps("zigzag", {"causal"}), option="zigzag_ring_flash_attn_func",
+                                      lets_run=frozenset({"zigzag-odd"})),
     "ring-flash-attn-stripe": Variant(_caps("striped", {"causal"}), option="stripe_flash_attn_func"),
     "ring-flash-attn-llama3": Variant(
         _caps("contiguous", {"none", "causal", "window", "document"}, sends_to_itself=False), option=LLAMA3
@@ -110,9 +119,9 @@ def _library(name: str, func: str) -> tuple[Any, Callable[..., Any]]:
     return lib, fn
 
 
-def _ring_run(func: str, name: str, caps: Capabilities) -> RunFn:
+def _ring_run(func: str, name: str, caps: Capabilities, lets_run: frozenset[str] = frozenset()) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
-        require_supported(name, ctx, caps, q, k)
+        require_supported(name, ctx, caps, q, k, lets_run)
         _, fn = _library(name, func)
         out, lse, _ = fn(
             q,
@@ -173,7 +182,7 @@ def make(name: str) -> Impl:
     declared = variant(VARIANTS, name)
     require_importable("ring_flash_attn")
     func, caps = declared.option, declared.capabilities
-    run = _llama3_run(name, caps) if func == LLAMA3 else _ring_run(func, name, caps)
+    run = _llama3_run(name, caps) if func == LLAMA3 else _ring_run(func, name, caps, declared.lets_run)
     return Impl(
         name=name,
         run=run,

@@ -21,7 +21,8 @@ _context_parallel/`; GPU-only, not run here):
   sharding check is therefore made only for causal runs, where the positions matter.
 - zigzag needs an even per-rank length: torch load-balances only when the sequence divides by 2W
   (`_create_default_load_balancer`, _load_balancer.py:475); otherwise it shards contiguously and the
-  sharding check refuses the run with one line (no capability field expresses per-rank parity).
+  sharding check would refuse the run. Declared: `zigzag_odd=False` (the case side adapts odd lengths
+  up to even ones; a run is refused with one line before it reaches torch).
 - fp16/bf16 only, head_dim a multiple of 8 up to 256: then SDPA picks the flash kernel, whose lse is
   (B, H, L). fp32 (and head dims flash refuses) go to the memory-efficient kernel, whose lse is
   padded to ceil(L/32)*32 (`meta__scaled_dot_product_efficient_attention`, torch/_meta_registrations.py:
@@ -63,6 +64,7 @@ _CAPS = Capabilities(
     backends=frozenset({"nccl"}),
     returns_lse=False,
     head_dims=FLASH_HEAD_DIMS,  # what SDPA's flash kernel takes; others fall back to the efficient one
+    zigzag_odd=False,  # torch load-balances only a sequence divisible by 2W: two equal chunks per rank
 )
 # option: torch's `set_rotate_method` argument, "allgather" (its default) or "alltoall"
 VARIANTS = {

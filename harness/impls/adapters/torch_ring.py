@@ -9,7 +9,13 @@ custom autograd Function calls the forward and, in backward, the templated backw
 
 Layouts: torch's head-tail load balancer (`_HeadTailLoadBalancer`, used when
 `_cp_options.enable_load_balance`) gives rank r chunks r and 2W-1-r of 2W equal chunks: our
-"zigzag". Without it the sharding is "contiguous". Load balancing only exists for causal masks
+"zigzag"; its causal ring halves each local shard with `chunk(2)` (`_attention.py:471`, 550-568),
+which puts ceil(L/2) tokens first, as our zigzag does: odd local lengths L >= 3 pass, but one token
+per rank (W >= 2) is an IndexError "tuple index out of range". No capability says "L >= 2", so
+`zigzag_odd=False` is declared (the battery is adapted to even lengths, property-based runs draw only
+even ones) and odd lengths are let through at run time (`lets_run`): the check's probe then shows
+"works although undeclared" for L = 3, and a run with L = 1 ends in torch's own error. Without
+it the sharding is "contiguous". Load balancing only exists for causal masks
 (torch raises otherwise), and a non-causal result does not depend on the layout, so non-causal
 runs use the plain ring for either layout. Rotation: "allgather" (torch's default) or "alltoall";
 the dK/dV ring of the backward is always all-to-all in torch.
@@ -51,11 +57,13 @@ _CAPS = Capabilities(
     backward=True,
     backends=frozenset({"gloo"}),
     returns_lse=True,
+    zigzag_odd=False,  # chunk(2) of a one-token shard: IndexError (odd L >= 3 works: let through, see above)
 )
 # option: the K/V rotation, "allgather" (torch's default: all-gather K/V once) or "alltoall" (permute each step)
+_LETS_RUN = frozenset({"zigzag-odd"})
 VARIANTS = {
-    "torch-ring": Variant(_CAPS, option="allgather"),
-    "torch-ring-alltoall": Variant(_CAPS, option="alltoall"),
+    "torch-ring": Variant(_CAPS, option="allgather", lets_run=_LETS_RUN),
+    "torch-ring-alltoall": Variant(_CAPS, option="alltoall", lets_run=_LETS_RUN),
 }
 
 
@@ -172,10 +180,10 @@ def make(name: str) -> Impl:
     """torch's ring with the variant's rotation; ImplError when this torch lacks the private API."""
     declared = variant(VARIANTS, name)
     mod = load_private_api()
-    rotate, caps = declared.option, declared.capabilities
+    rotate, caps, lets_run = declared.option, declared.capabilities, declared.lets_run
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
-        require_supported(name, ctx, caps, q, k)
+        require_supported(name, ctx, caps, q, k, lets_run)
         if ctx.group is None:
             raise ImplError(f"{name}: needs a process group")
         qt, kt, vt = (to_bhsd(t).contiguous() for t in (q, k, v))

@@ -10,7 +10,8 @@ parent: `make` only checks that it is importable.
   rank i mod W), as its `EXTRACT_FUNC_DICT` helpers shard with one Ulysses rank;
 - Ulysses: `UlyssesAttention(sequence_process_group, scatter_idx=2, gather_idx=1, attn_type)`:
   all-to-all from sequence shards to head shards, full attention, and back; contiguous layout,
-  heads divisible by W, and a sliding window is exact because each rank sees the whole sequence;
+  heads divisible by W (declared: `heads_divisible_by_world`), and a sliding window is exact because
+  each rank sees the whole sequence;
 - USP: `LongContextAttention(ring_impl_type="basic")` over `PROCESS_GROUP.ULYSSES_PG` and
   `RING_PG`. We build the groups the way `set_seq_parallel_pg(..., use_ulysses_low=True)` does,
   from this ring's global ranks: Ulysses groups are consecutive ranks, so rank g = r*U + u holds
@@ -18,8 +19,14 @@ parent: `make` only checks that it is importable.
   divides both head counts (U > 1 and W/U > 1, else refused).
 
 Declared as the library supports it: fp16/bf16 and head_dim a multiple of 8 up to 256 (flash-attn 2);
-equal per-rank lengths; zigzag/strip assert causal. Ulysses needs both head counts divisible by its
-degree, which no capability expresses: such runs are refused with one line. Not driven here: the varlen
+equal per-rank lengths; zigzag/strip assert causal. The zigzag ring is ring-flash-attn's code (forward
+splits a rank's tokens at L//2, backward with chunk(2): wrong for an odd local length L, upstream
+zhuzilin/ring-flash-attention#39), so yunchang-ring declares `zigzag_odd=False` and, like
+ring-flash-attn-zigzag, lets such runs through to the library (`lets_run`) so that the check's probe reports
+what it does (cases/yunchang-ring-zigzag-odd-local-length.yaml). Ulysses needs both head counts divisible
+by W, its degree (`heads_divisible_by_world`, refused with one line at run time). USP's rule (some
+Ulysses degree 1 < U < W dividing W and both head counts, `usp_degrees`) is not a capability: such runs
+are refused with one line. Not driven here: the varlen
 ring (ring/ring_flash_attn_varlen.py:56-71 calls flash-attn < 2.6's API: TypeError with 2.8.3), the
 qkvpacked/kvpacked wrappers (ring/ring_flash_attn.py:240,271 pass 13 arguments to a 14-argument forward)
 and the FA3 path (kernels/attention.py:283 hard-codes causal=False).
@@ -50,7 +57,8 @@ KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`
 RING_TYPE = {"contiguous": "basic", "zigzag": "zigzag", "striped": "strip"}
 
 
-def _caps(layouts: set[str], masks: set[str], world: tuple[int, int], sends_to_itself: bool = True) -> Capabilities:
+def _caps(layouts: set[str], masks: set[str], world: tuple[int, int], sends_to_itself: bool = True,
+          heads_divisible_by_world: bool = False) -> Capabilities:
     return Capabilities(
         layouts=frozenset(layouts),
         masks=frozenset(masks),
@@ -62,6 +70,8 @@ def _caps(layouts: set[str], masks: set[str], world: tuple[int, int], sends_to_i
         backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
         returns_lse=False,
         head_dims=FLASH_HEAD_DIMS,
+        zigzag_odd="zigzag" not in layouts,  # ring-flash-attn's zigzag code: two equal chunks per rank
+        heads_divisible_by_world=heads_divisible_by_world,
     )
 
 
@@ -70,8 +80,14 @@ def _caps(layouts: set[str], masks: set[str], world: tuple[int, int], sends_to_i
 VARIANTS = {
     # zigzag and strip assert causal; "basic" also runs non-causal, but the product of layouts and masks
     # is what a capability set promises, so non-causal is left to the contiguous variants
-    "yunchang-ring": Variant(_caps(set(RING_TYPE), {"causal"}, (1, 8)), option="ring"),
-    "yunchang-ulysses": Variant(_caps({"contiguous"}, {"none", "causal", "window"}, (1, 8), False), option="ulysses"),
+    # odd zigzag lengths are undeclared but let through to the library: the probe reports what it does
+    "yunchang-ring": Variant(
+        _caps(set(RING_TYPE), {"causal"}, (1, 8)), option="ring", lets_run=frozenset({"zigzag-odd"})
+    ),
+    "yunchang-ulysses": Variant(
+        _caps({"contiguous"}, {"none", "causal", "window"}, (1, 8), False, heads_divisible_by_world=True),
+        option="ulysses",
+    ),
     "yunchang-usp": Variant(_caps({"contiguous"}, {"none", "causal"}, (4, 8)), option="usp"),
 }
 
@@ -94,14 +110,6 @@ def usp_groups(global_ranks: tuple[int, ...], ulysses: int) -> tuple[list[list[i
     uly = [[global_ranks[r * ulysses + u] for u in range(ulysses)] for r in range(ring)]
     rng = [[global_ranks[r * ulysses + u] for r in range(ring)] for u in range(ulysses)]
     return uly, rng
-
-
-def _check_heads(name: str, ctx: RunContext, q: torch.Tensor, k: torch.Tensor) -> None:
-    if q.shape[2] % ctx.world_size or k.shape[2] % ctx.world_size:
-        raise ImplError(
-            f"{name}: Ulysses needs head counts divisible by W={ctx.world_size} "
-            f"(got {q.shape[2]}, {k.shape[2]})"
-        )
 
 
 _GROUPS: dict[tuple, object] = {}
@@ -135,9 +143,9 @@ def _group(ranks: list[int], ring: object) -> object:
     return _GROUPS[key]
 
 
-def _ring_run(name: str, caps: Capabilities) -> RunFn:
+def _ring_run(name: str, caps: Capabilities, lets_run: frozenset[str] = frozenset()) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
-        require_supported(name, ctx, caps, q, k)
+        require_supported(name, ctx, caps, q, k, lets_run)
         from yunchang.hybrid.utils import RING_IMPL_DICT
         from yunchang.kernels import AttnType
 
@@ -160,10 +168,9 @@ def _ring_run(name: str, caps: Capabilities) -> RunFn:
     return run
 
 
-def _ulysses_run(name: str, caps: Capabilities) -> RunFn:
+def _ulysses_run(name: str, caps: Capabilities, lets_run: frozenset[str] = frozenset()) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
-        require_supported(name, ctx, caps, q, k)
-        _check_heads(name, ctx, q, k)
+        require_supported(name, ctx, caps, q, k, lets_run)  # refuses heads W does not divide
         from yunchang import UlyssesAttention
         from yunchang.kernels import AttnType
 
@@ -183,9 +190,9 @@ def _ulysses_run(name: str, caps: Capabilities) -> RunFn:
     return run
 
 
-def _usp_run(name: str, caps: Capabilities) -> RunFn:
+def _usp_run(name: str, caps: Capabilities, lets_run: frozenset[str] = frozenset()) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
-        require_supported(name, ctx, caps, q, k)
+        require_supported(name, ctx, caps, q, k, lets_run)
         u, _ = usp_degrees(ctx.world_size, q.shape[2], k.shape[2])
         from yunchang import LongContextAttention
         from yunchang.globals import PROCESS_GROUP
@@ -221,7 +228,7 @@ def make(name: str) -> Impl:
     declared = variant(VARIANTS, name)
     require_importable("yunchang")
     caps = declared.capabilities
-    run = _RUNS[declared.option](name, caps)
+    run = _RUNS[declared.option](name, caps, declared.lets_run)
     return Impl(
         name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
     )

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from harness import case as case_mod
 from harness.errors import PoolError
-from harness.ranks import wire
+from harness.ranks import oom, wire
 from harness.ranks.protocol import RUN, SETTLED, STOP, LocalTicket, PoolReply, RunMessage, StopMessage
 
 __all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
@@ -165,8 +165,8 @@ class RankPool:
         cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(size),
                "--dir", workdir, "--backend", self.backend, "--parent", str(os.getpid())]
         with open(os.path.join(workdir, f"log-{r}.txt"), "wb") as log:
-            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            return oom.watch(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
 
     def _connect(self, r: int, authkey: bytes, deadline: float) -> Connection:
         path = os.path.join(self.dir, f"rank{r}.sock")
@@ -332,13 +332,8 @@ class RankPool:
         return stacks
 
     def _death(self, r: int) -> str:
-        p = self.procs[r]
-        try:
-            code = p.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            code = None
-        how = "still running" if code is None else (f"killed by signal {-code}" if code < 0 else f"exit {code}")
-        return f"{how}; log: {self._log_tail(r)}"
+        """How rank r died (for SIGKILL, the likely cause: harness.ranks.oom) and its log's tail."""
+        return oom.describe(r, self.procs[r], self._log_tail(r))
 
     def _log_tail(self, r: int, n: int = 600) -> str:
         try:

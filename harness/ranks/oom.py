@@ -1,0 +1,352 @@
+"""Why a rank process died, in words: its exit code or signal, and for SIGKILL the likely cause.
+
+A rank the kernel's OOM killer ends gets SIGKILL like one killed by hand, and once it is dead its
+memory figures are gone from /proc (the parent's `wait4` rusage is no help: Linux carries the
+parent's own high-water mark into a child's `ru_maxrss` across fork/vfork + exec). So while the ranks
+live, one daemon thread of the parent samples every watched rank's VmRSS/VmHWM from /proc/<pid>/status
+and the machine's MemAvailable every `SAMPLE_S`; when a rank is found dead by SIGKILL, `describe`
+weighs the evidence, strongest first:
+
+1. the kernel log (/dev/kmsg or `dmesg`, where readable) names the pid in an OOM kill: out of memory,
+   at the anon-rss the kernel reports;
+2. the memory cgroup's oom_kill counter rose since the rank started: likely out of memory;
+3. the machine had little memory left just before the death (MemAvailable under
+   `LOW_MEMORY_FRACTION` of the limit), or the rank alone held over half the limit: likely out of
+   memory;
+otherwise the SIGKILL came from elsewhere (a user, a fault injector, a job scheduler) and the words say
+so, with the rank's last peak RSS. The wording keeps the pool's form "killed by signal 9 ..." (the
+verdict shows what comes before the first ';').
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+SAMPLE_S = 0.25  # how often the watcher reads the ranks' RSS and the machine's free memory
+RECENT_S = 5.0  # free-memory samples this close to a death count as "just before" it
+LOW_MEMORY_FRACTION = 0.08  # MemAvailable under this share of the limit (or under LOW_MEMORY_BYTES): near it
+LOW_MEMORY_BYTES = 512 << 20
+GIB = float(1 << 30)
+REAP_WAIT_S = 2.0
+
+
+@dataclass
+class _Rank:
+    """What the watcher knows of one rank process."""
+
+    pid: int
+    started: float  # time.monotonic() at watch
+    oom_kills: int | None  # the cgroup's oom_kill counter at watch
+    rss: int = 0  # bytes, last sample
+    peak: int = 0  # bytes, VmHWM at the last sample (the process's own high-water mark)
+    seen: float = 0.0  # time.monotonic() of the last sample that found it alive (0: never)
+    done: bool = False  # gone for a while (or never seen): no longer sampled, its figures kept
+
+
+@dataclass
+class _State:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    free: deque = field(default_factory=lambda: deque(maxlen=int(60 / SAMPLE_S)))  # (t, MemAvailable bytes)
+    thread: threading.Thread | None = None
+
+
+_STATE = _State()
+
+
+# -- what /proc and /sys say ---------------------------------------------------------------------
+
+
+def proc_memory(pid: int) -> tuple[int, int] | None:
+    """(VmRSS, VmHWM) of a live process in bytes; None when it is gone (or a zombie: no Vm lines)."""
+    rss = hwm = None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None if rss is None else (rss, hwm or rss)
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (MemTotal, MemAvailable, ...); empty where unreadable."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[name] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _cgroup_dirs() -> list[str]:
+    """This process's memory cgroup directories (v2 unified, then v1 memory), where mounted."""
+    dirs = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return dirs
+    for line in lines:
+        _, ctrl, path = line.split(":", 2)
+        if ctrl == "":
+            dirs += [f"/sys/fs/cgroup{path}".rstrip("/"), "/sys/fs/cgroup/unified" + path.rstrip("/")]
+        elif "memory" in ctrl.split(","):
+            dirs += [f"/sys/fs/cgroup/memory{path}".rstrip("/"), "/sys/fs/cgroup/memory"]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text) if text.isdigit() else None
+
+
+def memory_limit() -> int:
+    """Bytes this process tree may use: MemTotal, or the memory cgroup's limit where lower."""
+    total = meminfo().get("MemTotal", 0) or 1 << 62
+    for d in _cgroup_dirs():
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            v = _read_int(os.path.join(d, name))
+            if v:
+                total = min(total, v)
+    return total
+
+
+def cgroup_oom_kills() -> int | None:
+    """The memory cgroup's count of OOM kills (v2 memory.events, v1 memory.oom_control); None if unknown."""
+    for d in _cgroup_dirs():
+        for name in ("memory.events", "memory.oom_control"):
+            try:
+                with open(os.path.join(d, name)) as f:
+                    for line in f:
+                        key, _, val = line.partition(" ")
+                        if key == "oom_kill":
+                            return int(val)
+            except (OSError, ValueError):
+                continue
+    return None
+
+
+_KMSG_TS = re.compile(r"^\d+,\d+,(\d+),[^;]*;(.*)$")
+_DMESG_TS = re.compile(r"^\[\s*(\d+)\.(\d+)\]\s?(.*)$")
+
+
+def kernel_log(max_bytes: int = 4 << 20) -> list[tuple[float, str]] | None:
+    """(seconds since boot, message) of the kernel log's records; None when it cannot be read."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        fd = None
+    if fd is not None:
+        out, size = [], 0
+        try:
+            while size < max_bytes:
+                try:
+                    rec = os.read(fd, 16384)
+                except BlockingIOError:
+                    break
+                except OSError as e:
+                    if e.errno == errno.EPIPE:  # a record overwritten while reading: go on
+                        continue
+                    raise
+                if not rec:
+                    break
+                size += len(rec)
+                m = _KMSG_TS.match(rec.decode(errors="replace").split("\n", 1)[0])
+                if m:
+                    out.append((int(m.group(1)) / 1e6, m.group(2)))
+            return out
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    try:
+        text = subprocess.run(["dmesg"], capture_output=True, timeout=2.0, check=True).stdout.decode(errors="replace")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    out = []
+    for line in text.splitlines():
+        m = _DMESG_TS.match(line)
+        if m:
+            out.append((int(m.group(1)) + int(m.group(2)) / 10 ** len(m.group(2)), m.group(3)))
+    return out
+
+
+def oom_record(pid: int, records: list[tuple[float, str]] | None, since: float | None = None) -> str | None:
+    """The kernel's OOM-kill message naming `pid` (logged at or after `since`, seconds since boot), if any."""
+    for ts, msg in reversed(records or []):
+        if since is not None and ts < since:
+            break
+        if ("Killed process" in msg and re.search(rf"Killed process {pid}\b", msg)) or (
+            "oom-kill" in msg and re.search(rf"\bpid={pid}\b", msg)
+        ):
+            return msg.strip()
+    return None
+
+
+def _boot_seconds() -> float:
+    """Seconds since boot on the kernel log's clock (CLOCK_MONOTONIC)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+# -- the watcher -----------------------------------------------------------------------------------
+
+
+def watch(proc: subprocess.Popen) -> subprocess.Popen:
+    """Sample `proc`'s memory until it dies (the sampler thread starts on the first call); returns it."""
+    st = _STATE
+    with st.lock:
+        st.ranks[proc.pid] = _Rank(proc.pid, time.monotonic(), cgroup_oom_kills())
+        if len(st.ranks) > 4096:  # forget the oldest dead ones
+            for pid in [p for p, r in st.ranks.items() if r.done][:1024]:
+                st.ranks.pop(pid, None)
+        if st.thread is None or not st.thread.is_alive():
+            st.thread = threading.Thread(target=_sample_forever, daemon=True, name="rank-memory-watch")
+            st.thread.start()
+    sample_once()
+    return proc
+
+
+def sample_once() -> None:
+    """One round: every watched live rank's RSS and high-water mark, and the machine's free memory."""
+    st = _STATE
+    now = time.monotonic()
+    with st.lock:
+        pids = [p for p, r in st.ranks.items() if not r.done]
+    for pid in pids:
+        mem = proc_memory(pid)
+        with st.lock:
+            r = st.ranks.get(pid)
+            if r is None:
+                continue
+            if mem is None:
+                r.done = now - max(r.seen, r.started) > 30
+                continue
+            r.rss, r.peak, r.seen = mem[0], max(r.peak, mem[1]), now
+    avail = meminfo().get("MemAvailable")
+    if avail is not None:
+        with st.lock:
+            st.free.append((now, avail))
+
+
+def _sample_forever() -> None:
+    while True:
+        try:
+            sample_once()
+        except Exception:  # the watcher must never take the parent down
+            pass
+        time.sleep(SAMPLE_S)
+
+
+def last_seen(pid: int) -> tuple[int, int, float] | None:
+    """(last RSS, peak RSS, monotonic time seen alive) of a watched process, or None."""
+    with _STATE.lock:
+        r = _STATE.ranks.get(pid)
+        return None if r is None or not r.seen else (r.rss, r.peak, r.seen)
+
+
+# -- the words -----------------------------------------------------------------------------------
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / (1 << 20):.0f} MiB"
+
+
+@dataclass
+class Evidence:
+    """What is known about a SIGKILLed rank (every field optional: tests build one by hand)."""
+
+    rank: int
+    peak: int | None = None  # bytes: the rank's own high-water mark, last sampled
+    kernel: str | None = None  # the kernel's OOM-kill message naming the pid
+    kernel_readable: bool = False
+    cgroup_ooms: int = 0  # OOM kills the cgroup counted since the rank started
+    min_free: int | None = None  # least MemAvailable sampled just before the death
+    limit: int = 0  # bytes the process tree may use
+
+
+def evidence(rank: int, pid: int, *, limit: int | None = None) -> Evidence:
+    """Gather the evidence on a rank process found dead by SIGKILL."""
+    with _STATE.lock:
+        r = _STATE.ranks.get(pid)
+        rec = (r.peak, r.started, r.oom_kills, r.seen) if r is not None else None
+        free = list(_STATE.free)
+    ev = Evidence(rank, limit=limit if limit is not None else memory_limit())
+    since = None
+    if rec is not None:
+        peak, started, kills0, seen = rec
+        ev.peak = peak or None
+        since = _boot_seconds() - (time.monotonic() - started) - 1.0
+        kills = cgroup_oom_kills()
+        if kills is not None and kills0 is not None:
+            ev.cgroup_ooms = max(0, kills - kills0)
+        end = seen if seen > 0 else time.monotonic()
+        near = [a for t, a in free if end - RECENT_S <= t <= end + SAMPLE_S]
+        ev.min_free = min(near) if near else None
+    records = kernel_log()
+    ev.kernel_readable = records is not None
+    ev.kernel = oom_record(pid, records, since)
+    return ev
+
+
+def sigkill_cause(ev: Evidence) -> str:
+    """The likely cause of a SIGKILL, one phrase without ';' (the verdict shows what precedes it)."""
+    at = f"rank {ev.rank} at {_gib(ev.peak)} peak RSS" if ev.peak else f"rank {ev.rank}"
+    lim = f"of the {_gib(ev.limit)} limit" if ev.limit and ev.limit < 1 << 61 else ""
+    if ev.kernel:
+        m = re.search(r"anon-rss:(\d+)kB", ev.kernel)
+        anon = f"rank {ev.rank} at {_gib(int(m.group(1)) * 1024)} anonymous RSS" if m else at
+        return f"out of memory: {anon} (the kernel's OOM killer: {ev.kernel[:160].replace(';', ',')})"
+    low = ev.min_free is not None and ev.limit and ev.min_free < max(LOW_MEMORY_BYTES, LOW_MEMORY_FRACTION * ev.limit)
+    big = ev.peak is not None and ev.limit and ev.peak > 0.5 * ev.limit
+    if ev.cgroup_ooms:
+        return f"out of memory (likely: the memory cgroup counted {ev.cgroup_ooms} OOM kill(s)): {at} {lim}".strip()
+    if low or big:
+        why = f"{_gib(ev.min_free)} left on the machine just before" if low else f"over half {lim}"
+        return f"likely out of memory: {at} {lim}, {why}".replace("  ", " ")
+    log = "no OOM kill in the kernel log" if ev.kernel_readable else "kernel log unreadable"
+    free = f", {_gib(ev.min_free)} free just before" if ev.min_free is not None else ""
+    return f"not out of memory as far as the evidence shows: {at} {lim}{free}, {log}".replace("  ", " ")
+
+
+def how_it_died(rank: int, proc: subprocess.Popen, *, wait_s: float = REAP_WAIT_S, limit: int | None = None) -> str:
+    """'still running', 'exit N', 'killed by signal N (NAME)' and, for SIGKILL, its likely cause."""
+    try:
+        code = proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return "still running"
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown signal"
+    how = f"killed by signal {-code} ({name})"
+    if -code == signal.SIGKILL:
+        how += f", {sigkill_cause(evidence(rank, proc.pid, limit=limit))}"
+    return how
+
+
+def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
+    """The pool's words for a dead rank: how it died (and why, for SIGKILL), then its log's tail."""
+    return f"{how_it_died(rank, proc)}; log: {log_tail}"

@@ -39,16 +39,17 @@ from pathlib import Path
 from harness import case as case_mod
 from harness.case import Case
 from harness.checks import report
-from harness.checks.check import Failure, run_check
+from harness.checks.check import CheckOutcome, Failure, run_check
 from harness.checks.kill_matrix import REFERENCE, MutantRun, SelftestOutcome, short
 from harness.checks.options import CheckOptions, SelftestOptions
 from harness.checks.report import Reporter
 from harness.errors import HarnessError
 from harness.faults.schema import make_fault
 from harness.impls.adapters.reference import MUTANT_PREFIX
-from harness.judging.verdicts import killed_by
+from harness.judging.verdicts import failure_signature, killed_by
 from harness.result import CaseResult, result_record
 from harness.runner import run_case
+from harness.search import history
 from harness.search.fuzz import PROFILES, impl_info
 from harness.search.shrink import shrink
 
@@ -91,6 +92,19 @@ def reproduces(pool, impl: str, r: CaseResult, times: int = 1) -> bool:
     if completed and r.case.world_size >= 2:
         again = run_case(perturbed(r.case), pool, impl)
         return again.verdict == r.verdict and again.hashes == r.hashes
+    return True
+
+
+def sequence_reproduces(found: history.HistoryFinding, times: int = 1) -> bool:
+    """A history-dependent failure's sequence gives its recorded result bit for bit `times` more, each
+    time on fresh ranks."""
+    if found.sequence is None or found.seq_result is None:
+        return False
+    with history.FreshRanks() as fr:
+        for _ in range(times):
+            again = fr.run(found.sequence)
+            if again is None or not history.same_run(again, found.seq_result):
+                return False
     return True
 
 
@@ -148,7 +162,10 @@ def _minimal(pool, impl: str, kill: Failure, opts: CheckOptions) -> tuple[CaseRe
             return None
         return r if reproduces(pool, impl, r, REPRODUCE_RUNS) else None
 
-    return shrink(kill.result, still_fails, budget_s=PROFILES[opts.profile].shrink_budget_s)
+    def fresh(r: CaseResult) -> bool:  # the minimal case must fail the same way alone on fresh ranks
+        return history.confirm(pool, r, impl, minimise=False).confirmed
+
+    return shrink(kill.result, still_fails, budget_s=PROFILES[opts.profile].shrink_budget_s, fresh=fresh)
 
 
 def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None) -> MutantRun:
@@ -158,9 +175,18 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
     run.log.parent.mkdir(parents=True, exist_ok=True)
     mopts = opts.with_(impl=name, save_dir=str(work / "found" / short(name)))
     t0 = time.perf_counter()
+    res = CheckOutcome(impl=name)
+
+    def accept(r: CaseResult) -> bool:
+        """Reproduces bit for bit; a history-dependent failure (harness.search.history): its sequence does,
+        on fresh ranks."""
+        found = res.histories.get(failure_signature(r))
+        if found is not None and found.history_dependent:
+            return sequence_reproduces(found, REPRODUCE_RUNS)
+        return reproduces(pool, name, r, REPRODUCE_RUNS)
+
     with open(run.log, "w", encoding="utf-8") as fh:
-        res = run_check(pool, mopts, stop_at_first_failure=True, reporter=Reporter(fh),
-                        accept=lambda r: reproduces(pool, name, r, REPRODUCE_RUNS))
+        run_check(pool, mopts, stop_at_first_failure=True, reporter=Reporter(fh), accept=accept, outcome=res)
     run.check, run.cases = res, res.cases
     racy = [f for f in res.failures if not f.accepted]
     if racy:
@@ -192,6 +218,10 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
 def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, opts: CheckOptions,
                      corpus: Path) -> None:
     """Shrink the kill, confirm it, run it on the reference, compare op counts, save the corpus case."""
+    found = run.check.histories.get(failure_signature(kill.result)) if run.check is not None else None
+    if found is not None and found.history_dependent:
+        _shrink_and_save_sequence(name, run, kill, found, opts, corpus)
+        return
     r, run.shrink_tries = _minimal(pool, name, kill, opts)
     run.shrunk = r
     if not reproduces(pool, name, r, REPRODUCE_RUNS):  # once more: it goes into a corpus replayed bit for bit
@@ -206,6 +236,32 @@ def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, opts: Check
     rec = result_record(r, impl_info(name, False)[1], getattr(pool, "backend", "gloo"))
     run.path = case_mod.save(r.case, corpus / f"mutant-{short(name)}.yaml", result=rec,
                              note=corpus_note(name, run, kill), expect="reproduce")
+
+
+def _shrink_and_save_sequence(name: str, run: MutantRun, kill: Failure, found: history.HistoryFinding,
+                              opts: CheckOptions, corpus: Path) -> None:
+    """A history-dependent kill: shrink its sequence on fresh ranks, confirm it, run the same sequence on
+    the reference (which must pass) and save it as the corpus's sequence case."""
+    with history.FreshRanks() as fr:
+        history.shrink_sequence(found, fr, budget_s=PROFILES[opts.profile].shrink_budget_s)
+        run.shrunk, run.shrink_tries = found.seq_result, found.shrink_tries
+        if not sequence_reproduces(found, REPRODUCE_RUNS):
+            run.note = "the minimal sequence did not reproduce bit for bit on fresh ranks: no regression case saved"
+            return
+        ref = fr.run(found.sequence, lambda s: REFERENCE if s.case.impl == name else s.case.impl)
+    run.reference_verdict = None if ref is None else ref.verdict
+    if ref is None or not ref.passed:
+        run.note = f"the minimal sequence fails on the reference too ({run.reference_verdict}): suspect the harness"
+        return
+    n = len(found.sequence.steps)
+    run.note = (f"history-dependent: passes alone on fresh ranks; its witness is a sequence of {n} cases run in "
+                "order on fresh ranks")
+    note = corpus_note(name, run, kill) + "\n" + "\n".join(textwrap.wrap(
+        f"A sequence case: {found.evidence()}. `ring-harness replay` runs the {n} cases in order on fresh ranks; "
+        "the last one is judged.", 100))
+    rec = result_record(found.seq_result, impl_info(name, False)[1], "gloo")
+    run.path = case_mod.save_sequence(found.sequence, corpus / f"mutant-{short(name)}.yaml", result=rec, note=note,
+                                      expect="reproduce")
 
 
 def false_alarm_options(opts: CheckOptions, cases: int | None) -> CheckOptions:

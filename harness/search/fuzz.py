@@ -20,9 +20,11 @@ Fresh-rank confirmations (issue #19, harness.search.history) are interleaved wit
 failure is re-run alone on fresh ranks before its `-found.yaml` is written. One that does not
 reproduce there is history-dependent: the run stops, the sequence of earlier cases that makes it
 reproduce on fresh ranks is minimised and saved (`-found-sequence.yaml`), then shrunk as a sequence
-(`-shrunk-sequence.yaml`). While hypothesis shrinks a failure that did reproduce fresh, every
-candidate that would become the smallest so far is confirmed the same way; one that fails only on the
-warm ranks is refused (hypothesis sees it pass), so shrinking never swaps a bug for a history effect.
+(`-shrunk-sequence.yaml`). A failure that did reproduce fresh is shrunk by hypothesis on the warm
+ranks, and its minimal case is confirmed the same way; one that fails only on the warm ranks is
+refused and the shrinker steps back through the smaller-so-far failures to the newest that fails alone
+on fresh ranks (at most MAX_SHRUNK_CONFIRMATIONS tries, else the found case), so shrinking never swaps
+a bug for a history effect. Every saved single case records its fresh run.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ except NameError:  # Python 3.10: the backport hypothesis itself depends on
     from exceptiongroup import BaseExceptionGroup as ExceptionGroupType
 
 SECOND_IMPL = "flash-ring"  # the independent flash-style ring a shrunk failure must also pass on
+MAX_SHRUNK_CONFIRMATIONS = 6  # fresh-rank confirmations of shrunk candidates, newest first
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class Bug:
     reference_verdict: str | None = None
     second_verdict: str | None = None
     history: history_mod.HistoryFinding | None = None  # its fresh-rank confirmation (None: not confirmed)
+    chain: list[CaseResult] = field(default_factory=list)  # each smaller-so-far failure while shrinking
 
     @property
     def history_dependent(self) -> bool:
@@ -236,7 +240,6 @@ def fuzz(
     shrink_end = [float("inf")]
     bugs: dict[Signature, Bug] = {}
     fresh = history_mod.FreshRanks(backend=backend) if confirming else None
-    refused: set[str] = set()  # keys of candidates that failed on the warm ranks only
     raised: dict[str, CaseResult] = {}  # case key -> the failure its first failing run raised
 
     fresh_of: dict[str, CaseResult] = {}  # case key -> its confirming run on fresh ranks (what is saved)
@@ -248,19 +251,21 @@ def fuzz(
             fresh_of[r.case.key()] = found.fresh
         return found
 
-    def warm_only(c: Case, r: CaseResult) -> bool:
-        """A shrinking candidate that would be the smallest of its bug so far, failing on the warm ranks
-        but not alone on fresh ones: refused."""
-        bug = bugs.get(Signature.of(r))
-        if fresh is None or bug is None or bug.history_dependent or c.key() in fresh_of:
-            return False
-        if case_size(c) > case_size((bug.shrunk or bug.found).case):
-            return False
-        if confirmed(r, minimise=False).confirmed:
-            return False
-        refused.add(c.key())
-        out.refused += 1
-        return True
+    def confirmed_minimal(bug: Bug, minimal: CaseResult | None) -> CaseResult:
+        """The smallest of the bug's failures that fails the same way alone on fresh ranks (as recorded
+        there): hypothesis's minimal example, else back through the smaller-so-far ones (each refused
+        counts in `out.refused`); the found failure was confirmed before shrinking."""
+        cands: dict[str, CaseResult] = {}
+        for x in [minimal, *reversed(bug.chain)]:
+            if x is not None:
+                cands.setdefault(x.case.key(), x)
+        for x in list(cands.values())[:MAX_SHRUNK_CONFIRMATIONS]:
+            if x.case.key() == bug.found.case.key():
+                break
+            if x.case.key() in fresh_of or confirmed(x, minimise=False).confirmed:
+                return fresh_of[x.case.key()]
+            out.refused += 1
+        return bug.found
 
     def note_pass(c: Case, r: CaseResult) -> None:
         worst = max((x for x in (r.worst(t) for t in TENSORS) if x is not None), default=0.0)
@@ -279,7 +284,9 @@ def fuzz(
             stem = f"{slug(impl)}-{r.verdict}-{c.key()}"
             first = not bugs
             what = "found by property-based search" if first else f"another failure ({sig.label()}) found"
-            found = confirmed(r, minimise=True) if fresh is not None else None
+            # the first failure is confirmed now (it decides how the run goes on); one found while shrinking
+            # is confirmed when the run ends (_confirm_later), so the shrink budget is hypothesis's
+            found = confirmed(r, minimise=True) if fresh is not None and first else None
             r = found.reproducer if found is not None and found.confirmed else r
             lines = [f"signature: {sig.label()}"] + ([found.evidence()] if found is not None else [])
             if found is not None and found.sequence is not None:
@@ -305,6 +312,7 @@ def fuzz(
             pass  # shrunk as a sequence on fresh ranks (_finish), not by hypothesis on warm ranks
         elif case_size(c) <= case_size((bug.shrunk or bug.found).case):  # no larger than the best so far
             bug.shrunk = r
+            bug.chain.append(r)
             save_failure(r, bug.shrunk_path, failure_note(r, "shrinking (best so far)", [f"signature: {sig.label()}"]),
                          impl_version=impl_version, backend=backend)
         bug.failures += 1
@@ -315,8 +323,6 @@ def fuzz(
             raise _Stop("time budget")
         if out.found is not None and now > shrink_end[0]:
             raise _Stop("shrink budget")
-        if c.key() in refused:
-            return
         if c.key() in raised:  # a re-run (hypothesis replays its examples): the same answer, not a new run
             raise_failure(raised[c.key()])
         try:
@@ -328,10 +334,6 @@ def fuzz(
         out.seconds = time.monotonic() - start
         if out.found is None:
             out.examples += 1
-        if not r.passed and out.found is not None and warm_only(c, r):
-            if progress is not None:
-                progress(out, "shrink")
-            return  # failed on the warm ranks only: hypothesis must not shrink into it
         if r.passed:
             note_pass(c, r)
         else:
@@ -358,12 +360,17 @@ def fuzz(
         _run_hypothesis(wrapped, out, minimal, n_examples)
         out.seconds = time.monotonic() - start
         for bug in out.bugs:
+            if fresh is not None and bug.history is None:
+                _confirm_later(bug, confirmed(bug.found, minimise=True), impl_version, backend)
             if bug.history_dependent:
                 bug.shrunk = bug.history.reproducer
                 _finish_sequence(out, bug, fresh, shrink_budget, impl_version, backend, allow_import)
                 continue
             m = minimal.get(bug.signature)
-            bug.shrunk = (fresh_of.get(m.case.key(), m) if m is not None else None) or bug.shrunk or bug.found
+            if fresh is not None:
+                bug.shrunk = confirmed_minimal(bug, m)
+            else:
+                bug.shrunk = m or bug.shrunk or bug.found
             _finish(out, bug, pool if localise else None, impl_version, backend, allow_import)
     finally:
         if fresh is not None:
@@ -471,3 +478,26 @@ def _finish_sequence(out: FuzzOutcome, bug: Bug, fresh: history_mod.FreshRanks, 
                       f"the whole sequence on fresh ranks; {out.runs} runs, stop: {out.stop})", *lines])
     bug.shrunk_path = history_mod.save_sequence(found, bug.shrunk_path, impl_version=impl_version, backend=backend,
                                                 note=note)
+
+
+def _confirm_later(bug: Bug, found: history_mod.HistoryFinding, impl_version: str, backend: str) -> None:
+    """A failure found while another was shrunk, confirmed on fresh ranks when the run ends: its found file
+    is rewritten with the fresh run, or replaced by its sequence when it is history-dependent."""
+    bug.history = found
+    if found.sequence is not None:
+        old = bug.found_path
+        stem = old.name[: -len("-found.yaml")]
+        bug.found_path = history_mod.save_sequence(found, old.with_name(f"{stem}-found-sequence.yaml"),
+                                                   impl_version=impl_version, backend=backend,
+                                                   note=f"found while shrinking another failure; shrunk version: "
+                                                        f"{stem}-shrunk-sequence.yaml")
+        bug.shrunk_path = old.with_name(f"{stem}-shrunk-sequence.yaml")
+        old.unlink(missing_ok=True)
+        return
+    r = found.reproducer
+    lines = [f"signature: {bug.signature.label()}", found.evidence()]
+    if found.history_dependent:
+        lines.append(f"NOT A REPRODUCER on fresh ranks: {found.note}")
+    bug.found = r
+    save_failure(r, bug.found_path, failure_note(r, "found while shrinking another failure", lines),
+                 impl_version=impl_version, backend=backend)

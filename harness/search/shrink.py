@@ -11,6 +11,12 @@ Shrinking keeps the failure's signature (harness.search.signature: verdict, fail
 leak, error class, implementation): a candidate that fails with another signature is a different
 failure, never the shrink target; it is recorded (the smallest per signature) in `others` for the
 caller to report and save on its own.
+
+Fresh ranks (issue #19): the candidates run on a persistent pool, where a failure can depend on what
+ran before. With `fresh` (does this result's failure reproduce alone on fresh ranks?), the minimal
+case is confirmed there; if it does not, the shrinker steps back through its accepted candidates to
+the newest one that does, so it never swaps the failure for a case that fails only on warm ranks. (A
+failure that is itself history-dependent is shrunk as a sequence: harness.search.history.)
 """
 
 from __future__ import annotations
@@ -128,21 +134,23 @@ def case_size(c: Case) -> tuple:
 
 def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], *, budget_s: float = 60.0,
            max_tries: int = 200, others: dict[Signature, CaseResult] | None = None,
-           signature: Callable[[CaseResult], Signature] = Signature.of) -> tuple[CaseResult, int]:
+           signature: Callable[[CaseResult], Signature] = Signature.of,
+           fresh: Callable[[CaseResult], bool] | None = None) -> tuple[CaseResult, int]:
     """(the smallest failing result found with `first`'s signature, candidates tried). `still_fails(case)`
     returns the failing result of a candidate, or None when it passes (or does not fail the way that
-    counts). A candidate failing with another signature goes to `others` (signature -> smallest result)."""
+    counts). A candidate failing with another signature goes to `others` (signature -> smallest result).
+    `fresh(result)`: whether a result's failure reproduces alone on fresh ranks (see the module docstring)."""
     target = signature(first)
-    best, tried, start = first, set(), time.monotonic()
+    chain, tried, start = [first], set(), time.monotonic()
     improved = True
     while improved:
         improved = False
-        for cand in candidates(best.case):
+        for cand in candidates(chain[-1].case):
             key = cand.key()
             if key in tried:
                 continue
             if len(tried) >= max_tries or time.monotonic() - start > budget_s:
-                return best, len(tried)
+                return _confirmed(chain, fresh), len(tried)
             tried.add(key)
             r = still_fails(cand)
             if r is None:
@@ -152,6 +160,17 @@ def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], 
                 if others is not None and (sig not in others or case_size(r.case) < case_size(others[sig].case)):
                     others[sig] = r
                 continue
-            best, improved = r, True
+            chain.append(r)
+            improved = True
             break
-    return best, len(tried)
+    return _confirmed(chain, fresh), len(tried)
+
+
+def _confirmed(chain: list[CaseResult], fresh: Callable[[CaseResult], bool] | None) -> CaseResult:
+    """The newest accepted result whose failure reproduces on fresh ranks (the first one is taken as given)."""
+    if fresh is None:
+        return chain[-1]
+    for r in reversed(chain[1:]):
+        if fresh(r):
+            return r
+    return chain[0]

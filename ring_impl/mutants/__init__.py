@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ring_impl.mutants import comm, grads, masks, merges, precision, shapes
+from ring_impl.mutants import comm, grads, history, masks, merges, precision, shapes
 
 _ALL = [
     merges.naive_merge_sum,
@@ -36,6 +36,7 @@ _ALL = [
     precision.out_merge_in_input_dtype,
     precision.dq_accumulate_in_input_dtype,
     precision.dkv_travel_in_input_dtype,
+    history.dkv_cache_not_zeroed,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

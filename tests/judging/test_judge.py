@@ -137,6 +137,8 @@ def test_coarse_grid_names_the_narrower_dtype_a_tensor_went_through():
     # zeros and subnormals are not evidence; too few values give no verdict
     few = x.to(torch.bfloat16).half().reshape(-1)[: GRID_MIN_VALUES - 1]
     assert coarse_grid(torch.cat([few, torch.zeros(500, dtype=torch.half)]), "fp16") == ("", GRID_MIN_VALUES - 1)
+    # values below the floor (heavy cancellation: few significant bits even when correct) are no evidence
+    assert coarse_grid(x.to(torch.bfloat16).half() * 1e-3, "fp16", floor=0.01) == ("", 0)
     # one value off the grid is enough to clear it
     y = x.to(torch.bfloat16).half()
     y[0, 0] = torch.tensor(1.0009765625, dtype=torch.half)  # 1 + 2^-10: an fp16 value, not a bf16 one
@@ -165,4 +167,4 @@ def test_a_tensor_rounded_through_bf16_fails_within_the_error_bound():
         s["dq"] = s["dq"].to(torch.bfloat16).half()
     bad = [ch for ch in check_tensors(c, shards, ref, base) if not ch.passed]
     assert {(ch.tensor, ch.grid) for ch in bad} == {("dq", "bf16")} and len(bad) == 2
-    assert all(ch.error <= ch.allowed and ch.grid_values == 512 for ch in bad)  # the bound alone passes it
+    assert all(ch.error <= ch.allowed and 64 <= ch.grid_values <= 512 for ch in bad)  # the bound alone passes it

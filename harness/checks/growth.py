@@ -124,11 +124,16 @@ def plan(caps: Capabilities, pool_size: int, dtype: str | None = None, impl: str
         head_dim = min(caps.head_dims, key=lambda d: abs(d - SHAPE["head_dim"]))
     if len(worlds) < 2 or not dtypes or not masks:
         return worlds, []
+    heads = {"heads_q": SHAPE["heads_q"], "heads_kv": SHAPE["heads_kv"]}
+    if caps.heads_divisible_by_world:  # e.g. Ulysses: one head count every ring size divides (8/8 at W <= 8)
+        from harness.impls.capabilities import divisible_heads
+
+        heads["heads_q"], heads["heads_kv"] = divisible_heads(heads["heads_q"], heads["heads_kv"], max(worlds))
     out = []
     for dt in dtypes:
         for m in masks:
             out.append({w: make_case(world_size=w, total_len=TOTAL_LEN, layout=layout, mask=MaskSpec(m), dtype=dt,
-                                     seed=SEEDS[m], impl=impl, **{**SHAPE, "head_dim": head_dim})
+                                     seed=SEEDS[m], impl=impl, **{**SHAPE, **heads, "head_dim": head_dim})
                         for w in worlds})
     return worlds, out
 

@@ -23,7 +23,12 @@ def _caps(c: dict | None) -> str:
     lo, hi = c["world_sizes"]
     parts = ["/".join(c["layouts"]), "/".join(c["masks"]), "/".join(c["dtypes"]), f"W{lo}-{hi}"]
     parts += [p for p, ok in (("gqa", c["gqa"]), ("uneven", c["uneven"]), ("backward", c["backward"]),
-                              ("lse", c.get("returns_lse"))) if ok]
+                              ("lse", c.get("returns_lse")), ("subgroups", c.get("subgroups", True)),
+                              ("even-zigzag-chunks", not c.get("zigzag_odd", True)),
+                              ("heads%W", c.get("heads_divisible_by_world", False))) if ok]
+    if c.get("head_dims"):
+        parts.append("d" + "/".join(map(str, c["head_dims"])) if len(c["head_dims"]) <= 4
+                     else f"d{min(c['head_dims'])}-{max(c['head_dims'])}")
     return " ".join(parts) + f" [{'/'.join(c['backends'])}]"
 
 

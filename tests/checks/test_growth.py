@@ -28,6 +28,8 @@ def test_plan_follows_the_declared_capabilities():
     assert growth.plan(Capabilities(world_sizes=(2, 8)), 4)[0] == (2, 4)
     assert growth.plan(Capabilities(), 8, dtype="bf16")[1][0][1].dtype == "bf16"
     assert growth.plan(Capabilities(head_dims=(8, 64)), 8)[1][0][1].head_dim in (8, 64)
+    ulysses = growth.plan(Capabilities(heads_divisible_by_world=True), 8)[1][0]
+    assert all((c.heads_q, c.heads_kv) == (8, 8) for c in ulysses.values())  # one shape every W divides
 
 
 def test_baseline_is_the_larger_error_of_the_one_and_two_rank_rings():

@@ -350,3 +350,59 @@ def how_it_died(rank: int, proc: subprocess.Popen, *, wait_s: float = REAP_WAIT_
 def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
     """The pool's words for a dead rank: how it died (and why, for SIGKILL), then its log's tail."""
     return f"{how_it_died(rank, proc)}; log: {log_tail}"
+
+
+# -- up front: will a case fit? --------------------------------------------------------------------
+
+# Calibrated on this 2-core 24 GiB host with the tiled reference kernel (issue #21), 32,768 tokens W=4 zigzag
+# causal bf16 h4 d64: each rank peaked at 0.82-0.86 GiB (an idle worker holds ~0.26 GiB), the parent (float64
+# oracle in blocks of 1024 queries + the bf16 base + judging) at ~4.6 GiB. Per rank: idle worker + bytes per
+# local token per (query head x head_dim) + the tile workspace (~24 B per score entry of one tile); the parent:
+# bytes per token per (head x dim) for the global tensors and references, plus the oracle's query block
+# (1024 queries x all keys x heads, ~10 float64 temporaries).
+RANK_IDLE = 300 << 20
+RANK_BYTES_PER_TOKEN_HD = 256  # x local tokens x heads_q x head_dim
+TILE_BYTES_PER_SCORE = 24
+PARENT_IDLE = 600 << 20
+PARENT_BYTES_PER_TOKEN_HD = 160  # x total tokens x heads_q x head_dim
+ORACLE_BLOCK_BYTES_PER_SCORE = 28  # x 1024 x total tokens x heads_q (float64 temporaries of one query block)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes a case is expected to need at its peak: each rank, the parent, all together, and what is free."""
+
+    per_rank: int
+    ranks: int
+    parent: int
+    available: int
+
+    @property
+    def total(self) -> int:
+        return self.per_rank * self.ranks + self.parent
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available
+
+    def words(self) -> str:
+        return (f"needs ~{_gib(self.total)} ({self.ranks} ranks x {_gib(self.per_rank)} + "
+                f"{_gib(self.parent)} for the parent's oracle and judging), {_gib(self.available)} available")
+
+
+def estimate(case, available: int | None = None, tile_budget: int | None = None) -> MemoryEstimate:
+    """Peak memory of running `case` (reference-like ring with tiled blocks, float64 oracle in the parent)."""
+    from ring_impl.kernel import tile_scores
+
+    hd = case.heads_q * case.head_dim * case.batch
+    local = max(case.seq_lens) if case.seq_lens else 0
+    budget = tile_budget if tile_budget is not None else tile_scores()
+    work = min(budget, case.batch * case.heads_q * local * local)
+    per_rank = RANK_IDLE + RANK_BYTES_PER_TOKEN_HD * local * hd + TILE_BYTES_PER_SCORE * work
+    n = case.total_len
+    parent = PARENT_IDLE + PARENT_BYTES_PER_TOKEN_HD * n * hd + ORACLE_BLOCK_BYTES_PER_SCORE * min(n, 1024) * n * (
+        case.heads_q * case.batch)
+    if available is None:
+        info = meminfo()
+        available = min(info.get("MemAvailable", 1 << 62), memory_limit())
+    return MemoryEstimate(per_rank, case.world_size, parent, available)

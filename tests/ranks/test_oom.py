@@ -67,7 +67,8 @@ def test_a_sigkilled_rank_is_named_within_seconds(tmp_path, monkeypatch):
 
 def _hog(mib: int) -> subprocess.Popen:
     """A child that touches `mib` MiB and waits to be killed."""
-    code = f"import sys, time; x = bytearray({mib} << 20); sys.stdout.write('ok\\n'); sys.stdout.flush(); time.sleep(60)"
+    code = (f"import sys, time; x = bytearray({mib} << 20); sys.stdout.write('ok\\n'); sys.stdout.flush(); "
+            "time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     assert p.stdout.readline() == b"ok\n"
     return p
@@ -99,7 +100,8 @@ def test_the_evidence_is_weighed_strongest_first():
     assert oom.oom_record(7, [(1.0, "oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=7,uid=0")])
     limit = 24 << 30
     said = oom.sigkill_cause(oom.Evidence(2, peak=5 << 30, kernel=kernel, limit=limit))
-    assert said.startswith("out of memory: rank 2 at 5.5 GiB anonymous RSS (the kernel's OOM killer") and ";" not in said
+    assert said.startswith("out of memory: rank 2 at 5.5 GiB anonymous RSS (the kernel's OOM killer")
+    assert ";" not in said
     said = oom.sigkill_cause(oom.Evidence(2, peak=5 << 30, cgroup_ooms=1, limit=limit))
     assert said.startswith("out of memory (likely") and "rank 2 at 5.0 GiB peak RSS" in said
     said = oom.sigkill_cause(oom.Evidence(2, peak=5 << 30, min_free=200 << 20, limit=limit))
@@ -111,3 +113,19 @@ def test_the_evidence_is_weighed_strongest_first():
 @pytest.mark.skipif(oom.kernel_log() is None, reason="the kernel log is not readable here")
 def test_the_kernel_log_is_read():
     assert len(oom.kernel_log()) > 0
+
+
+def test_a_memory_estimate_up_front():
+    """The estimate grows linearly per rank (tiled kernel) and says what a case needs against what is free."""
+    c32 = make_case(world_size=4, total_len=32768, layout="zigzag", mask={"kind": "causal"}, dtype="bf16",
+                    heads_q=4, heads_kv=4, head_dim=64)
+    c64 = c32.replace(world_size=8, seq_lens=(8192,) * 8)
+    e32 = oom.estimate(c32, available=20 << 30, tile_budget=1 << 22)
+    e64 = oom.estimate(c64, available=8 << 30, tile_budget=1 << 22)
+    # measured on this host (issue #21): ~0.85 GiB per rank, ~5 GiB for the parent at 32k, W=4
+    assert 0.7 * (1 << 30) < e32.per_rank < 1.2 * (1 << 30) and e32.fits
+    assert e64.per_rank == e32.per_rank and e64.parent > e32.parent and not e64.fits
+    words = e64.words()
+    assert words.startswith("needs ~") and "8 ranks x" in words and "8.0 GiB available" in words, words
+    tiny = oom.estimate(make_case(world_size=2, total_len=16), available=20 << 30)
+    assert tiny.fits and tiny.total < 2 << 30

@@ -78,6 +78,7 @@ def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, a
         if res is None:
             raise HarnessError(f"{path}: an earlier case of the sequence hung or killed a rank; the last was not run")
     else:
+        history.forget_baseline(case, name)  # computed here, as in a fresh process
         res = run_case(case, pool, name, allow_import=allow_import)
     out = Replay(result=res, recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None,
                  sequence=n)

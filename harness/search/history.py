@@ -73,6 +73,16 @@ def recorded_history(pool: Pool) -> list | None:
     return None if h is None else list(h)
 
 
+def forget_baseline(case: Case, impl: str) -> None:
+    """Drop the cached fault-free run of a faulted case (harness.runner), so its next run computes it on
+    the ranks at hand, as a fresh `ring-harness replay` process does (a cached one may come from ranks
+    with another history)."""
+    from harness.runner import _BASELINES
+
+    if case.faults:
+        _BASELINES.pop((impl, case.replace(faults=()).key()), None)
+
+
 class FreshRanks:
     """Runs sequences, each on ranks started afresh: a pool of its own (`pool=None`, closed with this
     object) or a given pool that is restarted before every sequence."""

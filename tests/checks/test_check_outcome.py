@@ -74,3 +74,24 @@ def test_the_repeat_check_catches_state_carried_over_between_calls(tmp_path):
     ok = check(CheckOptions(world_size=2, max_examples=0, fault_stage=(), save_dir=str(tmp_path)),
                reporter=ListReporter())
     assert ok.passed and all(r.extra["repeat"]["identical"] for r in ok.results)
+
+
+def test_every_file_saved_for_a_history_bug_replays_its_recorded_verdict_on_fresh_ranks(tmp_path):
+    """Issue #19: the battery's repeat failure is history-dependent (the case alone passes on fresh
+    ranks), so it is saved as a sequence case; every saved file, single or sequence, replays to its
+    recorded verdict with identical hashes on fresh ranks."""
+    from harness.checks.replay import replay_on
+    from harness.ranks.pool import RankPool
+
+    stale = "tests.helpers.impls:stale_accumulator"
+    rep = ListReporter()
+    res = check(CheckOptions(impl=stale, world_size=2, max_examples=0, fault_stage=("early-read",), growth=False,
+                             save_dir=str(tmp_path)), reporter=rep)
+    text = "\n".join(rep.lines)
+    assert not res.passed and "history-dependent: on fresh ranks this case alone gives pass; after" in text
+    files = sorted(tmp_path.glob("*.yaml"))
+    assert any(f.name.endswith("-sequence.yaml") for f in files) and len(files) == len(res.distinct)
+    for f in files:
+        with RankPool(2) as pool:
+            rp = replay_on(pool, f, stale, allow_import=True)
+        assert rp.verdict_reproduced and not rp.hash_mismatches and rp.hashes_compared, (f.name, rp.result.detail)

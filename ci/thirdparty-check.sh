@@ -16,9 +16,9 @@ IMPLS=(ring-flash-attn ring-flash-attn-zigzag ring-flash-attn-stripe ring-flash-
        yunchang-ring yunchang-ulysses yunchang-usp)
 # exit 1 expected (a known library bug or a refusal no capability can express), for the log only
 declare -A KNOWN=(
-  [ring-flash-attn-zigzag]="odd per-rank length (cases/ring-flash-attn-zigzag-odd-local-length*.yaml)"
-  [yunchang-ring]="odd per-rank length in zigzag (cases/yunchang-ring-zigzag-odd-local-length.yaml)"
-  [yunchang-ulysses]="heads not divisible by W are refused (no capability expresses it)"
+  [ring-flash-attn]="fp16 dq rounded through bf16 (precision check; upstream PR zhuzilin/ring-flash-attention#87)"
+  [ring-flash-attn-zigzag]="odd per-rank length (probe finding; cases/ring-flash-attn-zigzag-odd-local-length*.yaml)"
+  [yunchang-ring]="odd per-rank length in zigzag (cases/yunchang-ring-zigzag-odd-local-length.yaml); fp16 dq through bf16"
   [yunchang-usp]="heads without a Ulysses degree, W = 5 or 7, are refused (no capability expresses it)"
 )
 LIMIT_S="${THIRDPARTY_CHECK_TIMEOUT:-600}"

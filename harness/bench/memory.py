@@ -216,6 +216,12 @@ def run(quick: bool = False) -> Figure:
                          f"{fmt(top['forward_backward'] / top['tokens']):>15}")
     fig.lines.append("long: each L in fresh ranks after a warm-up at the shortest L; 'x prev' = peak(L) / peak(L/2): "
                      "2 is linear in tokens, 4 would be the untiled kernel's (n/W)^2")
+    peaks = [max(r["forward_backward"] for r in rs) for rs in long.values()]
+    steps = [b - a for a, b in zip(peaks, peaks[1:], strict=False)]
+    if len(steps) >= 2 and steps[0] > 0:
+        fig.lines.append("long: below 2 where the constant tile workspace dominates; the growth per doubling, "
+                         + ", ".join(f"{fmt(d / MIB)} MiB" for d in steps)
+                         + f", itself doubles (x{fmt(steps[-1] / steps[-2])}): linear in tokens")
     fig.targets = [Target(f"fwd+bwd peak per rank, {n} / {n // 2} tokens (linear: 2, quadratic: 4)", r, "<=", 2.3)
                    for n, r in ratios]
     fig.data = {"spec": spec, "ranks": {str(w): rs for w, rs in rows.items()},

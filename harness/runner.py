@@ -62,11 +62,28 @@ def baseline_for(case: Case, pool: Pool, impl: str, allow_import: bool = False) 
     return _BASELINES[key]
 
 
+LARGE_CASE_TOKENS = 8192  # below this every case fits; above it the memory estimate is checked first
+
+
+def check_memory(case: Case) -> None:
+    """Refuse, before any rank starts, a case this machine cannot hold (issue #21): one line with the estimate
+    (ranks with tiled blocks + the parent's float64 oracle) instead of a rank killed mid-run."""
+    if case.total_len < LARGE_CASE_TOKENS:
+        return
+    from harness.errors import HarnessError
+    from harness.ranks import oom
+
+    est = oom.estimate(case)
+    if not est.fits:
+        raise HarnessError(f"{case.summary()}: too large for this machine: {est.words()}")
+
+
 def run_case(case: Case, pool: Pool, impl: str | None = None, *, allow_import: bool = False,
              leak: bool = True, keep_shards: bool = False) -> CaseResult:
     """Run `case` on the pool (implementation `impl` or the case's own) and judge it; with
     `keep_shards` the result also holds every rank's output tensors (for localisation probes)."""
     name = impl or case.impl
+    check_memory(case)
     baseline = baseline_for(case, pool, name, allow_import) if case.faults else None
     t_submit = time.perf_counter()
     ticket = pool.submit(case, name, allow_import=allow_import, leak=leak, whole_world=needs_whole_world(name))

@@ -491,8 +491,9 @@ def _confirm_later(bug: Bug, found: history_mod.HistoryFinding, impl_version: st
                                                    impl_version=impl_version, backend=backend,
                                                    note=f"found while shrinking another failure; shrunk version: "
                                                         f"{stem}-shrunk-sequence.yaml")
+        old.unlink(missing_ok=True)  # neither it nor hypothesis's best-so-far on warm ranks is a reproducer
+        bug.shrunk_path.unlink(missing_ok=True)
         bug.shrunk_path = old.with_name(f"{stem}-shrunk-sequence.yaml")
-        old.unlink(missing_ok=True)
         return
     r = found.reproducer
     lines = [f"signature: {bug.signature.label()}", found.evidence()]

@@ -2,14 +2,16 @@
 and the exact causality-leak check. Produces per-rank, per-tensor checks with error ratios and positions.
 
 The precision check (`coarse_grid`): a tensor returned in the case's dtype must carry that dtype's
-precision. When every one of at least GRID_MIN_VALUES nonzero normal values of a rank's out/dq/dk/dv
-is exactly a value of a narrower dtype (fp16 -> bf16; fp32 -> bf16 or fp16), the tensor went through
+precision. When every one of at least GRID_MIN_VALUES distinct nonzero normal values of a rank's
+out/dq/dk/dv is exactly a value of a narrower dtype (fp16 -> bf16; fp32 -> bf16 or fp16), the tensor went through
 that dtype on its way: a real bug class (ring-flash-attn and yunchang return an fp16 dq rounded through
 bf16, zhuzilin/ring-flash-attention#87) that the error bound alone cannot see, since a single bf16
 rounding (8 fp16 units) is inside what a correct flash-style backward may err. Why no correct
 implementation fails it: a value computed in fp16 has uniformly distributed low mantissa bits, so it is
 a bf16 value with probability 1/8 (fp32: 2^-16 for bf16, 2^-13 for fp16), independently enough across
-elements of random-normal inputs that 64 of them all on the grid has probability <= 8^-64 ~ 1e-58.
+distinct values of random-normal inputs that 64 of them all on the grid has probability <= 8^-64 ~ 1e-58
+(distinct: under near-tie keys and a one-dimensional head every query's output is the same number, so
+64 copies of one value are one sample; seen on torch-ring).
 Zeros (masked rows, zero gradients) and subnormals are not looked at, nor values below GRID_FLOOR (1/64)
 of the scale of the terms they are summed from (TermScales): a result of heavy cancellation, e.g. dq of
 near-tie keys, can be exact with few significant bits when a correct ring adds two partial results in
@@ -53,13 +55,14 @@ GRID_FLOOR = 2.0**-6  # values below this fraction of their summed terms' scale 
 
 def coarse_grid(t: torch.Tensor, dtype: str, floor: float = 0.0) -> tuple[str, int]:
     """(the coarsest dtype narrower than `dtype` on whose grid every normal value of `t` at least `floor`
-    in magnitude lies, or '' when there is none or fewer than GRID_MIN_VALUES values to tell; the number
-    of values looked at)."""
+    in magnitude lies, or '' when there is none or fewer than GRID_MIN_VALUES distinct values to tell; the
+    number of distinct values looked at)."""
     narrower = NARROWER.get(dtype, ())
     if not narrower or t.dtype != TORCH_DTYPES[dtype] or not t.is_floating_point():
         return "", 0
     x = t.reshape(-1)
-    x = x[torch.isfinite(x) & (x.abs() >= max(torch.finfo(t.dtype).tiny, floor))]
+    # distinct values: one value repeated (e.g. every query's output under a uniform softmax) is one sample
+    x = torch.unique(x[torch.isfinite(x) & (x.abs() >= max(torch.finfo(t.dtype).tiny, floor))])
     n = x.numel()
     if n < GRID_MIN_VALUES:
         return "", n

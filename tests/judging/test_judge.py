@@ -128,15 +128,17 @@ def test_coarse_grid_names_the_narrower_dtype_a_tensor_went_through():
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 32, generator=g)
-    assert coarse_grid(x.half(), "fp16") == ("", 128)
-    assert coarse_grid(x.to(torch.bfloat16).half(), "fp16") == ("bf16", 128)
+    assert coarse_grid(x.half(), "fp16")[0] == "" and coarse_grid(x.half(), "fp16")[1] >= 120  # distinct values
+    assert coarse_grid(x.to(torch.bfloat16).half(), "fp16")[0] == "bf16"
     assert coarse_grid(x, "fp32") == ("", 128)
+    # one value repeated is one sample, whatever the tensor's size (uniform softmax, one-dimensional head)
+    assert coarse_grid(torch.full((500,), 0.375, dtype=torch.half), "fp16") == ("", 1)
     assert coarse_grid(x.half().float(), "fp32")[0] == "fp16"
     assert coarse_grid(x.to(torch.bfloat16).float(), "fp32")[0] == "bf16"  # the coarsest first
     assert coarse_grid(x.to(torch.bfloat16), "bf16") == ("", 0)  # nothing narrower to go through
     # zeros and subnormals are not evidence; too few values give no verdict
     few = x.to(torch.bfloat16).half().reshape(-1)[: GRID_MIN_VALUES - 1]
-    assert coarse_grid(torch.cat([few, torch.zeros(500, dtype=torch.half)]), "fp16") == ("", GRID_MIN_VALUES - 1)
+    assert coarse_grid(torch.cat([few, torch.zeros(500, dtype=torch.half)]), "fp16")[0] == ""
     # values below the floor (heavy cancellation: few significant bits even when correct) are no evidence
     assert coarse_grid(x.to(torch.bfloat16).half() * 1e-3, "fp16", floor=0.01) == ("", 0)
     # one value off the grid is enough to clear it

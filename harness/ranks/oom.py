@@ -35,7 +35,7 @@ RECENT_S = 5.0  # free-memory samples this close to a death count as "just befor
 LOW_MEMORY_FRACTION = 0.08  # MemAvailable under this share of the limit (or under LOW_MEMORY_BYTES): near it
 LOW_MEMORY_BYTES = 512 << 20
 GIB = float(1 << 30)
-REAP_WAIT_S = 2.0
+REAP_WAIT_S = 5.0  # a rank that raised at start can take seconds to exit on a loaded machine (torch teardown)
 
 
 @dataclass

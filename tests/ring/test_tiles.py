@@ -12,6 +12,7 @@ from ring_impl import MaskSpec, ring_attention
 from ring_impl import kernel as K
 from ring_impl.kernel import TileMask, block_backward, block_forward
 from ring_impl.masks import allowed, full_mask
+from tests.ring.test_kernel import reference, rel_err  # the float64 referee and the error measure
 
 DTYPES = TORCH_DTYPES
 # the kernel's own float64 bound (tests/ring/test_kernel.py): float32 rounding only, whatever the tiles
@@ -25,22 +26,6 @@ MASKS = [
 ]
 HEADS = [(4, 4), (4, 2), (6, 1)]
 SHAPES = [(13, 17, 4), (9, 23, 5), (20, 7, 8)]  # (Lq, Lk, tile): uneven, tile not dividing either
-
-
-def reference(q, k, v, scale, mask):
-    q, k, v = q.double(), k.double(), v.double()
-    g = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0).unsqueeze(-1))
-    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
 def make(seed, lq, lk, hq, hkv, dtype, d=8):

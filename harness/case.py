@@ -28,7 +28,7 @@ from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import parse_faults
 from ring_impl.layouts import LAYOUTS, split_lengths
-from ring_impl.masks import MASK_KINDS, MaskSpec
+from ring_impl.masks import MASK_KINDS, MaskSpec, expr_from_dict
 
 FORMAT = 1
 VALUE_KINDS = ("normal", "large", "near-tie")
@@ -78,10 +78,7 @@ class Case:
     def summary(self) -> str:
         """A short one-line description for tables."""
         heads = f"h{self.heads_q}" if self.heads_q == self.heads_kv else f"h{self.heads_q}/{self.heads_kv}"
-        m = self.mask
-        mask = {"window": f"window{m.window}", "document": f"doc{len(m.doc_starts)}{'' if m.causal else 'nc'}"}.get(
-            m.kind, m.kind
-        )
+        mask = self.mask.describe()
         # the total, then the per-rank lengths: `L16=4/rank` (even split), `L27=7,7,7,6` (one per rank)
         per = (f"{self.seq_lens[0]}/rank" if len(set(self.seq_lens)) == 1 else ",".join(map(str, self.seq_lens)))
         lens = f"{self.total_len}={per}"
@@ -146,9 +143,10 @@ def validate(c: Case) -> None:
     _need(c.total_len >= 1, "seq_lens", "the total sequence length must be at least 1")
     _need(c.layout in LAYOUTS, "layout", f"unknown layout {c.layout!r}; expected one of {', '.join(LAYOUTS)}")
     _need(isinstance(c.mask, MaskSpec), "mask", f"must be a mask mapping, got {c.mask!r}")
-    if c.mask.kind == "document":
-        _need(c.mask.doc_starts[-1] < c.total_len, "mask",
-              f"document start {c.mask.doc_starts[-1]} is beyond the sequence (length {c.total_len})")
+    for leaf in c.mask.expression().leaves():
+        if leaf.op == "document":
+            last = leaf.param("starts")[-1]
+            _need(last < c.total_len, "mask", f"document start {last} is beyond the sequence (length {c.total_len})")
     _need(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}")
     _need(c.softmax_scale is None or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale)
                                       and c.softmax_scale > 0),
@@ -205,12 +203,20 @@ def to_dict(c: Case) -> dict:
     }
 
 
+LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}
+
+
 def _mask_from_dict(d: Any) -> MaskSpec:
+    """A mask: one of the original kinds (`{kind: causal}`, `{kind: window, window: 3}`, `{kind: document,
+    doc_starts: [...], causal: false}`), or an expression of primitives and and / or / not
+    (ring_impl.masks: `{and: [{kind: causal}, {kind: chunked, size: 8}]}`)."""
     if not isinstance(d, dict):
         raise HarnessError(f"case field 'mask': must be a mapping like {{kind: causal}}, got {d!r}")
-    unknown = set(d) - {"kind", "window", "doc_starts", "causal"}
-    if unknown:
-        raise HarnessError(f"case field 'mask': unknown key(s) {', '.join(sorted(map(str, unknown)))}")
+    if d.get("kind", "none") not in MASK_KINDS or not set(d) <= LEGACY_MASK_KEYS:
+        try:
+            return MaskSpec.of(expr_from_dict(d))
+        except ValueError as e:
+            raise HarnessError(f"case field 'mask': {e}") from None
     kind = d.get("kind", "none")
     if kind not in MASK_KINDS:
         raise HarnessError(f"case field 'mask': unknown kind {kind!r}; expected one of {', '.join(MASK_KINDS)}")

@@ -1,36 +1,205 @@
-"""Attention masks decided by the global positions of query and key tokens.
+"""Attention masks decided by the global positions of query and key tokens: one module owns them.
 
 Because a mask is a function of global positions only, one kernel serves every layout and every
-uneven split: a block's mask is `allowed(spec, q_positions, k_positions)`.
+uneven split: a block's mask is `allowed(spec, q_positions, k_positions)`, and the same predicate gives
+the oracle's explicit mask, the reference ring's per-block decision (`block_decision`: skip / full /
+partial), the leak check's "may see" relation (`visible_keys`) and the case summary (`describe`).
+
+A mask is a `MaskSpec`. The four original kinds (none, causal, window, document) stay as they were
+(old case files load and replay unchanged); any other mask is kind "expr": an `Expr` tree of named
+primitives combined with and / or / not. Pure data, never code:
+
+  full                       every key
+  causal                     k <= q
+  inverse-causal             k >= q
+  window(left, right)        q - left <= k <= q + right
+  chunked(size)              q // size == k // size               (global chunk ids)
+  dilated(segment, rate, offset)
+                             same segment (q // s == k // s), and both (q mod s) and (k mod s) are
+                             = offset (mod rate): a query off the dilation grid sees nothing
+  prefix(length)             k < length                          (every query sees the prefix)
+  document(starts)           q and k in the same document (starts: sorted, the first 0)
+  blocks(size, pairs)        (q // size, k // size) is one of `pairs` (an explicit block table)
+
+An expression written exactly as an original kind is stored as that kind (`MaskSpec.of`): `{kind: full}` is
+`{kind: none}`, `{kind: window, left: 3, right: 0}` is `{kind: window, window: 3}`, `{and: [{kind: document,
+starts: S}, {kind: causal}]}` is `{kind: document, doc_starts: S, causal: true}`.
+
+Rows that see nothing (a query no key is visible to) are allowed: their out is 0, lse is -inf, dq is 0,
+and keys no query sees get dk = dv = 0 (README "Masks").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-MASK_KINDS = ("none", "causal", "window", "document")
+MASK_KINDS = ("none", "causal", "window", "document")  # the original kinds (capability names too)
+SPEC_KINDS = (*MASK_KINDS, "expr")
+PRIMITIVES: dict[str, tuple[str, ...]] = {  # name -> parameters, in order
+    "full": (),
+    "causal": (),
+    "inverse-causal": (),
+    "window": ("left", "right"),
+    "chunked": ("size",),
+    "dilated": ("segment", "rate", "offset"),
+    "prefix": ("length",),
+    "document": ("starts",),
+    "blocks": ("size", "pairs"),
+}
+COMBINATORS = ("and", "or", "not")
+EXPR = "expr"  # the capability of reading a general expression at all (`MaskSpec.expr`)
+# every capability name a mask can need: an implementation declares the ones it supports
+MASK_FEATURES = tuple(dict.fromkeys((*MASK_KINDS, EXPR, *PRIMITIVES, *COMBINATORS)))
+MAX_BLOCK_TABLE = 4096  # entries of a blocks() table
+DECISION_CHUNK = 1 << 20  # entries of the block mask evaluated at once by block_decision
+
+SKIP, FULL, PARTIAL = "skip", "full", "partial"
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A mask expression: a primitive (`op` in PRIMITIVES, `params` its values in order) or a
+    combinator (`op` in COMBINATORS, `args` its operands; `not` has exactly one)."""
+
+    op: str
+    params: tuple[Any, ...] = ()
+    args: tuple[Expr, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.op in COMBINATORS:
+            if self.params:
+                raise ValueError(f"{self.op} takes operands, not parameters")
+            if self.op == "not" and len(self.args) != 1:
+                raise ValueError(f"not takes exactly one operand, got {len(self.args)}")
+            if self.op != "not" and len(self.args) < 1:
+                raise ValueError(f"{self.op} needs at least one operand")
+            return
+        if self.op not in PRIMITIVES:
+            raise ValueError(f"unknown mask primitive {self.op!r}; expected one of {', '.join(PRIMITIVES)} "
+                             f"(or and / or / not)")
+        if self.args:
+            raise ValueError(f"{self.op} takes parameters, not operands")
+        names = PRIMITIVES[self.op]
+        if len(self.params) != len(names):
+            raise ValueError(f"{self.op} takes {len(names)} parameter(s) ({', '.join(names)}), got {len(self.params)}")
+        object.__setattr__(self, "params", _checked(self.op, self.params))
+
+    def param(self, name: str) -> Any:
+        return self.params[PRIMITIVES[self.op].index(name)]
+
+    def __str__(self) -> str:
+        """The compact one-line form, e.g. `causal&(chunked(8)|prefix(3))`."""
+        if self.op == "not":
+            return f"!{_paren(self.args[0], 'not')}"
+        if self.op in ("and", "or"):
+            sym = "&" if self.op == "and" else "|"
+            return sym.join(_paren(a, self.op) for a in self.args)
+        if self.op == "document":
+            return f"doc({len(self.param('starts'))})"
+        if self.op == "blocks":
+            return f"blocks({self.param('size')},{len(self.param('pairs'))})"
+        return f"{self.op}({','.join(str(p) for p in self.params)})" if self.params else self.op
+
+    def leaves(self) -> list[Expr]:
+        """The primitives of the expression, left to right."""
+        if self.op in COMBINATORS:
+            return [leaf for a in self.args for leaf in a.leaves()]
+        return [self]
+
+    def combinators(self) -> set[str]:
+        if self.op not in COMBINATORS:
+            return set()
+        return {self.op}.union(*(a.combinators() for a in self.args))
+
+    def size(self) -> int:
+        """Nodes in the tree (the shrink order's measure of complexity)."""
+        return 1 + sum(a.size() for a in self.args)
+
+
+def _paren(e: Expr, parent: str) -> str:
+    s = str(e)
+    return f"({s})" if e.op in ("and", "or") and (e.op != parent or parent == "not") else s
+
+
+def _int(op: str, name: str, v: Any, lo: int) -> int:
+    if not (isinstance(v, int) and not isinstance(v, bool)) or v < lo:
+        raise ValueError(f"{op}: {name} must be an integer >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _checked(op: str, params: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The parameters validated and normalised (tuples, ints); ValueError naming the bad one."""
+    if op == "window":
+        return _int(op, "left", params[0], 0), _int(op, "right", params[1], 0)
+    if op in ("chunked", "prefix"):
+        return (_int(op, PRIMITIVES[op][0], params[0], 1 if op == "chunked" else 0),)
+    if op == "dilated":
+        seg, rate = _int(op, "segment", params[0], 1), _int(op, "rate", params[1], 1)
+        off = _int(op, "offset", params[2], 0)
+        if off >= rate:
+            raise ValueError(f"dilated: offset must be < rate ({rate}), got {off}")
+        return seg, rate, off
+    if op == "document":
+        starts = params[0]
+        if not isinstance(starts, (list, tuple)) or not starts:
+            raise ValueError(f"document: starts must be a non-empty list of integers, got {starts!r}")
+        starts = tuple(_int(op, "starts", s, 0) for s in starts)
+        if starts[0] != 0:
+            raise ValueError(f"document: starts must begin with 0, got {list(starts)}")
+        if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
+            raise ValueError(f"document: starts must be strictly increasing, got {list(starts)}")
+        return (starts,)
+    if op == "blocks":
+        size, pairs = _int(op, "size", params[0], 1), params[1]
+        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+            raise ValueError(f"blocks: pairs must be a list of [query block, key block] pairs, got {pairs!r}")
+        pairs = tuple(sorted({(_int(op, "pairs", p[0], 0), _int(op, "pairs", p[1], 0)) for p in pairs}))
+        if pairs and (max(p[0] for p in pairs) + 1) * (max(p[1] for p in pairs) + 1) > MAX_BLOCK_TABLE:
+            raise ValueError(f"blocks: the table may have at most {MAX_BLOCK_TABLE} entries")
+        return size, pairs
+    return ()
+
+
+def prim(op: str, *params: Any) -> Expr:
+    """A primitive, e.g. `prim("window", 3, 0)`."""
+    return Expr(op, tuple(params))
+
+
+def and_(*args: Expr) -> Expr:
+    return Expr("and", args=tuple(args))
+
+
+def or_(*args: Expr) -> Expr:
+    return Expr("or", args=tuple(args))
+
+
+def not_(arg: Expr) -> Expr:
+    return Expr("not", args=(arg,))
 
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """kind: none | causal | window | document.
+    """kind: none | causal | window | document (the original kinds) | expr.
 
     window: query i sees keys j with i - window <= j <= i (flash-attn's window_size=(window, 0)).
     doc_starts: for document masks, sorted global start positions of the packed documents
     (the first must be 0); attention stays inside a document, causal or not (`causal`).
+    expr: for kind expr, the expression (`Expr`); build one with `MaskSpec.of(expr)`.
     """
 
     kind: str = "none"
     window: int | None = None
     doc_starts: tuple[int, ...] = field(default_factory=tuple)
     causal: bool = True
+    expr: Expr | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in MASK_KINDS:
-            raise ValueError(f"unknown mask kind {self.kind!r}; expected one of {', '.join(MASK_KINDS)}")
+        if self.kind not in SPEC_KINDS:
+            raise ValueError(f"unknown mask kind {self.kind!r}; expected one of {', '.join(SPEC_KINDS)}")
         if self.kind == "window" and (self.window is None or int(self.window) < 0):
             raise ValueError(f"window mask needs a window >= 0, got {self.window!r}")
         if self.kind == "document":
@@ -40,24 +209,212 @@ class MaskSpec:
             if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
                 raise ValueError(f"doc_starts must be strictly increasing, got {list(starts)}")
             object.__setattr__(self, "doc_starts", starts)
+        if (self.kind == EXPR) != isinstance(self.expr, Expr):
+            raise ValueError("a mask of kind expr needs an expression (and only it has one)")
+
+    @staticmethod
+    def of(e: Expr) -> MaskSpec:
+        """The spec of an expression: one of the original kinds when it says exactly that, else kind expr."""
+        legacy = _as_legacy(e)
+        return legacy if legacy is not None else MaskSpec(EXPR, expr=e)
+
+    def expression(self) -> Expr:
+        """This mask as an expression (the original kinds are sugar for one)."""
+        if self.kind == EXPR:
+            return self.expr
+        if self.kind == "none":
+            return prim("full")
+        if self.kind == "causal":
+            return prim("causal")
+        if self.kind == "window":
+            return prim("window", int(self.window), 0)
+        doc = prim("document", self.doc_starts)
+        return and_(doc, prim("causal")) if self.causal else doc
 
     @property
     def is_causal(self) -> bool:
         """True when no query may see a later key."""
+        if self.kind == EXPR:
+            return _causal(self.expr)
         return self.kind in ("causal", "window") or (self.kind == "document" and self.causal)
+
+    @property
+    def is_full(self) -> bool:
+        """True when every query sees every key (no mask at all)."""
+        return self.kind == "none"
+
+    def needs(self) -> frozenset[str]:
+        """The capability names an implementation must declare to run this mask."""
+        if self.kind != EXPR:
+            return frozenset({self.kind})
+        return frozenset({EXPR, *(leaf.op for leaf in self.expr.leaves()), *self.expr.combinators()})
+
+    def describe(self) -> str:
+        """The case summary's mask word: none, causal, window5, doc3nc, or the expression."""
+        if self.kind == "window":
+            return f"window{self.window}"
+        if self.kind == "document":
+            return f"doc{len(self.doc_starts)}{'' if self.causal else 'nc'}"
+        if self.kind == EXPR:
+            return str(self.expr)
+        return self.kind
 
     def to_dict(self) -> dict:
         if self.kind == "none" or self.kind == "causal":
             return {"kind": self.kind}
         if self.kind == "window":
             return {"kind": "window", "window": int(self.window)}
+        if self.kind == EXPR:
+            return expr_to_dict(self.expr)
         return {"kind": "document", "doc_starts": list(self.doc_starts), "causal": bool(self.causal)}
 
 
-def doc_ids(spec: MaskSpec, pos: torch.Tensor) -> torch.Tensor:
-    """Document index of each global position (document masks only)."""
-    starts = torch.tensor(spec.doc_starts, dtype=torch.long, device=pos.device)
-    return torch.searchsorted(starts, pos, right=True) - 1
+def _causal(e: Expr) -> bool:
+    if e.op == "causal":
+        return True
+    if e.op == "window":
+        return e.param("right") == 0
+    if e.op == "and":
+        return any(_causal(a) for a in e.args)
+    if e.op == "or":
+        return all(_causal(a) for a in e.args)
+    return False
+
+
+def _as_legacy(e: Expr) -> MaskSpec | None:
+    if e.op == "full":
+        return MaskSpec("none")
+    if e.op == "causal":
+        return MaskSpec("causal")
+    if e.op == "window" and e.param("right") == 0:
+        return MaskSpec("window", window=e.param("left"))
+    if e.op == "document":
+        return MaskSpec("document", doc_starts=e.param("starts"), causal=False)
+    if e.op == "and" and len(e.args) == 2:
+        ops = sorted(a.op for a in e.args)
+        if ops == ["causal", "document"]:
+            doc = next(a for a in e.args if a.op == "document")
+            return MaskSpec("document", doc_starts=doc.param("starts"), causal=True)
+    return None
+
+
+# -- the data form (a case file's `mask:`) ------------------------------------------------------
+
+
+def expr_to_dict(e: Expr) -> dict:
+    """Plain data: `{kind: NAME, param: value, ...}` for a primitive, `{and: [...]}`, `{or: [...]}`,
+    `{not: {...}}` for a combinator."""
+    if e.op == "not":
+        return {"not": expr_to_dict(e.args[0])}
+    if e.op in COMBINATORS:
+        return {e.op: [expr_to_dict(a) for a in e.args]}
+    d: dict[str, Any] = {"kind": e.op}
+    for name, v in zip(PRIMITIVES[e.op], e.params, strict=True):
+        d[name] = [list(p) for p in v] if name == "pairs" else (list(v) if isinstance(v, tuple) else v)
+    return d
+
+
+MAX_DEPTH = 8
+MAX_NODES = 64
+
+
+def _at(where: str, msg: str) -> str:
+    return f"{where}: {msg}" if where else msg
+
+
+def expr_from_dict(d: Any, where: str = "", depth: int = 0) -> Expr:
+    """An expression from plain data; ValueError naming where (e.g. `and[1]: chunked: size must be ...`)."""
+    if depth > MAX_DEPTH:
+        raise ValueError(_at(where, f"nested deeper than {MAX_DEPTH}"))
+    if not isinstance(d, dict):
+        raise ValueError(_at(where, f"must be a mapping like {{kind: causal}} or {{and: [...]}}, got {d!r}"))
+    combo = [k for k in COMBINATORS if k in d]
+    if combo:
+        if len(d) != 1:
+            keys = sorted(map(str, d))
+            raise ValueError(_at(where, f"a combinator mapping has exactly one key ({combo[0]}), got {keys}"))
+        op = combo[0]
+        if op == "not":
+            return not_(expr_from_dict(d["not"], f"{where}.not" if where else "not", depth + 1))
+        items = d[op]
+        if not isinstance(items, list) or not items:
+            raise ValueError(_at(f"{where}.{op}" if where else op, f"must be a non-empty list of masks, got {items!r}"))
+        path = f"{where}.{op}" if where else op
+        e = Expr(op, args=tuple(expr_from_dict(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(items)))
+        if e.size() > MAX_NODES:
+            raise ValueError(_at(where, f"more than {MAX_NODES} nodes"))
+        return e
+    op = d.get("kind")
+    if op not in PRIMITIVES:
+        raise ValueError(_at(where, f"unknown kind {op!r}; expected one of {', '.join(PRIMITIVES)} "
+                         f"(or a mapping with one key: and, or, not)"))
+    names = PRIMITIVES[op]
+    unknown = set(d) - {"kind", *names}
+    if unknown:
+        raise ValueError(_at(where, f"unknown key(s) {', '.join(sorted(map(str, unknown)))} for {op} "
+                         f"(takes {', '.join(names) or 'nothing'})"))
+    missing = [n for n in names if n not in d]
+    if missing:
+        raise ValueError(_at(where, f"{op} needs {', '.join(missing)}"))
+    try:
+        return Expr(op, tuple(d[n] for n in names))
+    except ValueError as e:
+        raise ValueError(_at(where, f"{e}")) from None
+
+
+# -- evaluation -----------------------------------------------------------------------------------
+
+
+def doc_ids(spec: MaskSpec | Sequence[int], pos: torch.Tensor) -> torch.Tensor:
+    """Document index of each global position (from a document mask's starts, or the starts themselves)."""
+    starts = spec.doc_starts if isinstance(spec, MaskSpec) else tuple(spec)
+    return torch.searchsorted(torch.tensor(starts, dtype=torch.long, device=pos.device), pos, right=True) - 1
+
+
+def _block_table(size: int, pairs: tuple[tuple[int, int], ...], qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
+    if not pairs:
+        return torch.zeros(qb.shape[0], kb.shape[1], dtype=torch.bool, device=qb.device)
+    nq, nk = max(p[0] for p in pairs) + 1, max(p[1] for p in pairs) + 1
+    table = torch.zeros(nq + 1, nk + 1, dtype=torch.bool, device=qb.device)  # row/col nq, nk: outside
+    idx = torch.tensor(pairs, dtype=torch.long, device=qb.device)
+    table[idx[:, 0], idx[:, 1]] = True
+    return table[qb.clamp(max=nq), kb.clamp(max=nk)]
+
+
+def evaluate(e: Expr, qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
+    """Bool (Lq, Lk) of the expression for query positions qp (Lq, 1) and key positions kp (1, Lk)."""
+    shape = (qp.shape[0], kp.shape[1])
+    op = e.op
+    if op == "and" or op == "or":
+        out = evaluate(e.args[0], qp, kp)
+        for a in e.args[1:]:
+            out = (out & evaluate(a, qp, kp)) if op == "and" else (out | evaluate(a, qp, kp))
+        return out
+    if op == "not":
+        return ~evaluate(e.args[0], qp, kp)
+    if op == "full":
+        m = torch.ones(shape, dtype=torch.bool, device=qp.device)
+    elif op == "causal":
+        m = kp <= qp
+    elif op == "inverse-causal":
+        m = kp >= qp
+    elif op == "window":
+        m = (kp >= qp - e.param("left")) & (kp <= qp + e.param("right"))
+    elif op == "chunked":
+        c = e.param("size")
+        m = (qp // c) == (kp // c)
+    elif op == "dilated":
+        s, r, o = e.params
+        m = ((qp // s) == (kp // s)) & ((qp % s) % r == o) & ((kp % s) % r == o)
+    elif op == "prefix":
+        m = kp < e.param("length")
+    elif op == "document":
+        starts = e.param("starts")
+        m = doc_ids(starts, qp) == doc_ids(starts, kp)
+    else:  # blocks
+        size, pairs = e.params
+        m = _block_table(size, pairs, qp // size, kp // size)
+    return m.expand(shape)
 
 
 def allowed(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
@@ -70,20 +427,38 @@ def allowed(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.T
         return kp <= qp
     if spec.kind == "window":
         return (kp <= qp) & (kp >= qp - int(spec.window))
+    if spec.kind == EXPR:
+        return evaluate(spec.expr, qp, kp).contiguous()
     same = doc_ids(spec, q_pos).view(-1, 1) == doc_ids(spec, k_pos).view(1, -1)
     return same & (kp <= qp) if spec.causal else same
 
 
+def block_decision(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int = DECISION_CHUNK) -> str:
+    """SKIP (no query of the block may see any key of it), FULL (every query sees every key) or
+    PARTIAL, from global positions. The mask is evaluated a slab of query rows at a time (at most
+    `chunk` entries), so the decision never holds more than that, whatever the block's size."""
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return SKIP
+    if spec.kind == "none":
+        return FULL
+    if spec.kind == "causal":
+        if bool(k_pos.min() > q_pos.max()):
+            return SKIP
+        return FULL if bool(k_pos.max() <= q_pos.min()) else PARTIAL
+    rows = max(1, chunk // k_pos.numel())
+    any_seen, all_seen = False, True
+    for i in range(0, q_pos.numel(), rows):
+        m = allowed(spec, q_pos[i : i + rows], k_pos)
+        any_seen = any_seen or bool(m.any())
+        all_seen = all_seen and bool(m.all())
+        if any_seen and not all_seen:
+            return PARTIAL
+    return FULL if all_seen else SKIP
+
+
 def block_is_empty(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     """True when no query of the block may see any key of it, so the block can be skipped."""
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return True
-    if spec.kind == "none":
-        return False
-    if spec.kind == "causal":
-        return bool(k_pos.min() > q_pos.max())
-    m = allowed(spec, q_pos, k_pos)
-    return not bool(m.any())
+    return block_decision(spec, q_pos, k_pos) == SKIP
 
 
 def full_mask(spec: MaskSpec, total: int) -> torch.Tensor | None:
@@ -99,3 +474,37 @@ def visible_keys(spec: MaskSpec, queries: Sequence[int] | torch.Tensor, total: i
     if m is None:
         return torch.ones(total, dtype=torch.bool)
     return m.any(dim=0)
+
+
+def empty_rows(spec: MaskSpec, total: int, chunk: int = DECISION_CHUNK) -> torch.Tensor:
+    """Bool (total,): queries that may see no key at all (their out is 0 and lse -inf)."""
+    keys = torch.arange(total, dtype=torch.long)
+    out = torch.zeros(total, dtype=torch.bool)
+    if spec.kind == "none" or total == 0:
+        return out
+    rows = max(1, chunk // max(1, total))
+    for i in range(0, total, rows):
+        m = allowed(spec, keys[i : i + rows], keys)
+        out[i : i + rows] = ~m.any(dim=1)
+    return out
+
+
+def _map_leaves(e: Expr, fn) -> Expr:
+    if e.op in COMBINATORS:
+        return Expr(e.op, args=tuple(_map_leaves(a, fn) for a in e.args))
+    return fn(e)
+
+
+def fit(spec: MaskSpec, total: int) -> MaskSpec:
+    """The mask for a sequence cut to `total` tokens: document starts at or beyond it dropped."""
+    if spec.kind == "document":
+        return MaskSpec("document", doc_starts=tuple(s for s in spec.doc_starts if s < total), causal=spec.causal)
+    if spec.kind != EXPR:
+        return spec
+
+    def cut(leaf: Expr) -> Expr:
+        if leaf.op != "document":
+            return leaf
+        return prim("document", tuple(s for s in leaf.param("starts") if s < max(1, total)))
+
+    return MaskSpec.of(_map_leaves(spec.expr, cut))

@@ -21,7 +21,7 @@ from ring_impl import layouts
 from ring_impl.buffers import DoubleBuffer
 from ring_impl.comm import LocalComm, RingComm, RingPeers, ring_peers
 from ring_impl.kernel import TileMask, block_backward, block_forward, gqa_kv_heads, needs_tiles
-from ring_impl.masks import MaskSpec, allowed, block_is_empty
+from ring_impl.masks import FULL, SKIP, MaskSpec, allowed, block_decision
 from ring_impl.merge import merge
 
 KV_TAG = 0
@@ -52,13 +52,16 @@ class KVBlock:
 
 def skip_empty_block(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt) -> bool:
     """Skip a block when no query may see any of its keys (decided by global positions only)."""
-    return block_is_empty(spec, q_pos, k_pos)
+    return block_decision(spec, q_pos, k_pos) == SKIP
 
 
 def position_mask(
     spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt
 ) -> torch.Tensor | None:
-    """The block's mask from global positions; the same rule for every layout, step and split."""
+    """The block's mask from global positions; the same rule for every layout, step and split. None for a
+    block every query of which sees every key (`block_decision` FULL: no mask to apply)."""
+    if block_decision(spec, q_pos, k_pos) == FULL:
+        return None
     return allowed(spec, q_pos, k_pos)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from harness.context import Capabilities
-from ring_impl.masks import MaskSpec
+from ring_impl.masks import MASK_FEATURES, MaskSpec, fit
 
 if TYPE_CHECKING:  # annotations only: the adapters import this module inside the ranks
     from harness.case import Case
@@ -26,7 +26,7 @@ def missing_features(
     caps: Capabilities,
     *,
     layout: str,
-    mask_kind: str,
+    mask_kind: str | MaskSpec,
     dtype: str,
     world_size: int,
     heads_q: int,
@@ -39,13 +39,14 @@ def missing_features(
     """The feature keys of a run that `caps` does not declare, in a fixed order (empty: supported).
 
     `subgroup` (the ring is not global ranks 0..W-1) and `backend` may be None: not known at this
-    point, so not checked.
+    point, so not checked. `mask_kind`: a mask (every capability name it needs: `MaskSpec.needs`, e.g. an
+    expression needs "expr", its primitives and its combinators) or one name.
     """
     missing = []
     if layout not in caps.layouts:
         missing.append(f"layout:{layout}")
-    if mask_kind not in caps.masks:
-        missing.append(f"mask:{mask_kind}")
+    needs = mask_kind.needs() if isinstance(mask_kind, MaskSpec) else {mask_kind}
+    missing.extend(f"mask:{n}" for n in MASK_FEATURES if n in needs and n not in caps.masks)
     if dtype not in caps.dtypes:
         missing.append(f"dtype:{dtype}")
     lo, hi = caps.world_sizes
@@ -125,7 +126,8 @@ def divisible_heads(heads_q: int, heads_kv: int, world_size: int) -> tuple[int, 
 
 def case_features(c: Case) -> list[str]:
     """The features a case exercises, as `kind:value` strings (the capability matrix's rows)."""
-    feats = [f"layout:{c.layout}", f"mask:{c.mask.kind}", f"dtype:{c.dtype}", f"world:{c.world_size}"]
+    feats = [f"layout:{c.layout}", *(f"mask:{n}" for n in MASK_FEATURES if n in c.mask.needs()), f"dtype:{c.dtype}",
+             f"world:{c.world_size}"]
     if c.heads_q != c.heads_kv:
         feats.append("gqa" if c.heads_kv > 1 else "mqa")
     if c.heads_q % c.world_size or c.heads_kv % c.world_size:
@@ -147,7 +149,7 @@ def unsupported(caps: Capabilities, c: Case, backend: str | None = None) -> list
     return missing_features(
         caps,
         layout=c.layout,
-        mask_kind=c.mask.kind,
+        mask_kind=c.mask,
         dtype=c.dtype,
         world_size=c.world_size,
         heads_q=c.heads_q,
@@ -167,9 +169,10 @@ DTYPE_FALLBACK = {"fp16": ("bf16", "fp32"), "bf16": ("fp16", "fp32"), "fp32": ("
 
 
 def _mask_fallbacks(mask: MaskSpec) -> tuple[MaskSpec, ...]:
-    """window -> causal; causal document -> causal, none; bidirectional document -> none, causal."""
+    """window -> causal; causal document -> causal, none; bidirectional document -> none, causal; an
+    expression -> causal, none when it is causal, else none, causal."""
     causal, none = MaskSpec("causal"), MaskSpec("none")
-    if mask.kind == "window" or (mask.kind == "document" and mask.causal):
+    if mask.kind == "window" or (mask.kind in ("document", "expr") and mask.is_causal):
         return causal, none
     if mask.kind == "causal":
         return none,
@@ -195,8 +198,8 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         if layout is None:
             return None
         changes["layout"] = layout
-    if c.mask.kind not in caps.masks:
-        mask = next((m for m in _mask_fallbacks(c.mask) if m.kind in caps.masks), None)
+    if not c.mask.needs() <= caps.masks:
+        mask = next((m for m in _mask_fallbacks(c.mask) if m.needs() <= caps.masks), None)
         if mask is None:
             return None
         changes["mask"] = mask
@@ -228,11 +231,8 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         changes["heads_q"], changes["heads_kv"] = divisible_heads(heads_q, heads_kv, world)
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
         changes["head_dim"] = min(caps.head_dims, key=lambda d: abs(d - c.head_dim))
-    if "seq_lens" in changes and c.mask.kind == "document":
-        m = changes.get("mask", c.mask)
-        if m.kind == "document":
-            n = sum(changes["seq_lens"])
-            changes["mask"] = MaskSpec("document", doc_starts=tuple(s for s in m.doc_starts if s < n), causal=m.causal)
+    if "seq_lens" in changes:
+        changes["mask"] = fit(changes.get("mask", c.mask), sum(changes["seq_lens"]))
     try:
         out = c.replace(**changes)
     except Exception:  # an adaptation that makes no valid case (e.g. too few tokens for the ranks)

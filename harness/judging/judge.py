@@ -72,6 +72,26 @@ def coarse_grid(t: torch.Tensor, dtype: str, floor: float = 0.0) -> tuple[str, i
     return "", n
 
 
+def _same_infinity(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Where the reference is infinite and the result is the same infinity: the lse = -inf of a query that
+    sees no key (README "Rows that see nothing") matched by a result of -inf. An implementation with
+    flash-attn's +inf convention for such rows is read as -inf only by its adapter, where documented:
+    here +inf against -inf is a wrong value like any other."""
+    return torch.isinf(want) & (got == want)
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want|, 0 where both are the same infinity (NaN where they are different ones)."""
+    return torch.where(_same_infinity(got, want), torch.zeros_like(want), (got - want).abs())
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    """max |t| over its finite values (a row that sees nothing has lse -inf; it sets no scale)."""
+    a = t.abs()
+    a = a[torch.isfinite(a)]
+    return float(a.max()) if a.numel() else 0.0
+
+
 def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: Reference, base: Reference,
                   maps: dict[str, torch.Tensor] | None = None) -> list[TensorCheck]:
     """Compare each rank's shards (group rank -> {tensor: shard}) with the reference.
@@ -80,13 +100,13 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
     non-finite), so harness.localise can say where errors concentrate."""
     pos_all = all_positions(case.layout, case.seq_lens)
     checks = []
-    lse_max = float(ref.lse.abs().max()) if ref.lse.numel() else 0.0
+    lse_max = _finite_max(ref.lse)
     names = [n for n in ("out", "lse", "dq", "dk", "dv") if any(n in s for s in shards.values())]
     for name in names:
         r64 = _as_bnhd(getattr(ref, name), name)
         b = _as_bnhd(getattr(base, name), name).to(torch.float64)
-        base_err = float((b - r64).abs().nan_to_num(nan=float("inf")).max()) if r64.numel() else 0.0
-        ref_max = float(r64.abs().max()) if r64.numel() else 0.0
+        base_err = float(_diff(b, r64).nan_to_num(nan=float("inf")).max()) if r64.numel() else 0.0
+        ref_max = _finite_max(r64)
         grid_floor = GRID_FLOOR * max(ref.term_scale.get(name, {}).values(), default=0.0)
         allowed = tolerance.bound(name, case.dtype, base_err, ref_max, case.tolerance, case.world_size, lse_max,
                                   ref.term_scale.get(name, 0.0))
@@ -95,8 +115,9 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
                 continue
             got = _as_bnhd(tensors[name], name).to(torch.float64)
             want = r64.index_select(1, pos_all[rank])
-            diff = (got - want).abs()
-            nonfinite = int((~torch.isfinite(got)).sum())
+            diff = _diff(got, want)
+            bad_values = ~torch.isfinite(got) & ~_same_infinity(got, want)
+            nonfinite = int(bad_values.sum())
             if diff.numel() == 0:
                 checks.append(TensorCheck(name, rank, 0.0, allowed, 0, {}, True))
                 continue
@@ -110,7 +131,7 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
             position = {"batch": int(bi), "token": int(pos_all[rank][li]), "head": int(hi)}
             kinds = ""
             if nonfinite:
-                bad = got[~torch.isfinite(got)]
+                bad = got[bad_values]
                 counts = (("NaN", bad.isnan()), ("+inf", bad == float("inf")), ("-inf", bad == float("-inf")))
                 kinds = ",".join(k for k, mask in counts if bool(mask.any()))
             grid, looked = ("", 0) if name == "lse" else coarse_grid(tensors[name], case.dtype, grid_floor)

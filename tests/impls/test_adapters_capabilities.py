@@ -18,7 +18,7 @@ from harness.impls.adapters import (
 )
 from harness.impls.registry import ImplError
 from ring_impl.layouts import LAYOUTS, all_positions
-from ring_impl.masks import MASK_KINDS, MaskSpec
+from ring_impl.masks import MASK_FEATURES, MaskSpec
 
 
 def make_ctx(layout="contiguous", lengths=(8, 8), mask=None, rank=0, device="cpu", scale=0.25):
@@ -49,7 +49,7 @@ def caps_of(name: str) -> Capabilities:
 def test_declarations_are_well_formed(name):
     c = caps_of(name)
     assert c.layouts and c.layouts <= set(LAYOUTS)
-    assert c.masks and c.masks <= set(MASK_KINDS)
+    assert c.masks and c.masks <= set(MASK_FEATURES)
     assert c.dtypes and c.dtypes <= set(DTYPES)
     assert c.backends and c.backends <= {"gloo", "nccl"}
     assert 1 <= c.world_sizes[0] <= c.world_sizes[1]
@@ -76,7 +76,8 @@ def test_gpu_only_adapters_declare_nccl_and_no_fp32_flash(name):
 
 
 def test_specific_claims():
-    assert caps_of("reference").returns_lse and caps_of("reference") == Capabilities(returns_lse=True)
+    ref = caps_of("reference")
+    assert ref.returns_lse and ref == Capabilities(returns_lse=True, masks=frozenset(MASK_FEATURES))
     rap = caps_of("ring-attention-pytorch")
     assert rap.dtypes == {"fp32"} and not rap.uneven and rap.world_sizes[0] == 2
     assert rap.layouts == {"contiguous", "striped"} and rap.masks == {"none", "causal"}

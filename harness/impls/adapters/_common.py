@@ -77,7 +77,7 @@ def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k:
     missing = missing_features(
         caps,
         layout=ctx.layout,
-        mask_kind=ctx.mask.kind,
+        mask_kind=ctx.mask,
         dtype=dtype_name(q.dtype),
         world_size=ctx.world_size,
         heads_q=q.shape[2],
@@ -87,11 +87,16 @@ def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k:
         subgroup=is_subgroup(ctx),
         backend=backend_of(ctx),
     )
-    return [
+    keys = [f for f in missing if f not in lets_run]
+    why = [
         feature_words(f, caps, heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths,
                       global_ranks=ctx.global_ranks, world_size=ctx.world_size)
-        for f in missing if f not in lets_run
+        for f in keys
     ]
+    masks = [i for i, f in enumerate(keys) if f.startswith("mask:")]
+    if masks and ctx.mask.kind == "expr":  # name the whole expression once, after its last missing piece
+        why[masks[-1]] += f" (the mask is {ctx.mask.describe()}; declared: {', '.join(sorted(caps.masks))})"
+    return why
 
 
 def require_supported(

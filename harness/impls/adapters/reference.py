@@ -11,9 +11,11 @@ from typing import Any
 
 from harness.context import Capabilities, Impl, RunContext
 from harness.impls.adapters._common import Variant, installed_version, variant
+from ring_impl.masks import MASK_FEATURES
 
 EXTRA = None  # part of the project itself
-REFERENCE_CAPABILITIES = Capabilities(returns_lse=True)  # the mutants' too: they are wrapped alike
+# every mask of the mask language (ring_impl.masks); the mutants' too: they are wrapped alike
+REFERENCE_CAPABILITIES = Capabilities(returns_lse=True, masks=frozenset(MASK_FEATURES))
 VARIANTS = {"reference": Variant(REFERENCE_CAPABILITIES)}
 MUTANT_PREFIX = "mutant:"
 

@@ -1,5 +1,6 @@
-"""Run one case end to end: the ranks compute while this process computes the oracle, then the
-case is judged (`harness.judging.verdicts.judge`) and gets exactly one verdict.
+"""Run one case end to end: the ranks compute, then (unless cached) each computes its share of the
+oracle (`oracle_mode` "ranks", the default; "local": this process computes it while the ranks run), then
+the case is judged (`harness.judging.verdicts.judge`) and gets exactly one verdict.
 
 This is the one step every check, search and diagnosis goes through: case -> ranks -> judging ->
 `CaseResult`. A case with benign faults first runs fault-free (cached), so judging can demand that
@@ -8,9 +9,11 @@ the faults left the results bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +25,52 @@ from harness.result import CaseResult, Verdict
 
 if TYPE_CHECKING:
     from harness.ranks.protocol import Pool
+
+ORACLE_MODES = ("ranks", "local")  # who computes the oracle: each rank its own share, or this process
+_ORACLE_MODE = {"mode": "ranks"}
+ORACLE_FLOPS_FLOOR = 2e7  # float64 flop/s a rank is assumed to reach at worst (a loaded core): the oracle's deadline
+ORACLE_DEADLINE_MIN_S = 120.0
+
+
+@contextlib.contextmanager
+def oracle_mode(mode: str) -> Iterator[None]:
+    """Run the cases of a block with the oracle computed by `mode` ("ranks" or "local")."""
+    if mode not in ORACLE_MODES:
+        from harness.errors import HarnessError
+
+        raise HarnessError(f"unknown oracle {mode!r}; expected one of {', '.join(ORACLE_MODES)}")
+    saved = _ORACLE_MODE["mode"]
+    _ORACLE_MODE["mode"] = mode
+    try:
+        yield
+    finally:
+        _ORACLE_MODE["mode"] = saved
+
+
+def oracle_deadline(case: Case) -> float:
+    """Seconds the ranks get for their oracle shares: the float64 and base work of the largest share
+    (about 16 flops per query x key x head x dim) at ORACLE_FLOPS_FLOOR, never under ORACLE_DEADLINE_MIN_S."""
+    rows = max(case.seq_lens) if case.seq_lens else 0
+    flops = 16.0 * case.batch * case.heads_q * case.head_dim * rows * case.total_len
+    return max(ORACLE_DEADLINE_MIN_S, flops / ORACLE_FLOPS_FLOOR)
+
+
+def ring_completed(case: Case, reply) -> bool:
+    """Every rank of the case's ring returned its tensors (so the case will be judged against the oracle)."""
+    if reply.hung or reply.dead:
+        return False
+    ring = range(case.group_offset, case.group_offset + case.world_size)
+    return all(reply.replies.get(r, {}).get("status") == "ok" for r in ring)
+
+
+def oracle_from_ranks(case: Case, pool: Pool) -> float:
+    """Have the ring's ranks compute the case's oracle shares, assemble and cache them; the slowest share's
+    seconds on its rank."""
+    shares = pool.oracle(case, oracle_deadline(case))
+    parts = [shares[g] for g in range(case.world_size)]
+    oracle.store(case, (oracle.assemble(case, [p[0] for p in parts]), oracle.assemble(case, [p[1] for p in parts])))
+    return max(p[0].seconds + p[1].seconds for p in parts)
+
 
 _BASELINES: dict[tuple[str, str], dict] = {}
 _BASELINES_MAX = 64
@@ -65,15 +114,16 @@ def baseline_for(case: Case, pool: Pool, impl: str, allow_import: bool = False) 
 LARGE_CASE_TOKENS = 8192  # below this every case fits; above it the memory estimate is checked first
 
 
-def check_memory(case: Case) -> None:
+def check_memory(case: Case, mode: str | None = None) -> None:
     """Refuse, before any rank starts, a case this machine cannot hold (issue #21): one line with the estimate
-    (ranks with tiled blocks + the parent's float64 oracle) instead of a rank killed mid-run."""
+    (ranks with tiled blocks and their oracle shares, or the parent's whole oracle under `local`) instead of a
+    rank killed mid-run."""
     if case.total_len < LARGE_CASE_TOKENS:
         return
     from harness.errors import HarnessError
     from harness.ranks import oom
 
-    est = oom.estimate(case)
+    est = oom.estimate(case, oracle=mode or _ORACLE_MODE["mode"])
     if not est.fits:
         raise HarnessError(f"{case.summary()}: too large for this machine: {est.words()}")
 
@@ -81,23 +131,32 @@ def check_memory(case: Case) -> None:
 def run_case(case: Case, pool: Pool, impl: str | None = None, *, allow_import: bool = False,
              leak: bool = True, keep_shards: bool = False) -> CaseResult:
     """Run `case` on the pool (implementation `impl` or the case's own) and judge it; with
-    `keep_shards` the result also holds every rank's output tensors (for localisation probes)."""
+    `keep_shards` the result also holds every rank's output tensors (for localisation probes). The
+    oracle is computed as `oracle_mode` says (default: by the ranks, after their run)."""
     name = impl or case.impl
-    check_memory(case)
+    mode = _ORACLE_MODE["mode"]
+    check_memory(case, mode)
     baseline = baseline_for(case, pool, name, allow_import) if case.faults else None
     t_submit = time.perf_counter()
     ticket = pool.submit(case, name, allow_import=allow_import, leak=leak, whole_world=needs_whole_world(name))
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(oracle_threads(case.world_size))
+    oracle_s, ranks_oracle_s = 0.0, 0.0
     try:
-        oracle.references(case)  # the oracle overlaps with the ranks' work
-        oracle_s = time.perf_counter() - t0
+        if mode == "local":
+            oracle.references(case)  # the oracle overlaps with the ranks' work
+            oracle_s = time.perf_counter() - t0
         reply = pool.collect(ticket)
+        t_collect = time.perf_counter()
+        if mode == "ranks" and not oracle.cached(case) and ring_completed(case, reply):
+            ranks_oracle_s = oracle_from_ranks(case, pool)
+            oracle_s = time.perf_counter() - t_collect
         t_judge = time.perf_counter()
         res = judge(case, name, reply, oracle_s, keep_shards, baseline)
     finally:
         torch.set_num_threads(threads)
-    res.timings.update(submit_s=t0 - t_submit, collect_s=t_judge - t0 - oracle_s,
-                       judge_s=time.perf_counter() - t_judge)  # parent-side phases, for the benchmarks
+    local_s = oracle_s if mode == "local" else 0.0
+    res.timings.update(submit_s=t0 - t_submit, collect_s=t_collect - t0 - local_s,
+                       judge_s=time.perf_counter() - t_judge, oracle_share_s=ranks_oracle_s)  # for the benchmarks
     return res

@@ -355,17 +355,23 @@ def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
 # -- up front: will a case fit? --------------------------------------------------------------------
 
 # Calibrated on this 2-core 24 GiB host with the tiled reference kernel (issue #21), 32,768 tokens W=4 zigzag
-# causal bf16 h4 d64: each rank peaked at 0.82-0.86 GiB (an idle worker holds ~0.26 GiB), the parent (float64
-# oracle in blocks of 1024 queries + the bf16 base + judging) at ~4.6 GiB. Per rank: idle worker + bytes per
-# local token per (query head x head_dim) + the tile workspace (~24 B per score entry of one tile); the parent:
-# bytes per token per (head x dim) for the global tensors and references, plus the oracle's query block
-# (1024 queries x all keys x heads, ~10 float64 temporaries).
+# causal bf16 h4 d64: each rank peaked at 0.82-0.86 GiB (an idle worker holds ~0.26 GiB). Per rank: idle worker
+# + bytes per local token per (query head x head_dim) + the tile workspace (~24 B per score entry of one tile).
+# The oracle (issue #12), by default computed by the ranks after their run (`oracle="ranks"`): each rank's share
+# holds the global k/v (float32 draw, the dtype, float64) and its dk/dv partials (float64 + the base's float32),
+# its own rows' q/dout/out/dq, and one query block's scores (harness.ranks.reference.query_block: at most
+# SCORE_BUDGET entries, a few float64 temporaries + the base's); the parent holds the W shares' partials until
+# they are assembled, the references and the judging. `oracle="local"`: the parent computes every share itself
+# (the same blocks, one share at a time) and holds the global tensors.
 RANK_IDLE = 300 << 20
 RANK_BYTES_PER_TOKEN_HD = 256  # x local tokens x heads_q x head_dim
 TILE_BYTES_PER_SCORE = 24
 PARENT_IDLE = 600 << 20
-PARENT_BYTES_PER_TOKEN_HD = 160  # x total tokens x heads_q x head_dim
-ORACLE_BLOCK_BYTES_PER_SCORE = 28  # x 1024 x total tokens x heads_q (float64 temporaries of one query block)
+PARENT_BYTES_PER_TOKEN_HD = 160  # x total tokens x heads_q x head_dim: references, base, judging
+SHARE_BYTES_PER_KEY_HD = 64  # x total tokens x heads_q x head_dim: global k/v and the dk/dv partials of a share
+SHARE_BYTES_PER_ROW_HD = 64  # x the share's rows x heads_q x head_dim: q/dout/out/dq, float64 and base
+SHARE_BYTES_PER_SCORE = 56  # x one query block's score entries: float64 temporaries + the base's (autograd)
+PARENT_BYTES_PER_SHARE_HD = 24  # x total tokens x heads_q x head_dim, per share held before assembly
 
 
 @dataclass(frozen=True)
@@ -376,6 +382,7 @@ class MemoryEstimate:
     ranks: int
     parent: int
     available: int
+    oracle: str = "ranks"
 
     @property
     def total(self) -> int:
@@ -386,23 +393,45 @@ class MemoryEstimate:
         return self.total <= self.available
 
     def words(self) -> str:
+        where = ("the ranks compute the oracle, the parent assembles and judges" if self.oracle == "ranks"
+                 else "for the parent's oracle and judging")
         return (f"needs ~{_gib(self.total)} ({self.ranks} ranks x {_gib(self.per_rank)} + "
-                f"{_gib(self.parent)} for the parent's oracle and judging), {_gib(self.available)} available")
+                f"{_gib(self.parent)}; {where}), {_gib(self.available)} available")
 
 
-def estimate(case, available: int | None = None, tile_budget: int | None = None) -> MemoryEstimate:
-    """Peak memory of running `case` (reference-like ring with tiled blocks, float64 oracle in the parent)."""
+def oracle_share_bytes(case) -> int:
+    """Peak bytes of computing one share of the case's oracle (harness.ranks.reference), the largest share."""
+    from harness.ranks.reference import query_block
+
+    hd = case.heads_q * case.head_dim * case.batch
+    n = case.total_len
+    rows = max(case.seq_lens) if case.seq_lens else 0
+    scores = min(query_block(case), rows) * n * case.heads_q * case.batch
+    return SHARE_BYTES_PER_KEY_HD * n * hd + SHARE_BYTES_PER_ROW_HD * rows * hd + SHARE_BYTES_PER_SCORE * scores
+
+
+def estimate(case, available: int | None = None, tile_budget: int | None = None,
+             oracle: str = "ranks") -> MemoryEstimate:
+    """Peak memory of running `case`: ranks running a reference-like ring with tiled blocks, and the oracle
+    computed by the ranks (`oracle="ranks"`: each rank's peak is the larger of its run and its share, run one
+    after the other) or by the parent (`"local"`: one share at a time, all of them in the parent)."""
     from ring_impl.kernel import tile_scores
 
     hd = case.heads_q * case.head_dim * case.batch
     local = max(case.seq_lens) if case.seq_lens else 0
     budget = tile_budget if tile_budget is not None else tile_scores()
     work = min(budget, case.batch * case.heads_q * local * local)
-    per_rank = RANK_IDLE + RANK_BYTES_PER_TOKEN_HD * local * hd + TILE_BYTES_PER_SCORE * work
+    run = RANK_BYTES_PER_TOKEN_HD * local * hd + TILE_BYTES_PER_SCORE * work
+    share = oracle_share_bytes(case)
     n = case.total_len
-    parent = PARENT_IDLE + PARENT_BYTES_PER_TOKEN_HD * n * hd + ORACLE_BLOCK_BYTES_PER_SCORE * min(n, 1024) * n * (
-        case.heads_q * case.batch)
+    parent = PARENT_IDLE + PARENT_BYTES_PER_TOKEN_HD * n * hd
+    if oracle == "ranks":
+        per_rank = RANK_IDLE + max(run, share)
+        parent += PARENT_BYTES_PER_SHARE_HD * n * hd * case.world_size
+    else:
+        per_rank = RANK_IDLE + run
+        parent += share
     if available is None:
         info = meminfo()
         available = min(info.get("MemAvailable", 1 << 62), memory_limit())
-    return MemoryEstimate(per_rank, case.world_size, parent, available)
+    return MemoryEstimate(per_rank, case.world_size, parent, available, oracle)

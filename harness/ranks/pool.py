@@ -30,7 +30,19 @@ from pathlib import Path
 from harness import case as case_mod
 from harness.errors import PoolError
 from harness.ranks import oom, wire
-from harness.ranks.protocol import RUN, SETTLED, STOP, LocalTicket, PoolReply, RunMessage, StopMessage
+from harness.ranks.protocol import (
+    OK,
+    ORACLE,
+    ORACLE_RESULT,
+    RUN,
+    SETTLED,
+    STOP,
+    LocalTicket,
+    OracleMessage,
+    PoolReply,
+    RunMessage,
+    StopMessage,
+)
 
 __all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
 
@@ -285,6 +297,40 @@ class RankPool:
             out.hung = self._stacks(sorted(pending.values()), ticket["stacks"])
             self._release()  # the standby set (if any) stays: the next case adopts it
         return out
+
+    def oracle(self, case: case_mod.Case, timeout_s: float) -> dict[int, tuple]:
+        """Every ring rank's share of the case's oracle (harness.ranks.reference), sent back over the
+        ranks' own sockets (never a process group): group rank -> (float64 share, base share). A rank that
+        fails, dies or passes `timeout_s` raises PoolError, and the pool restarts on the next case."""
+        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id)
+        what = f"the oracle of {case.summary()}"
+        pending: dict[Connection, int] = {}
+        for r in range(case.group_offset, case.group_offset + case.world_size):
+            try:
+                wire.send(self.conns[r], msg)
+            except OSError:
+                self.broken = True
+                raise PoolError(f"{what}: rank {r} is gone ({self._death(r)})") from None
+            pending[self.conns[r]] = r
+        shares: dict[int, tuple] = {}
+        end = time.monotonic() + timeout_s
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, end - time.monotonic()))
+            if not ready:
+                self.broken = True
+                raise PoolError(f"{what}: rank(s) {sorted(pending.values())} passed its deadline of {timeout_s:.0f} s")
+            for c in ready:
+                r = pending.pop(c)
+                try:
+                    rep = wire.recv(c)
+                except (EOFError, OSError):
+                    self.broken = True
+                    raise PoolError(f"{what}: rank {r} died computing its share ({self._death(r)})") from None
+                if rep.get("op") != ORACLE_RESULT or rep.get("case_id") != self._case_id or rep.get("status") != OK:
+                    self.broken = True  # the other ranks' replies are still on their way: start afresh
+                    raise PoolError(f"{what}: rank {r}: {rep.get('error') or 'unexpected reply ' + str(rep.get('op'))}")
+                shares[r - case.group_offset] = rep["shares"]
+        return shares
 
     # -- diagnostics -----------------------------------------------------------------------
     def _fault_note(self, r: int, case_id: int | None) -> dict | None:

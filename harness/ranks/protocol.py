@@ -15,6 +15,8 @@ The conversation with one rank (local pool)::
       <------------- ready           (after rendezvous)
       run ------------->
       <------------- result          (one per run, status ok / idle / error / diverged)
+      oracle ---------->             (after a run whose ranks all completed, unless cached)
+      <------------- oracle-result   (the rank's share of the float64 oracle and the base)
       ping ------------>
       <------------- pong
       stop ------------>             (the rank leaves its loop and exits)
@@ -33,13 +35,15 @@ if TYPE_CHECKING:
     from harness.case import Case
 
 # -- message kinds (the "op" key) ----------------------------------------------------------------
-Op = Literal["run", "stop", "ping", "ready", "pong", "result"]
+Op = Literal["run", "stop", "ping", "ready", "pong", "result", "oracle", "oracle-result"]
 RUN: Final = "run"  # parent -> rank: run one case
+ORACLE: Final = "oracle"  # parent -> rank: compute your share of a case's oracle (harness.ranks.reference)
 STOP: Final = "stop"  # parent -> rank: leave the loop and exit
 PING: Final = "ping"  # parent -> rank: are you there?
 READY: Final = "ready"  # rank -> parent: rendezvous done, waiting for cases
 PONG: Final = "pong"  # rank -> parent: answer to ping
 RESULT: Final = "result"  # rank -> parent: one case's outcome on this rank
+ORACLE_RESULT: Final = "oracle-result"  # rank -> parent: its oracle share (or why not)
 
 # -- a rank's outcome of one case (the "status" key of a result) -----------------------------------
 Status = Literal["ok", "idle", "error", "diverged"]
@@ -64,6 +68,14 @@ class RunMessage(_RunRequired, total=False):
     """Run one case on this rank."""
 
     fresh_group: bool  # build new process groups first (the last case raised mid-ring); local pool only
+
+
+class OracleMessage(TypedDict):
+    """Compute this rank's share of a case's oracle (outside the fault interposer: no fault touches it)."""
+
+    op: Literal["oracle"]
+    case: dict[str, Any]  # harness.case.to_dict(case)
+    case_id: int  # echoed in the reply
 
 
 class StopMessage(TypedDict):
@@ -125,7 +137,22 @@ class ResultMessage(_ResultRequired, total=False):
     faults: FaultReport  # not for idle
 
 
-Message = RunMessage | StopMessage | PingMessage | ReadyMessage | PongMessage | ResultMessage
+class _OracleResultRequired(TypedDict):
+    op: Literal["oracle-result"]
+    rank: int  # global rank
+    case_id: int
+    status: Status  # ok, idle (outside the case's ring) or error
+
+
+class OracleResultMessage(_OracleResultRequired, total=False):
+    """One rank's share of the oracle: (float64 reference, base) `harness.ranks.reference.Share`s."""
+
+    shares: tuple[Any, Any]  # ok
+    error: str  # error: one line (an oracle failure is the harness's, never the implementation's)
+
+
+Message = (RunMessage | OracleMessage | OracleResultMessage | StopMessage | PingMessage | ReadyMessage | PongMessage
+           | ResultMessage)
 
 
 # -- tickets: what submit() hands back and collect() takes -----------------------------------------------
@@ -184,6 +211,11 @@ class Pool(Protocol[TicketT]):
 
     def collect(self, ticket: TicketT) -> PoolReply:
         """Wait (up to the case's deadline) for every rank's reply to the case `ticket` stands for."""
+        ...
+
+    def oracle(self, case: Case, timeout_s: float) -> dict[int, tuple[Any, Any]]:
+        """Every ring rank's share of `case`'s oracle: group rank -> (float64 share, base share)
+        (`harness.ranks.reference`), within `timeout_s`; a PoolError when a rank fails, dies or passes it."""
         ...
 
     def ensure(self, size: int, exact: bool = False) -> bool:

@@ -21,8 +21,18 @@ import torch
 
 from harness import case as case_mod
 from harness.ranks.backend import choose_backend, device_for
-from harness.ranks.protocol import RUN, STOP, PoolReply, ResultMessage, RunMessage, StopMessage, TorchrunTicket
-from harness.ranks.worker import Groups, handle_case
+from harness.ranks.protocol import (
+    OK,
+    ORACLE,
+    RUN,
+    STOP,
+    OracleMessage,
+    PoolReply,
+    RunMessage,
+    StopMessage,
+    TorchrunTicket,
+)
+from harness.ranks.worker import Groups, handle_case, handle_oracle
 
 HANG_EXIT = 124
 
@@ -77,14 +87,15 @@ class TorchrunPool:
         self.broken = False  # never: a hang ends the whole job instead
         self.fresh_group = False  # never: groups are not rebuilt under torchrun
 
-    def _broadcast(self, msg: RunMessage | StopMessage | None) -> RunMessage | StopMessage:
+    def _broadcast(self, msg: RunMessage | OracleMessage | StopMessage | None
+                   ) -> RunMessage | OracleMessage | StopMessage:
         import torch.distributed as dist
 
         box = [msg]
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    def _gather(self, reply: ResultMessage) -> list[ResultMessage] | None:
+    def _gather(self, reply):
         import torch.distributed as dist
 
         out = [None] * self.size if self.rank == 0 else None
@@ -118,12 +129,34 @@ class TorchrunPool:
         ticket["dog"].cancel()
         return PoolReply(replies={r: rep for r, rep in enumerate(replies)}, wall_s=time.monotonic() - ticket["start"])
 
+    def oracle(self, case: case_mod.Case, timeout_s: float) -> dict[int, tuple]:
+        """Every ring rank's share of the case's oracle, each computed on its own device (cuda:LOCAL_RANK
+        under NCCL) outside the fault interposer and gathered over the control group; group rank ->
+        (float64 share, base share). A rank's error raises PoolError; the watchdog guards `timeout_s`."""
+        from harness.errors import PoolError
+
+        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id)
+        self._broadcast(msg)
+        dog = _Watchdog(self.rank, timeout_s, f"the oracle of case {self._case_id} ({case.summary()})")
+        replies = self._gather(handle_oracle(msg, self.rank, self.device))
+        dog.cancel()
+        shares = {}
+        for r, rep in enumerate(replies):
+            if case.group_offset <= r < case.group_offset + case.world_size:
+                if rep.get("status") != OK:
+                    raise PoolError(f"the oracle of {case.summary()}: rank {r}: {rep.get('error')}")
+                shares[r - case.group_offset] = rep["shares"]
+        return shares
+
     def follow(self) -> None:
         """Non-zero ranks: run every case rank 0 broadcasts until it says stop."""
         while True:
             msg = self._broadcast(None)
             if msg["op"] == STOP:
                 return
+            if msg["op"] == ORACLE:
+                self._gather(handle_oracle(msg, self.rank, self.device))  # rank 0's watchdog guards the wait
+                continue
             case = case_mod.from_dict(msg["case"])
             dog = _Watchdog(self.rank, case.deadline_s, f"case {msg['case_id']} ({case.summary()})")
             reply = handle_case(msg, self.rank, self.groups, self.device, self.impls)

@@ -31,13 +31,15 @@ from harness.context import RunContext
 from harness.errors import ShapeError
 from harness.impls.adapters._common import kernel_label
 from harness.kernels import flash_standin
-from harness.ranks import wire
+from harness.ranks import reference, wire
 from harness.ranks.backend import choose_backend, device_for
 from harness.ranks.protocol import (
     DIVERGED,
     ERROR,
     IDLE,
     OK,
+    ORACLE,
+    ORACLE_RESULT,
     PING,
     PONG,
     READY,
@@ -45,6 +47,8 @@ from harness.ranks.protocol import (
     RUN,
     STOP,
     Message,
+    OracleMessage,
+    OracleResultMessage,
     PongMessage,
     ReadyMessage,
     ResultMessage,
@@ -295,6 +299,22 @@ def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device
     return reply
 
 
+def handle_oracle(msg: OracleMessage, rank: int, device: torch.device) -> OracleResultMessage:
+    """This rank's share of a case's oracle (float64 reference + base for its own query rows) on its own
+    device. Runs outside the fault interposer and uses no process group: faults cannot touch it."""
+    case = case_mod.from_dict(msg["case"])
+    reply = OracleResultMessage(op=ORACLE_RESULT, rank=rank, case_id=msg["case_id"], status=OK)
+    g = rank - case.group_offset
+    if not 0 <= g < case.world_size:
+        reply["status"] = IDLE
+        return reply
+    try:
+        reply["shares"] = reference.share(case, g, device)
+    except Exception as e:  # e.g. out of memory: reported to the parent, which raises it as the harness's error
+        reply.update(status=ERROR, error=_error_text(e))
+    return reply
+
+
 def _warm_up() -> None:
     """Do once at start what the first backward would otherwise do mid-ring: torch imports sympy on
     the first backward with a given gradient (seconds on a loaded machine), which made the other
@@ -321,6 +341,12 @@ def on_run(st: Serving, msg: RunMessage) -> bool:
     return True
 
 
+def on_oracle(st: Serving, msg: OracleMessage) -> bool:
+    """Compute this rank's oracle share and send it."""
+    wire.send(st.conn, handle_oracle(msg, st.rank, st.device))
+    return True
+
+
 def on_ping(st: Serving, msg: Message) -> bool:
     """Answer that this rank is alive and idle."""
     wire.send(st.conn, PongMessage(op=PONG, rank=st.rank))
@@ -333,7 +359,8 @@ def on_stop(st: Serving, msg: Message) -> bool:
 
 
 # every message a worker answers, one handler each; a handler returns whether to keep serving
-HANDLERS: dict[str, Callable[[Serving, Message], bool]] = {RUN: on_run, PING: on_ping, STOP: on_stop}
+HANDLERS: dict[str, Callable[[Serving, Message], bool]] = {RUN: on_run, ORACLE: on_oracle, PING: on_ping,
+                                                           STOP: on_stop}
 
 
 def serve(rank: int, size: int, workdir: str, backend: str) -> None:

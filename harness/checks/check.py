@@ -28,7 +28,7 @@ from harness.impls import registry
 from harness.impls.capabilities import adapt, unsupported
 from harness.judging.verdicts import failure_signature, fault_ok, probe_acceptable
 from harness.result import CaseResult, Verdict, failure_path, save_result
-from harness.runner import run_case
+from harness.runner import oracle_mode, run_case
 from harness.search import history
 from harness.search.battery import battery_pool_size, default_battery
 from harness.search.fuzz import FuzzOutcome
@@ -73,6 +73,7 @@ class CheckOutcome:
     distinct: dict = field(default_factory=dict)  # failure signature -> [saved path, failing cases]
     follower: bool = False  # a torchrun rank other than 0: it ran cases, rank 0 judged and reports
     histories: dict = field(default_factory=dict)  # failure signature -> its fresh-rank confirmation (HistoryFinding)
+    hangs: int = 0  # failing cases that hung (the check stops at CheckOptions.max_hangs)
 
     @property
     def findings(self) -> list[CaseResult]:
@@ -167,6 +168,10 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             out("        not accepted as this check's failure (it did not reproduce); going on")
         if opts.maxfail is not None and len(res.failures) >= opts.maxfail:
             return True
+        if r.verdict == Verdict.HANG:
+            res.hangs += 1
+            if opts.max_hangs and res.hangs >= opts.max_hangs:
+                return True
         return stop_at_first_failure and ok
 
     def save(r: CaseResult, note: str | None = None, again: CaseResult | None = None) -> None:
@@ -206,6 +211,9 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         out(f"        saved {path}")
 
     def finish(why: str = "") -> CheckOutcome:
+        if why and opts.max_hangs and res.hangs >= opts.max_hangs:
+            why += (f": {res.hangs} hanging case(s), each waited out its deadline (--max-hangs {opts.max_hangs}; "
+                    "0 runs every case)")
         res.stopped, res.seconds = why, time.perf_counter() - start
         return res
 
@@ -346,7 +354,8 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
                                f"started {pool.size}: pass --world-size {pool.size} or start more processes")
         res = CheckOutcome(impl=opts.impl)
         try:
-            run_check(pool, opts, reporter=out, outcome=res)
+            with oracle_mode(opts.oracle):
+                run_check(pool, opts, reporter=out, outcome=res)
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM (the CLI turns it into SystemExit)
             res.stopped = "interrupted"
             if opts.json:

@@ -19,6 +19,7 @@ FAULT_STAGE_KINDS = ("early-read", "send-reuse", "delay", "straggler")
 FAULT_STAGE_DEFAULT = ("early-read", "send-reuse")
 PROFILES = ("ci", "nightly")  # hypothesis budgets: harness.search.fuzz.PROFILES
 LAUNCHERS = ("local", "torchrun")
+ORACLES = ("ranks", "local")  # who computes the float64 oracle (harness.runner.oracle_mode)
 BACKENDS = ("gloo", "nccl")
 FAULT_BATTERY_PER_KIND = 4
 
@@ -64,6 +65,11 @@ def _check_common(impl: str, world_size: int, deadline: float | None, launcher: 
         raise HarnessError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 
+def _check_oracle(oracle: str) -> None:
+    if oracle not in ORACLES:
+        raise HarnessError(f"--oracle must be one of {', '.join(ORACLES)}, got {oracle!r}")
+
+
 @dataclass(frozen=True)
 class CheckOptions:
     """The default check (`ring-harness check`): fixed battery, fault stage, property-based run."""
@@ -84,8 +90,10 @@ class CheckOptions:
     fault_stage: tuple[str, ...] = FAULT_STAGE_DEFAULT  # benign faults on every rank and op, both phases
     fault_deadline: float = 8.0  # per-case deadline of the fault stage
     maxfail: int | None = None  # stop after this many failing cases, as pytest's --maxfail (-x: 1)
+    max_hangs: int = 3  # stop after this many hanging cases (each waits out its deadline); 0: no limit
     repeat: bool = True  # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
     growth: bool = True  # the growth check: the same global case at W = 1, 2, 4, 8; error must not grow with W
+    oracle: str = "ranks"  # ranks: each rank computes its query rows' share after its run; local: this process
 
     @property
     def allow_import(self) -> bool:
@@ -96,6 +104,7 @@ class CheckOptions:
 
     def validate(self) -> CheckOptions:
         _check_common(self.impl, self.world_size, self.deadline, self.launcher, self.backend)
+        _check_oracle(self.oracle)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise HarnessError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.profile not in PROFILES:
@@ -111,6 +120,8 @@ class CheckOptions:
             raise HarnessError(f"--fault-deadline must be in [1, 600] seconds, got {self.fault_deadline:g}")
         if self.maxfail is not None and self.maxfail < 1:
             raise HarnessError(f"--maxfail must be at least 1, got {self.maxfail}")
+        if self.max_hangs < 0:
+            raise HarnessError(f"--max-hangs must be >= 0 (0: no limit), got {self.max_hangs}")
         if self.plot:
             from harness.diagnose.plot import _pyplot
 
@@ -162,10 +173,12 @@ class ReplayOptions:
     plot: str | None = None  # heatmaps of a failing replay
     backend: str | None = None
     json: str | None = None
+    oracle: str = "ranks"  # ranks: the case's ranks compute the oracle's shares; local: this process does
 
     def validate(self) -> ReplayOptions:
         if not self.case:
             raise HarnessError("replay needs a case file")
+        _check_oracle(self.oracle)
         if self.backend is not None and self.backend not in BACKENDS:
             raise HarnessError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
         if self.plot:

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline", type=float, default=S, metavar="SECONDS", help="per-case deadline")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=S,
                    help="default: gloo for the local pool; nccl under torchrun when CUDA is available")
+    p.add_argument("--oracle", choices=("ranks", "local"), default=S,
+                   help="who computes the float64 oracle: ranks (each rank its own query rows, after its run) or "
+                        "local (this process, while the ranks run)" + hint(C, "oracle"))
     p.add_argument("--launcher", choices=("local", "torchrun"), default=S,
                    help="local: a pool of worker processes on this host; torchrun: the ranks torchrun started"
                         + hint(C, "launcher"))
@@ -34,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop after N failing cases (as pytest's --maxfail)")
     p.add_argument("-x", "--exitfirst", dest="maxfail", action="store_const", const=1, default=S,
                    help="stop at the first failing case (--maxfail 1)")
+    p.add_argument("--max-hangs", type=int, default=S, metavar="N",
+                   help="stop after N hanging cases: each waits out --deadline and restarts the ranks, and a ring "
+                        "that hangs once usually hangs on every case; 0 runs every case" + hint(C, "max_hangs"))
     p.add_argument("--no-repeat", dest="repeat", action="store_false", default=S,
                    help="do not run each battery case a second time on the same ranks (the repeat check)")
     p.add_argument("--no-growth", dest="growth", action="store_false", default=S,

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=S, metavar="DIR", help="write error heatmaps (PNG) here if the case fails")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=S, help="default: gloo")
     p.add_argument("--json", metavar="FILE", default=S, help="write the replay result here")
+    p.add_argument("--oracle", choices=("ranks", "local"), default=S,
+                   help="who computes the float64 oracle: ranks (default: the case's ranks, each its own query "
+                        "rows) or local (this process)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ class Capabilities:
     subgroups: bool = True  # False: the ring must be the whole world (global ranks 0..W-1)
     zigzag_odd: bool = True  # False: in the zigzag layout every local length must be even (two equal chunks per rank)
     heads_divisible_by_world: bool = False  # True: heads_q and heads_kv must be multiples of W (Ulysses head split)
+    idle_ranks: bool = False  # True: a rank may hold no token at all (seq_lens with zeros, not all)
 
     def to_dict(self) -> dict:
         return {
@@ -84,6 +85,7 @@ class Capabilities:
             "subgroups": self.subgroups,
             "zigzag_odd": self.zigzag_odd,
             "heads_divisible_by_world": self.heads_divisible_by_world,
+            "idle_ranks": self.idle_ranks,
         }
 
 

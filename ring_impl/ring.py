@@ -65,6 +65,12 @@ def position_mask(
     return allowed(spec, q_pos, k_pos)
 
 
+def nothing_seen(q: torch.Tensor, v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of queries that see no key at all (every block skipped, or no token): out = 0, lse = -inf."""
+    b, n, h, _ = q.shape
+    return q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=acc), q.new_full((b, h, n), float("-inf"), dtype=acc)
+
+
 def given_or_default_scale(softmax_scale: float | None, head_dim: int) -> float:
     """The caller's softmax scale, or 1/sqrt(head_dim)."""
     return float(softmax_scale) if softmax_scale is not None else head_dim**-0.5
@@ -99,7 +105,8 @@ class RingParts:
     scale: softmax scale; block_forward/block_backward: the kernel; merge: combine partials;
     acc_dtype: dtype of the out/lse accumulators; peers: neighbours' global ranks; comm: the P2P
     channel; steps: blocks per rank; dkv_hops: hops of the dk/dv accumulators; backward_kv: the K/V
-    backward computes on; cast_dq: dq to the input dtype.
+    backward computes on; cast_dq: dq to the input dtype; no_blocks: the (out, lse) of a rank none of
+    whose queries sees any key.
     """
 
     positions: Callable[[str, Sequence[int]], list[torch.Tensor]] = layouts.all_positions
@@ -118,6 +125,7 @@ class RingParts:
     dkv_hops: Callable[[int], int] = whole_ring
     backward_kv: Callable[[KVBlock, KVBlock], KVBlock] = held_block
     cast_dq: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = cast_grad
+    no_blocks: Callable[[torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = nothing_seen
 
 
 REFERENCE_PARTS = RingParts()
@@ -201,10 +209,8 @@ def ring_forward(
             out, lse = block_out, block_lse
         else:
             out, lse = parts.merge(out, lse, block_out, block_lse)
-    if out is None:  # no query sees any key
-        b, n, h, _ = q.shape
-        out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=acc)
-        lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
+    if out is None:  # no query sees any key (or this rank holds no token)
+        out, lse = parts.no_blocks(q, v, acc)
     return out, lse
 
 

@@ -6,7 +6,8 @@ Also here: the nearest supported variant of a case (`adapt`) and the capability 
 declared / passed / failed, plus what an undeclared feature really does when probed).
 
 Feature keys are `kind:value` strings or bare flags: "layout:zigzag", "mask:window", "dtype:fp32",
-"world:9", "gqa" / "mqa", "heads" (a head count W does not divide), "uneven", "zigzag-odd" (an odd local
+"world:9", "gqa" / "mqa", "heads" (a head count W does not divide), "uneven", "idle" (a rank with no token),
+"zigzag-odd" (an odd local
 length in the zigzag layout), "head_dim:13", "subgroup", "backend:nccl".
 """
 
@@ -58,6 +59,8 @@ def missing_features(
         missing.append("heads")
     if len({int(n) for n in lengths}) > 1 and not caps.uneven:
         missing.append("uneven")
+    if any(int(n) == 0 for n in lengths) and not caps.idle_ranks:
+        missing.append("idle")
     if layout == "zigzag" and not caps.zigzag_odd and odd_lengths(lengths):
         missing.append("zigzag-odd")
     if caps.head_dims is not None and head_dim not in caps.head_dims:
@@ -92,6 +95,8 @@ def feature_words(
         return f"heads {heads_q}/{heads_kv} not divisible by W={world_size}"
     if kind == "uneven":
         return f"uneven split {[int(n) for n in lengths or ()]}"
+    if kind == "idle":
+        return f"idle ranks (a rank with no token: {[int(n) for n in lengths or ()]})"
     if kind == "zigzag-odd":
         return f"zigzag with an odd local length {[int(n) for n in lengths or ()]}"
     if kind == "subgroup":
@@ -134,6 +139,8 @@ def case_features(c: Case) -> list[str]:
         feats.append("heads")
     if len(set(c.seq_lens)) > 1:
         feats.append("uneven")
+    if 0 in c.seq_lens:
+        feats.append("idle")
     if c.layout == "zigzag" and odd_lengths(c.seq_lens):
         feats.append("zigzag-odd")
     if c.group_offset:
@@ -185,7 +192,8 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
     document -> causal or none, an undeclared dtype -> a declared one, GQA -> as many kv heads as
     query heads, a subgroup -> global ranks 0..W-1, an uneven split -> the nearest even one, a world
     size outside the range -> the nearest inside it, with the same total length; odd zigzag local
-    lengths -> rounded up to even ones, head counts W does not divide -> rounded up to multiples of W);
+    lengths -> rounded up to even ones, head counts W does not divide -> rounded up to multiples of W, an idle
+    rank -> one token; an undeclared mask expression -> causal or none);
     None when none exists (e.g. an undeclared backend). So an implementation that declares fewer features gets the
     same world sizes, splits and values as every other, not fewer cases (issue #17)."""
     from ring_impl.layouts import split_lengths
@@ -223,6 +231,9 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         unit = 2 * world
         total = max(unit, (sum(lens) + unit - 1) // unit * unit)
         changes["seq_lens"] = tuple(split_lengths(total, world))
+    lens = changes.get("seq_lens", tuple(c.seq_lens))
+    if 0 in lens and not caps.idle_ranks:  # an idle rank gets one token (the others keep theirs)
+        changes["seq_lens"] = tuple(max(1, int(n)) for n in lens)
     lens = changes.get("seq_lens", tuple(c.seq_lens))
     if changes.get("layout", c.layout) == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
         changes["seq_lens"] = even_lengths(lens)

@@ -1,12 +1,13 @@
 """The default fixed battery: a few dozen small cases that together cover every feature
 (each mask, layout, dtype, uneven and even splits, odd zigzag chunks, GQA/MQA, value distribution, world
-sizes 1-4 and 8, a ring inside a subgroup). An implementation that declares fewer features gets every case adapted
-to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer cases."""
+sizes 1-4 and 8, a ring inside a subgroup; every primitive of the mask language, idle ranks). An
+implementation that declares fewer features gets every case adapted to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer cases."""
 
 from __future__ import annotations
 
 from harness.case import Case, make_case
-from ring_impl.masks import MaskSpec
+from ring_impl.layouts import split_lengths
+from ring_impl.masks import MaskSpec, and_, not_, or_, prim
 
 MASKS = {
     "none": MaskSpec("none"),
@@ -75,9 +76,34 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
     cases.insert(first_zigzag, make_case(world_size=w, seq_lens=(3,) * w, layout="zigzag", mask=MASKS["causal"],
                                          dtype="bf16", heads_q=4, heads_kv=2, head_dim=32, impl=impl,
                                          seed=len(cases) + 1))
+    # the mask language (ring_impl.masks) and idle ranks, seeded after everything above so those cases keep
+    # their seeds: every primitive and combinator, edges on shard edges, rows and ranks that see nothing
+    for layout, lens, mask in language_cases(w, total):
+        add(layout=layout, seq_lens=lens, mask=mask, heads_q=4, heads_kv=2)
     if dtype is not None:
         cases = [c.replace(dtype=dtype) for c in cases]
     return cases
+
+
+def language_cases(w: int, total: int) -> list[tuple[str, tuple[int, ...], MaskSpec]]:
+    """(layout, seq_lens, mask) of the battery's mask-language cases at world size `w`: Llama 4 chunked
+    attention and prefix-LM with an idle rank, a bidirectional window, LongNet dilation, a block table with
+    inverse-causal, documents without their prefix, and a mask that leaves whole ranks seeing nothing."""
+    idle = tuple([7, 0, 11, 9][i % 4] + i // 4 for i in range(w)) if w >= 2 else (total,)
+    even = tuple(split_lengths(total, w))
+    n_idle = sum(idle)
+    first = idle[0]  # the first shard's end: chunk, prefix and segment edges on it or next to it
+    return [
+        ("contiguous", idle, MaskSpec.of(and_(prim("causal"), prim("chunked", first + 1)))),
+        ("zigzag", idle, MaskSpec.of(or_(prim("causal"), prim("prefix", min(n_idle - 1, first + 3))))),
+        ("striped", even, MaskSpec.of(prim("window", 3, 2))),
+        ("contiguous", even, MaskSpec.of(prim("dilated", max(2, even[0] + 2), 2, 1))),
+        ("zigzag", even, MaskSpec.of(or_(prim("blocks", 5, ((0, 0), (1, 0), (2, 1), (3, 3), (4, 2))),
+                                         and_(prim("inverse-causal"), prim("window", 0, 3))))),
+        ("striped", even, MaskSpec.of(and_(prim("document", tuple(sorted({0, total // 3, total // 2 + 1}))),
+                                           not_(prim("prefix", 2)), prim("full")))),
+        ("contiguous", idle, MaskSpec.of(and_(prim("prefix", first), prim("inverse-causal")))),
+    ]
 
 
 def battery_pool_size(cases: list[Case]) -> int:

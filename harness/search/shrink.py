@@ -4,7 +4,8 @@ still fails, repeat until none does or the budget is spent.
 
 "Simpler" follows the property-based strategies' shrink order: fewer ranks, no subgroup offset,
 fewer tokens, an even split, batch 1, fewer heads, a smaller head_dim, a simpler mask (none < causal
-< window < document, smaller windows, fewer documents), contiguous layout, fp32, normal values, the
+< window < document < an expression, smaller windows, fewer documents; an expression: one operand alone,
+fewer operands, smaller parameters), contiguous layout, fp32, normal values, the
 default scale. Faults are kept: for a fault-stage failure the fault is the trigger.
 
 Shrinking keeps the failure's signature (harness.search.signature: verdict, failing tensors or the
@@ -31,7 +32,7 @@ from harness.result import CaseResult
 from harness.search.signature import Signature
 from harness.search.strategies import DTYPE_ORDER, VALUE_KINDS
 from ring_impl.layouts import LAYOUTS, split_lengths
-from ring_impl.masks import MASK_KINDS, MaskSpec
+from ring_impl.masks import COMBINATORS, EXPR, SPEC_KINDS, Expr, MaskSpec, fit, prim
 
 
 def _variant(c: Case, **changes: Any) -> Case | None:
@@ -44,9 +45,7 @@ def _variant(c: Case, **changes: Any) -> Case | None:
 
 def _fit_mask(mask: MaskSpec, total: int) -> MaskSpec:
     """The mask for a sequence cut to `total` tokens (document starts beyond it dropped)."""
-    if mask.kind != "document":
-        return mask
-    return MaskSpec("document", doc_starts=tuple(s for s in mask.doc_starts if s < total), causal=mask.causal)
+    return fit(mask, total)
 
 
 def _with_lens(c: Case, lens: tuple[int, ...]) -> Case | None:
@@ -90,9 +89,48 @@ def _smaller_shape(c: Case) -> Iterator[Case | None]:
             yield _variant(c, head_dim=d)
 
 
+def _simpler_params(e: Expr) -> Iterator[Expr]:
+    """The primitive with one parameter made smaller (halved, or one less), then with fewer blocks/documents."""
+    for i, v in enumerate(e.params):
+        if isinstance(v, int):
+            for smaller in sorted({0, 1, v // 2, v - 1}):
+                if 0 <= smaller < v:
+                    try:
+                        yield Expr(e.op, e.params[:i] + (smaller,) + e.params[i + 1:])
+                    except ValueError:
+                        pass
+        elif e.op == "document":
+            for s in v[1:]:
+                yield prim("document", tuple(x for x in v if x != s))
+        elif e.op == "blocks":
+            for p in v:
+                yield prim("blocks", e.params[0], tuple(x for x in v if x != p))
+
+
+def simpler_expressions(e: Expr) -> Iterator[Expr]:
+    """Strictly simpler expressions, most aggressive first: an operand alone, an operand dropped, a simpler
+    operand, then smaller parameters."""
+    if e.op in COMBINATORS:
+        yield from e.args
+        if e.op != "not" and len(e.args) > 2:
+            for i in range(len(e.args)):
+                yield Expr(e.op, args=e.args[:i] + e.args[i + 1:])
+        for i, a in enumerate(e.args):
+            for b in simpler_expressions(a):
+                yield Expr(e.op, args=e.args[:i] + (b,) + e.args[i + 1:])
+        return
+    yield from _simpler_params(e)
+
+
 def _simpler_mask(c: Case) -> Iterator[Case | None]:
     m = c.mask
-    for kind in MASK_KINDS[: MASK_KINDS.index(m.kind)]:
+    if m.kind == EXPR:
+        for kind in ("none", "causal"):
+            yield _variant(c, mask=MaskSpec(kind))
+        for e in simpler_expressions(m.expr):
+            yield _variant(c, mask=MaskSpec.of(e))
+        return
+    for kind in SPEC_KINDS[: SPEC_KINDS.index(m.kind)]:
         if kind in ("none", "causal"):
             yield _variant(c, mask=MaskSpec(kind))
     if m.kind == "window":
@@ -128,7 +166,8 @@ def candidates(c: Case) -> Iterator[Case]:
 
 def case_size(c: Case) -> tuple:
     """An order on cases towards the shrink target (fewer ranks, tokens, heads, ...; simpler mask)."""
-    return (c.world_size, c.total_len, c.batch, c.heads_q, c.heads_kv, c.head_dim, MASK_KINDS.index(c.mask.kind),
+    mask = (SPEC_KINDS.index(c.mask.kind), c.mask.expr.size() if c.mask.expr is not None else 0)
+    return (c.world_size, c.total_len, c.batch, c.heads_q, c.heads_kv, c.head_dim, mask,
             LAYOUTS.index(c.layout), c.group_offset)
 
 

@@ -15,7 +15,7 @@ from harness.case import Case, make_case
 from harness.context import Capabilities
 from harness.impls.capabilities import divisible_heads, odd_lengths
 from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
-from ring_impl.masks import MASK_KINDS, MaskSpec
+from ring_impl.masks import COMBINATORS, EXPR, MASK_KINDS, Expr, MaskSpec, prim
 
 DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
 VALUE_KINDS = ("normal", "large", "near-tie")
@@ -32,8 +32,9 @@ def _ordered(allowed: frozenset[str] | set[str], order: tuple[str, ...], what: s
 
 
 @st.composite
-def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True) -> tuple[int, ...]:
-    """Per-rank lengths: an even split, an uneven one (incl. length-1 shards), or the largest that fits."""
+def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True, idle: bool = False) -> tuple[int, ...]:
+    """Per-rank lengths: an even split, an uneven one (incl. length-1 shards, and with `idle` ranks that hold
+    no token: never all of them), or the largest that fits."""
     w = world_size
     # The total is drawn first on every branch and independently of W, so shrinking the world size
     # keeps the sequence length (and a branch that drew less cannot win the shrink by being shorter).
@@ -49,8 +50,10 @@ def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True) -
     lens, left = [], max(max_tokens, w)
     for r in range(w):
         cap = max(1, min(2 * per, left - (w - r - 1)))
-        lens.append(draw(st.integers(1, cap)))
+        lens.append(draw(st.integers(0 if idle and w > 1 else 1, cap)))
         left -= lens[-1]
+    if not any(lens):  # idle ranks, but not all of them
+        lens[-1] = 1
     return tuple(lens)
 
 
@@ -77,11 +80,82 @@ def boundary_positions(layout: str, lens: tuple[int, ...]) -> list[int]:
     return sorted(edges)
 
 
+# primitives in shrink order (simplest first); an expression shrinks towards one leaf, then towards these
+PRIMITIVE_ORDER = ("causal", "full", "window", "prefix", "chunked", "document", "inverse-causal", "dilated",
+                   "blocks")
+MAX_DEPTH = 2
+
+
+def _near(boundaries: tuple[int, ...], lo: int, hi: int) -> st.SearchStrategy[int]:
+    """An integer in [lo, hi], half the time on or next to one of `boundaries` (a rank or zigzag-chunk
+    start), so that a window, chunk, segment or prefix edge falls exactly on a block edge."""
+    near = sorted({b + d for b in boundaries for d in (-1, 0, 1) if lo <= b + d <= hi})
+    return st.one_of(st.integers(lo, hi), st.sampled_from(near)) if near else st.integers(lo, hi)
+
+
+@st.composite
+def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = ()) -> Expr:
+    """One primitive of the declared `kinds`, its parameters drawn towards rank and chunk boundaries: a
+    window reaching exactly to the previous rank, a chunk or dilation segment ending where a shard ends, a
+    prefix ending at a shard start, document starts on shard starts."""
+    op = draw(st.sampled_from(_ordered(kinds, PRIMITIVE_ORDER, "mask primitive")))
+    n = max(1, total)
+    gaps = tuple(b2 - b1 for b1, b2 in zip(boundaries, boundaries[1:], strict=False))
+    widths = tuple(b for b in boundaries if b > 0) + gaps  # shard lengths and starts: edges on block edges
+    if op == "window":
+        return prim("window", draw(_near(widths, 0, n)), draw(st.one_of(st.just(0), _near(widths, 0, n))))
+    if op == "prefix":
+        return prim("prefix", draw(_near(boundaries, 0, n)))
+    if op == "chunked":
+        return prim("chunked", draw(_near(widths, 1, n)))
+    if op == "dilated":
+        seg = draw(_near(widths, 1, n))
+        rate = draw(st.integers(1, max(1, min(4, seg))))
+        return prim("dilated", seg, rate, draw(st.integers(0, rate - 1)))
+    if op == "document":
+        if n == 1:
+            return prim("document", (0,))
+        starts = draw(st.lists(_near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True))
+        return prim("document", (0, *sorted(starts)))
+    if op == "blocks":
+        size = draw(_near(widths, 1, n))
+        nb = min(8, -(-n // size))
+        block = st.integers(0, nb - 1)
+        pairs = draw(st.lists(st.tuples(block, block), max_size=nb * 2, unique=True))
+        return prim("blocks", size, tuple(pairs))
+    return prim(op)
+
+
+@st.composite
+def expressions(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = (), depth: int = 0) -> Expr:
+    """A mask expression of the declared primitives and combinators, at most MAX_DEPTH deep; shrinks
+    towards a single primitive."""
+    ops = ["leaf"] + [c for c in COMBINATORS if c in kinds and depth < MAX_DEPTH]
+    op = draw(st.sampled_from(ops))
+    if op == "leaf":
+        return draw(primitives(total, kinds, boundaries))
+    sub = expressions(total, kinds, boundaries, depth + 1)
+    if op == "not":
+        return Expr("not", args=(draw(sub),))
+    return Expr(op, args=tuple(draw(st.lists(sub, min_size=2, max_size=3))))
+
+
 @st.composite
 def masks(draw, total: int, kinds: tuple[str, ...] = MASK_KINDS, boundaries: tuple[int, ...] = ()) -> MaskSpec:
-    """none, causal, a window (often a small one) or packed documents whose starts are drawn at
-    random or on/next to rank and chunk `boundaries`, so documents straddle ranks."""
-    kind = draw(st.sampled_from(_ordered(set(kinds), MASK_KINDS, "mask kind")))
+    """none, causal, a window (often a small one), packed documents whose starts are drawn at random or
+    on/next to rank and chunk `boundaries` (so documents straddle ranks), or, where the implementation
+    declares "expr" (ring_impl.masks), an expression of its declared primitives drawn towards those
+    boundaries (`expressions`)."""
+    declared = set(kinds)
+    kinds_ordered = _ordered(declared, (*MASK_KINDS, EXPR), "mask kind")
+    if EXPR in declared:  # about a third of the draws: the language's share of what users train with
+        kinds_ordered.append(EXPR)
+    kind = draw(st.sampled_from(kinds_ordered))
+    if kind == EXPR:
+        prims = frozenset(k for k in declared if k in PRIMITIVE_ORDER) | frozenset(declared & set(COMBINATORS))
+        if not prims & set(PRIMITIVE_ORDER):
+            return MaskSpec("none")
+        return MaskSpec.of(draw(expressions(total, prims, boundaries)))
     if kind in ("none", "causal"):
         return MaskSpec(kind)
     if kind == "window":
@@ -147,7 +221,7 @@ def cases(
     # always one draw (a skipped draw would make large rings look "simpler" to the shrinker)
     inside = subgroups and getattr(caps, "subgroups", True)  # False: the ring must be global ranks 0..W-1
     offset = draw(st.integers(0, max(0, pool_size - lo))) % (pool_size - w + 1) if inside else 0
-    lens = draw(seq_lens(w, max(max_tokens, w), caps.uneven))
+    lens = draw(seq_lens(w, max(max_tokens, w), caps.uneven, getattr(caps, "idle_ranks", False)))
     hq, hkv = draw(heads(caps.gqa, max_heads))
     if caps.heads_divisible_by_world:
         hq, hkv = divisible_heads(hq, hkv, w)
@@ -157,7 +231,7 @@ def cases(
     if layout == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
         lens = _even_within_budget(lens)
     total = sum(lens)
-    mask = draw(masks(total, tuple(caps.masks), tuple(boundary_positions(layout, lens))))
+    mask = draw(masks(total, tuple(sorted(caps.masks)), tuple(boundary_positions(layout, lens))))
     dtype = draw(st.sampled_from(_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))
     values = draw(st.sampled_from(VALUE_KINDS))
     scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0, allow_nan=False, allow_infinity=False)))
@@ -167,4 +241,4 @@ def cases(
                      seed=seed, impl=impl, deadline_s=deadline_s)
 
 
-__all__ = ["boundary_positions", "cases", "heads", "masks", "seq_lens"]
+__all__ = ["boundary_positions", "cases", "expressions", "heads", "masks", "primitives", "seq_lens"]

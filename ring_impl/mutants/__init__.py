@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ring_impl.mutants import comm, grads, history, masks, merges, precision, shapes
+from ring_impl.mutants import comm, grads, history, mask_language, masks, merges, precision, shapes
 
 _ALL = [
     merges.naive_merge_sum,
@@ -37,6 +37,12 @@ _ALL = [
     precision.dq_accumulate_in_input_dtype,
     precision.dkv_travel_in_input_dtype,
     history.dkv_cache_not_zeroed,
+    mask_language.window_without_block_offset,
+    mask_language.chunked_local_chunk_ids,
+    mask_language.dilation_offset_reset_per_rank,
+    mask_language.prefix_off_by_one,
+    mask_language.nan_on_empty_row,
+    mask_language.idle_rank_output_uninitialised,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

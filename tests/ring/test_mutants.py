@@ -15,7 +15,7 @@ from ring_impl.mutants import MUTANTS
 
 # the public projects the zoo's reports come from, or an explicit statement that there is no single one
 SOURCES = ("ring-flash-attention", "ring-attention-pytorch", "long-context-attention", "yunchang", "EasyContext",
-           "diffusers", "Striped Attention", "flash-attn", "no single public report")
+           "diffusers", "Striped Attention", "flash-attn", "MagiAttention", "Megatron-LM", "no single public report")
 
 
 def test_importing_the_reference_does_not_import_the_mutants():

@@ -15,7 +15,7 @@ from ring_impl.masks import MASK_FEATURES
 
 EXTRA = None  # part of the project itself
 # every mask of the mask language (ring_impl.masks); the mutants' too: they are wrapped alike
-REFERENCE_CAPABILITIES = Capabilities(returns_lse=True, masks=frozenset(MASK_FEATURES))
+REFERENCE_CAPABILITIES = Capabilities(returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True)
 VARIANTS = {"reference": Variant(REFERENCE_CAPABILITIES)}
 MUTANT_PREFIX = "mutant:"
 

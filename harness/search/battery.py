@@ -1,7 +1,8 @@
 """The default fixed battery: a few dozen small cases that together cover every feature
 (each mask, layout, dtype, uneven and even splits, odd zigzag chunks, GQA/MQA, value distribution, world
 sizes 1-4 and 8, a ring inside a subgroup; every primitive of the mask language, idle ranks). An
-implementation that declares fewer features gets every case adapted to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer cases."""
+implementation that declares fewer features gets every case adapted to the nearest declared feature
+(`harness.impls.capabilities.adapt`), not fewer cases."""
 
 from __future__ import annotations
 

@@ -233,7 +233,11 @@ def attend(q, k, v, dout, rows: torch.Tensor, mask: MaskSpec, scale: float, comp
             m = allowed(mask, rows[start:stop], kpos)
             lo, hi = key_span(m, n)  # keys outside it are masked for the whole block: exact zeros, skipped
             mb = None if m is None else m[:, lo:hi]
-            if exact:
+            if hi <= lo:  # no query of the block sees any key: out = dq = 0, lse = -inf, no dk/dv
+                out, dq = q.new_zeros(qb.shape), q.new_zeros(qb.shape)
+                lse = torch.full((b, hq, stop - start), float("-inf"), device=q.device,
+                                 dtype=compute if exact else torch.float32)
+            elif exact:
                 out, lse, dq = _exact_block(_grouped(qb, hkv), k, v, _grouped(db, hkv), mb, scale, dk, dv, lo, hi, ts)
                 out, dq = out.reshape(b, -1, hq, d), dq.reshape(b, -1, hq, d)
                 lse = lse.reshape(b, hq, -1)

@@ -7,4 +7,5 @@ FIGURES = {
     "memory": "harness.bench.memory",
     "speed": "harness.bench.speed",
     "oracle_growth": "harness.bench.oracle_growth",
+    "oracle_split": "harness.bench.oracle_split",
 }

@@ -1,0 +1,151 @@
+"""Figure 6 (issue #12): the oracle computed by the ranks (each its own query rows) against the oracle
+computed in one process, measured side by side in one run on this machine.
+
+(a) The medium cases (W=4, L=2048, h8 d64, 4 masks, fp32/bf16, GQA: the overhead figure's), each run whole
+    under both oracles: wall time against the ranks' own forward + backward (incl. the leak run), the
+    oracle's part of the wall, and the ranks-oracle's wall / ranks' compute against the target 4.
+(b) Oracle wall time against tokens (zigzag causal h4 d64 fp32): the local oracle (one process, the one
+    torch thread `run_case` gives it while W ranks are busy on this machine's cores) and the ranks'
+    oracle at W = 1, 2, 4 (each rank one thread; `runner.oracle_from_ranks`, incl. sending the shares
+    back and assembling them). On C cores the ranks' oracle should take ~1/min(W, C) of W=1's time.
+(c) A paper estimate, not a measurement, for 8 GPUs at 64k and 128k tokens: the oracle's float64 and base
+    products counted per (query, visible key, head, dim) (FLOPS_PER_QKHD), the measured CPU rate from (b),
+    and a published fp64 peak (H100 SXM, 67 TFLOP/s FP64 Tensor Core) at an assumed GPU_EFFICIENCY.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from harness.bench.overhead import medium_cases
+from harness.bench.pool_vs_spawn import rank_compute_s
+from harness.bench.timing import Figure, Target, fmt, load_line
+from harness.case import Case, make_case
+from harness.judging import oracle
+from harness.ranks import oom
+from harness.ranks.pool import RankPool
+from harness.runner import oracle_from_ranks, oracle_mode, oracle_threads, run_case
+from ring_impl.masks import MaskSpec
+
+WORLD = 4
+TARGET_RATIO = 4.0  # medium case: wall <= 4 x the ranks' own forward + backward
+# float64 share: q.k, p.v, dout.v, p.|v| (term scales), ds.k, ds^T.q, p^T.dout = 7 products; base: q.k, p.v,
+# dout.v, ds.k, ds^T.q, p^T.dout = 6; 2 flops each, per (query, visible key, query head, head dim)
+FLOPS_PER_QKHD = 2 * (7 + 6)
+GPU_FP64_PEAK = 67e12  # NVIDIA H100 SXM datasheet: FP64 Tensor Core, FLOP/s
+GPU_EFFICIENCY = 0.5  # assumed fraction of that peak the oracle's batched einsums reach (an assumption)
+ESTIMATE_GPUS = 8
+
+
+def growth_case(total: int, world: int) -> Case:
+    """zigzag causal, h4 d64 fp32 (the oracle growth figure's shape) on `world` ranks."""
+    return make_case(world_size=world, total_len=total, layout="zigzag", mask=MaskSpec("causal"), heads_q=4,
+                     heads_kv=4, head_dim=64, seed=5, deadline_s=3600.0)
+
+
+def visible_products(case: Case) -> float:
+    """(query, visible key, head, dim) products of the case's oracle (causal: n(n+1)/2 pairs)."""
+    n = case.total_len
+    pairs = n * (n + 1) / 2 if case.mask.is_causal else float(n * n)
+    return pairs * case.batch * case.heads_q * case.head_dim
+
+
+def _medium(pool: RankPool, cases: list[Case]) -> dict[str, list[dict[str, float]]]:
+    rows: dict[str, list[dict[str, float]]] = {"ranks": [], "local": []}
+    for c in cases:
+        for mode in ("ranks", "local"):  # interleaved: load on the machine hits both alike
+            oracle._CACHE.clear()
+            with oracle_mode(mode):
+                t0 = time.perf_counter()
+                r = run_case(c, pool)
+                wall = time.perf_counter() - t0
+            fb = [v.get("forward_s", 0.0) + v.get("backward_s", 0.0)
+                  for k, v in r.timings.items() if k.startswith("rank") and isinstance(v, dict)]
+            rows[mode].append({"wall": wall, "ranks": rank_compute_s(r), "ranks_fb": max(fb, default=0.0),
+                               "oracle": r.timings.get("oracle_s", 0.0), "verdict_pass": float(r.passed)})
+    return rows
+
+
+def _growth(pool: RankPool, lengths: tuple[int, ...], worlds: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for n in lengths:
+        row: dict[str, float] = {}
+        for w in worlds:
+            case = growth_case(n, w)
+            pool.ensure(w)
+            t0 = time.perf_counter()
+            oracle_from_ranks(case, pool)
+            row[f"W{w}"] = time.perf_counter() - t0
+        threads = torch.get_num_threads()
+        torch.set_num_threads(oracle_threads(WORLD))
+        try:
+            t0 = time.perf_counter()
+            oracle.store(growth_case(n, WORLD), oracle.local(growth_case(n, WORLD)))
+            row["local"] = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
+        oracle._CACHE.clear()
+        out[n] = row
+    return out
+
+
+def _estimate_lines(rate: float) -> list[str]:
+    lines = [f"paper estimate (not measured): {ESTIMATE_GPUS} GPUs, each its share, float64 at "
+             f"{fmt(GPU_FP64_PEAK / 1e12)} TFLOP/s peak (H100 SXM FP64 Tensor Core) x {GPU_EFFICIENCY:g} assumed "
+             f"efficiency; this host's measured rate {fmt(rate / 1e9)} GFLOP/s per rank thread"]
+    for heads, dim in ((4, 64), (32, 128)):
+        for n in (65536, 131072):
+            c = make_case(world_size=ESTIMATE_GPUS, total_len=n, layout="zigzag", mask=MaskSpec("causal"),
+                          heads_q=heads, heads_kv=heads, head_dim=dim, dtype="bf16")
+            flops = FLOPS_PER_QKHD * visible_products(c)
+            gpu_s = flops / (ESTIMATE_GPUS * GPU_FP64_PEAK * GPU_EFFICIENCY)
+            cpu_s = flops / rate
+            lines.append(f"  {n // 1024}k tokens h{heads} d{dim} causal: {fmt(flops / 1e12)} TFLOP -> ~{fmt(gpu_s)} s "
+                         f"on {ESTIMATE_GPUS} GPUs (one thread of this host: ~{fmt(cpu_s / 3600)} h); memory per "
+                         f"share ~{fmt(oom.oracle_share_bytes(c) / (1 << 30))} GiB")
+    return lines
+
+
+def run(quick: bool = False) -> Figure:
+    """Measure the figure; `quick` runs two small medium cases and two short lengths (smoke test)."""
+    n_cases, total = (2, 512) if quick else (4, 2048)
+    lengths = (256, 512) if quick else (2048, 4096, 8192)
+    worlds = (1, 2, 4)
+    cores = os.cpu_count() or 1
+    with RankPool(WORLD) as pool:
+        pool.start()
+        run_case(medium_cases(1, 256, seed0=99)[0], pool)  # warm-up
+        medium = _medium(pool, medium_cases(n_cases, total))
+        growth = _growth(pool, lengths, worlds)
+    med = {mode: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for mode, rows in medium.items()}
+    ratio = {mode: statistics.median(r["wall"] / r["ranks"] for r in rows) for mode, rows in medium.items()}
+    fig = Figure("oracle_split", f"the oracle on the ranks vs in one process ({cores} cores)")
+    fig.lines.append(f"(a) {n_cases} medium cases (W={WORLD}, L={total}, h8 d64, 4 masks, fp32/bf16, GQA), median:")
+    for mode in ("local", "ranks"):
+        m = med[mode]
+        fig.lines.append(f"    oracle {mode:5s}: wall {fmt(m['wall'])} s, ranks' fwd+bwd {fmt(m['ranks_fb'])} s "
+                         f"(+ leak run: {fmt(m['ranks'])} s), oracle {fmt(m['oracle'])} s; wall / ranks' compute "
+                         f"{fmt(ratio[mode])}")
+    fig.lines.append(f"(b) oracle wall (s) vs tokens, zigzag causal h4 d64 fp32; local: one process, "
+                     f"{oracle_threads(WORLD)} thread; ranks: W ranks, one thread each, on {cores} cores")
+    fig.lines.append("    tokens   local " + "".join(f"   W={w}" for w in worlds) + "   local/W=" +
+                     "/W=".join(str(w) for w in worlds))
+    for n, row in growth.items():
+        fig.lines.append(f"    {n:6d} {fmt(row['local']):>7s} " + "".join(f"{fmt(row[f'W{w}']):>6s}" for w in worlds)
+                         + "   " + " ".join(fmt(row["local"] / row[f"W{w}"]) for w in worlds))
+    big = max(growth)
+    rate = FLOPS_PER_QKHD * visible_products(growth_case(big, 1)) / growth[big]["W1"]
+    fig.lines += _estimate_lines(rate)
+    fig.lines.append(load_line())
+    w_top = max(worlds)
+    fig.targets = [Target("medium case wall / ranks' own compute (oracle on the ranks)", ratio["ranks"], "<=",
+                          TARGET_RATIO),
+                   Target(f"oracle W=1 / W={w_top} at {big} tokens (ideal min(W, cores) = {min(w_top, cores)})",
+                          growth[big]["W1"] / growth[big][f"W{w_top}"], ">=", 0.8 * min(w_top, cores))]
+    fig.data = {"medium": medium, "growth": {str(k): v for k, v in growth.items()}, "rate_flops": rate,
+                "cores": cores}
+    return fig

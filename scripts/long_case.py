@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                       if isinstance(v, float) and k.endswith("_s")))
     me = os.getpid()
     print(f"peak RSS: parent {s.peaks.get(me, 0) / gib:.2f} GiB (VmHWM {_kib(_status(me).get('VmHWM')) / gib:.2f} GiB)")
-    ranks = sorted((pid for pid in s.peaks if pid != me and "harness.ranks.worker" in s.names.get(pid, "")))
+    ranks = sorted(pid for pid in s.peaks if pid != me and "harness.ranks.worker" in s.names.get(pid, ""))
     for pid in ranks:
         print(f"peak RSS: rank process {pid} {s.peaks[pid] / gib:.2f} GiB")
     return 0 if rp.result.passed else 1

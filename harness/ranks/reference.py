@@ -79,12 +79,12 @@ class TermScales:
         """One query block, grouped layout: p and ds_abs (B, Hkv, g, q, keys lo:hi), v_abs (B, keys, Hkv, D),
         dout (B, q, Hkv, g, D)."""
         pv = torch.einsum("bhgqk,bkhd->bqhgd", p, v_abs)
-        a = (dout.abs() * pv).sum(dim=-1).permute(0, 2, 3, 1).unsqueeze(-1)  # (B, Hkv, g, q, 1)
+        a = (dout.abs() * pv).sum(dim=-1).permute(0, 2, 3, 1)  # (B, Hkv, g, q)
         self.out = max(self.out, float(pv.max()))
         self.dq = max(self.dq, float(ds_abs.sum(dim=-1).max()))
         self.dq_d = max(self.dq_d, float(a.max()))
         self.col_ds[:, :, lo:hi] += ds_abs.sum(dim=(2, 3))
-        self.col_pa[:, :, lo:hi] += (p * a).sum(dim=(2, 3))
+        self.col_pa[:, :, lo:hi] += torch.einsum("bhgqk,bhgq->bhk", p, a)
         self.col_p[:, :, lo:hi] += p.sum(dim=(2, 3))
 
     def to(self, device: torch.device | str) -> TermScales:

@@ -89,3 +89,18 @@ def test_leak_check_with_empty_rows_and_idle_ranks(case):
     assert hidden.numel()
     leak = check_leak(case, grads(int(hidden[-1])))
     assert not leak.passed and leak.leaks[0]["token"] == int(hidden[-1])
+
+
+def test_a_rank_whose_rows_all_see_nothing_gets_its_oracle_share():
+    """prefix(7) & inverse-causal: only queries 0-6 see keys, so ranks 2 and 3 (rows 7-26) see nothing at
+    all and rank 1 holds no token; each rank's share is 0 / -inf, never NaN or an error."""
+    from harness.ranks.reference import share
+
+    case = make_case(world_size=4, seq_lens=(7, 0, 11, 9),
+                     mask={"and": [{"kind": "prefix", "length": 7}, {"kind": "inverse-causal"}]})
+    for rank in range(4):
+        ref, base = share(case, rank)
+        for s in (ref, base):
+            assert not s.out.isnan().any() and not s.dq.isnan().any()
+        if rank >= 2:
+            assert bool((ref.out == 0).all()) and bool((ref.lse == float("-inf")).all()) and bool((ref.dq == 0).all())

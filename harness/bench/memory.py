@@ -224,9 +224,45 @@ def run(quick: bool = False) -> Figure:
                          + f", itself doubles (x{fmt(steps[-1] / steps[-2])}): linear in tokens")
     fig.targets = [Target(f"fwd+bwd peak per rank, {n} / {n // 2} tokens (linear: 2, quadratic: 4)", r, "<=", 2.3)
                    for n, r in ratios]
+    masked = _mask_rows(fig, long_spec, min(totals), long[min(totals)])
     fig.data = {"spec": spec, "ranks": {str(w): rs for w, rs in rows.items()},
-                "long": {str(n): rs for n, rs in long.items()}}
+                "long": {str(n): rs for n, rs in long.items()}, "masks": masked}
     return fig
+
+
+def mask_specs(total: int) -> dict[str, dict]:
+    """The mask language's shapes at `total` tokens (issue #16): Llama 4 chunked attention, prefix-LM, a
+    bidirectional window, LongNet dilation (most rows see nothing) and packed documents without a prefix."""
+    c = max(2, total // 8)
+    return {
+        "causal&chunked": {"and": [{"kind": "causal"}, {"kind": "chunked", "size": c + 1}]},
+        "causal|prefix": {"or": [{"kind": "causal"}, {"kind": "prefix", "length": c}]},
+        "window(L,R)": {"kind": "window", "left": c, "right": c // 2},
+        "dilated": {"kind": "dilated", "segment": 2 * c, "rate": 4, "offset": 1},
+        "doc&!prefix": {"and": [{"kind": "document", "starts": [0, total // 3, total // 2 + 1]},
+                                {"not": {"kind": "prefix", "length": 3}}]},
+    }
+
+
+def _mask_rows(fig: Figure, long_spec: dict, total: int, causal: list[dict]) -> dict:
+    """The same long case under each of `mask_specs`, in fresh ranks: its per-rank peak against causal's.
+    The per-block decision and the tiles' masks are evaluated a slab or a tile at a time, so no mask may
+    raise the peak above the causal one by more than the mask's own tile-sized temporaries."""
+    base = max(r["forward_backward"] for r in causal)
+    fig.lines.append(f"masks: L={total} W={LONG_WORLD}  {'mask':<16} {'fwd+bwd MiB':>11}  {'x causal':>8}  "
+                     f"{'fwd+bwd B/token':>15}")
+    out = {}
+    for name, mask in mask_specs(total).items():
+        rs = measure(LONG_WORLD, dict(long_spec, total=total, mask=mask), timeout_s=1800.0)
+        top = {k: max(r[k] for r in rs) for k in ("forward_backward", "tokens")}
+        ratio = top["forward_backward"] / base if base > 0 else float("nan")
+        fig.lines.append(f"       {'':<{len(str(total)) + len(str(LONG_WORLD)) + 6}} {name:<16} "
+                         f"{fmt(top['forward_backward'] / MIB):>11}  {fmt(ratio):>8}  "
+                         f"{fmt(top['forward_backward'] / top['tokens']):>15}")
+        fig.targets.append(Target(f"fwd+bwd peak per rank under {name} / causal at {total} tokens", ratio, "<=", 1.25))
+        out[name] = rs
+    fig.lines.append("masks: each in fresh ranks at the long rows' shortest L; x causal = peak(mask) / peak(causal)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

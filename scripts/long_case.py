@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness import case as case_mod
     from harness.checks.options import ReplayOptions
     from harness.checks.replay import replay
-    from harness.errors import HarnessError
+    from harness.errors import HarnessError, RingHarnessError
     from harness.ranks import oom
 
     case = case_mod.make_case(world_size=a.world, total_len=a.tokens, layout="zigzag", mask={"kind": "causal"},
@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         except HarnessError as e:
             print(f"refused: {e}")
             return 2
+        except RingHarnessError as e:  # e.g. a rank died computing its oracle share
+            print(f"harness error after {time.perf_counter() - t0:.0f} s: {e}")
+            return 3
         wall = time.perf_counter() - t0
     gib = 1 << 30
     print(f"wall {wall:.0f} s (oracle {a.oracle}); verdict {rp.result.verdict}; timings: "

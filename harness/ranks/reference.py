@@ -25,6 +25,7 @@ contributes nothing to dk/dv (never NaN).
 
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,17 @@ from ring_impl.masks import MaskSpec, allowed
 SCORE_BUDGET = 1 << 22  # score entries (batch x query heads x queries x keys) of one query block: 32 MiB float64
 MAX_QUERY_BLOCK = 1024
 MIN_QUERY_BLOCK = 16
+
+
+def _libc_trim():
+    """glibc's malloc_trim, or a no-op elsewhere."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda pad: 0
+
+
+_TRIM = _libc_trim()
 
 
 def query_block(case: Case) -> int:
@@ -248,6 +260,9 @@ def attend(q, k, v, dout, rows: torch.Tensor, mask: MaskSpec, scale: float, comp
             outs.append(out)
             lses.append(lse)
             dqs.append(dq)
+            # give the block's freed temporaries back: their sizes change with every key span, and glibc's heap
+            # otherwise keeps the holes (measured: 1.15 GiB instead of 0.5 GiB peak RSS for a 16k share)
+            _TRIM(0)
     empty = q.new_zeros(b, 0, hq, d)
     out = torch.cat(outs, 1) if outs else empty
     lse = torch.cat(lses, 2) if lses else q.new_zeros(b, hq, 0, dtype=torch.float32 if not exact else compute)

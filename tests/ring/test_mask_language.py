@@ -164,3 +164,35 @@ def test_fit_drops_document_starts_beyond_the_sequence():
     cut = fit(spec, 6)
     assert isinstance(cut.expr, Expr) and cut.expr.args[0].param("starts") == (0, 4)
     assert fit(MaskSpec("document", doc_starts=(0, 4, 9)), 5) == MaskSpec("document", doc_starts=(0, 4))
+
+
+@pytest.mark.parametrize("e", [prim("dilated", 6, 3, 2), not_(prim("causal")),
+                               and_(prim("prefix", 5), prim("inverse-causal")), COMBOS[5]], ids=str)
+@pytest.mark.parametrize("tiles", [None, "64"], ids=["one-tile", "tiled"])
+def test_single_rank_ring_rows_that_see_nothing(e, tiles, monkeypatch):
+    """The reference ring (one rank, tiled and untiled) on a mask with empty rows: out = 0, lse = -inf, dq = 0
+    there, dk = dv = 0 for keys no query sees, no NaN, and the rest equal to float64 attention."""
+    from ring_impl import ring_attention
+    from ring_impl.kernel import TILE_ENV
+
+    if tiles:
+        monkeypatch.setenv(TILE_ENV, tiles)  # 2 heads x 16 x 16 > 64: tiles of 16 tokens
+    spec, n = MaskSpec.of(e), 23
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    m = allowed(spec, torch.arange(n), torch.arange(n))
+    empty, unseen = ~m.any(dim=1), ~m.any(dim=0)
+    assert empty.any() and not empty.all()
+    # float64 reference with the explicit mask; rows that see nothing are 0 by definition
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 8**-0.5
+    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).nan_to_num(0.0)
+    want = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    qs, ks, vs = (t.float().requires_grad_() for t in (q, k, v))
+    out, lse = ring_attention(qs, ks, vs, mask=spec, return_lse=True)
+    out.backward(dout.float())
+    for t in (out, qs.grad, ks.grad, vs.grad):
+        assert not t.isnan().any()
+    assert torch.allclose(out.double(), want, atol=1e-5)
+    assert bool((out[:, empty] == 0).all()) and bool((qs.grad[:, empty] == 0).all())
+    assert bool((lse[:, :, empty] == float("-inf")).all()) and bool(torch.isfinite(lse[:, :, ~empty]).all())
+    assert bool((ks.grad[:, unseen] == 0).all()) and bool((vs.grad[:, unseen] == 0).all())

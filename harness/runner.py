@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 ORACLE_MODES = ("ranks", "local")  # who computes the oracle: each rank its own share, or this process
 _ORACLE_MODE = {"mode": "ranks"}
-ORACLE_FLOPS_FLOOR = 2e7  # float64 flop/s a rank is assumed to reach at worst (a loaded core): the oracle's deadline
+ORACLE_FLOPS_FLOOR = 2e8  # flop/s a rank reaches at worst: 1/50 of one core's float64 rate here (~1e10): the deadline
 ORACLE_DEADLINE_MIN_S = 120.0
 
 

@@ -127,3 +127,16 @@ def test_queries_that_see_no_key(monkeypatch, compute, block):
         r = reference.attend(q[:, keep], k, v, dout[:, keep], torch.arange(len(keep)), None, 0.3, compute, block)
         torch.testing.assert_close(s.out[:, keep], r.out, rtol=1e-14, atol=1e-14)
         torch.testing.assert_close(s.dk, r.dk, rtol=1e-14, atol=1e-14)
+
+
+def test_an_oracle_past_its_deadline_is_the_harness_error_and_the_pool_recovers(pool):
+    from harness.errors import PoolError
+
+    case = make_case(world_size=2, total_len=2048, layout="zigzag", mask={"kind": "causal"}, heads_q=8, heads_kv=8,
+                     head_dim=64, seed=9)
+    pool.ensure(2)
+    with pytest.raises(PoolError, match=r"the oracle of W2 .*passed its deadline of 0 s"):
+        pool.oracle(case, 0.001)
+    assert pool.broken  # the late shares are still on their way: the next case starts fresh ranks
+    small = make_case(world_size=2, total_len=16, mask={"kind": "causal"}, seed=9)
+    assert run_case(small, pool).verdict == Verdict.PASS

@@ -76,13 +76,16 @@ def shard_edges(case: Case) -> torch.Tensor:
 
 
 def doc_edges(case: Case) -> torch.Tensor:
-    """(N,) bool: first or last token of a document (document masks with two or more documents)."""
+    """(N,) bool: first or last token of a document (document masks, or expressions with a document, with
+    two or more documents)."""
     n = case.total_len
     edge = torch.zeros(n, dtype=torch.bool)
-    if case.mask.kind == "document":
-        for s in case.mask.doc_starts[1:]:
-            edge[s] = True
-            edge[s - 1] = True
+    for leaf in case.mask.expression().leaves():
+        if leaf.op == "document":
+            for s in leaf.param("starts")[1:]:
+                if s < n:
+                    edge[s] = True
+                    edge[s - 1] = True
     return edge
 
 

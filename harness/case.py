@@ -28,7 +28,7 @@ from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import parse_faults
 from ring_impl.layouts import LAYOUTS, split_lengths
-from ring_impl.masks import MASK_KINDS, MaskSpec, expr_from_dict
+from ring_impl.masks import MASK_KINDS, MaskSpec, doc_starts_of, expr_from_dict
 
 FORMAT = 1
 VALUE_KINDS = ("normal", "large", "near-tie")
@@ -143,10 +143,9 @@ def validate(c: Case) -> None:
     _need(c.total_len >= 1, "seq_lens", "the total sequence length must be at least 1")
     _need(c.layout in LAYOUTS, "layout", f"unknown layout {c.layout!r}; expected one of {', '.join(LAYOUTS)}")
     _need(isinstance(c.mask, MaskSpec), "mask", f"must be a mask mapping, got {c.mask!r}")
-    for leaf in c.mask.expression().leaves():
-        if leaf.op == "document":
-            last = leaf.param("starts")[-1]
-            _need(last < c.total_len, "mask", f"document start {last} is beyond the sequence (length {c.total_len})")
+    for starts in doc_starts_of(c.mask.expression()):
+        _need(starts[-1] < c.total_len, "mask",
+              f"document start {starts[-1]} is beyond the sequence (length {c.total_len})")
     _need(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}")
     _need(c.softmax_scale is None or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale)
                                       and c.softmax_scale > 0),

@@ -7,7 +7,7 @@ partial), the leak check's "may see" relation (`visible_keys`) and the case summ
 
 A mask is a `MaskSpec`. The four original kinds (none, causal, window, document) stay as they were
 (old case files load and replay unchanged); any other mask is kind "expr": an `Expr` tree of named
-primitives combined with and / or / not. Pure data, never code:
+primitives combined with and / or / not / per-document. Pure data, never code:
 
   full                       every key
   causal                     k <= q
@@ -21,6 +21,9 @@ primitives combined with and / or / not. Pure data, never code:
   document(starts)           q and k in the same document (starts: sorted, the first 0)
   blocks(size, pairs)        (q // size, k // size) is one of `pairs` (an explicit block table)
 
+  per-document(starts, m)    q and k in the same document, and m holds for their positions relative to
+                             the document's start (per-document chunks, prefixes, dilation, ...)
+
 An expression written exactly as an original kind is stored as that kind (`MaskSpec.of`): `{kind: full}` is
 `{kind: none}`, `{kind: window, left: 3, right: 0}` is `{kind: window, window: 3}`, `{and: [{kind: document,
 starts: S}, {kind: causal}]}` is `{kind: document, doc_starts: S, causal: true}`.
@@ -31,7 +34,7 @@ and keys no query sees get dk = dv = 0 (README "Masks").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +53,7 @@ PRIMITIVES: dict[str, tuple[str, ...]] = {  # name -> parameters, in order
     "document": ("starts",),
     "blocks": ("size", "pairs"),
 }
-COMBINATORS = ("and", "or", "not")
+COMBINATORS = ("and", "or", "not", "per-document")
 EXPR = "expr"  # the capability of reading a general expression at all (`MaskSpec.expr`)
 # every capability name a mask can need: an implementation declares the ones it supports
 MASK_FEATURES = tuple(dict.fromkeys((*MASK_KINDS, EXPR, *PRIMITIVES, *COMBINATORS)))
@@ -63,7 +66,8 @@ SKIP, FULL, PARTIAL = "skip", "full", "partial"
 @dataclass(frozen=True)
 class Expr:
     """A mask expression: a primitive (`op` in PRIMITIVES, `params` its values in order) or a
-    combinator (`op` in COMBINATORS, `args` its operands; `not` has exactly one)."""
+    combinator (`op` in COMBINATORS, `args` its operands; `not` has exactly one; `per-document` has one and
+    its document starts as `params`)."""
 
     op: str
     params: tuple[Any, ...] = ()
@@ -71,6 +75,11 @@ class Expr:
 
     def __post_init__(self) -> None:
         if self.op in COMBINATORS:
+            if self.op == "per-document":
+                if len(self.args) != 1 or len(self.params) != 1:
+                    raise ValueError("per-document takes its document starts and exactly one mask")
+                object.__setattr__(self, "params", _checked("document", self.params))
+                return
             if self.params:
                 raise ValueError(f"{self.op} takes operands, not parameters")
             if self.op == "not" and len(self.args) != 1:
@@ -95,6 +104,8 @@ class Expr:
         """The compact one-line form, e.g. `causal&(chunked(8)|prefix(3))`."""
         if self.op == "not":
             return f"!{_paren(self.args[0], 'not')}"
+        if self.op == "per-document":
+            return f"perdoc({len(self.params[0])})[{self.args[0]}]"
         if self.op in ("and", "or"):
             sym = "&" if self.op == "and" else "|"
             return sym.join(_paren(a, self.op) for a in self.args)
@@ -270,6 +281,8 @@ class MaskSpec:
 
 
 def _causal(e: Expr) -> bool:
+    if e.op == "per-document":  # positions relative to their document keep their order within it
+        return _causal(e.args[0])
     if e.op == "causal":
         return True
     if e.op == "window":
@@ -306,6 +319,8 @@ def expr_to_dict(e: Expr) -> dict:
     `{not: {...}}` for a combinator."""
     if e.op == "not":
         return {"not": expr_to_dict(e.args[0])}
+    if e.op == "per-document":
+        return {"per-document": {"starts": list(e.params[0]), "mask": expr_to_dict(e.args[0])}}
     if e.op in COMBINATORS:
         return {e.op: [expr_to_dict(a) for a in e.args]}
     d: dict[str, Any] = {"kind": e.op}
@@ -336,6 +351,16 @@ def expr_from_dict(d: Any, where: str = "", depth: int = 0) -> Expr:
         op = combo[0]
         if op == "not":
             return not_(expr_from_dict(d["not"], f"{where}.not" if where else "not", depth + 1))
+        if op == "per-document":
+            path = f"{where}.per-document" if where else "per-document"
+            body = d[op]
+            if not isinstance(body, dict) or set(body) != {"starts", "mask"}:
+                raise ValueError(_at(path, f"must be a mapping with starts and mask, got {body!r}"))
+            inner = expr_from_dict(body["mask"], f"{path}.mask", depth + 1)
+            try:
+                return Expr(op, (body["starts"],), (inner,))
+            except ValueError as e:
+                raise ValueError(_at(path, str(e))) from None
         items = d[op]
         if not isinstance(items, list) or not items:
             raise ValueError(_at(f"{where}.{op}" if where else op, f"must be a non-empty list of masks, got {items!r}"))
@@ -381,17 +406,29 @@ def _block_table(size: int, pairs: tuple[tuple[int, int], ...], qb: torch.Tensor
     return table[qb.clamp(max=nq), kb.clamp(max=nk)]
 
 
-def evaluate(e: Expr, qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
-    """Bool (Lq, Lk) of the expression for query positions qp (Lq, 1) and key positions kp (1, Lk)."""
+Leaf = Callable[[Expr, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+def evaluate(e: Expr, qp: torch.Tensor, kp: torch.Tensor, leaf: Leaf | None = None) -> torch.Tensor:
+    """Bool (Lq, Lk) of the expression for query positions qp (Lq, 1) and key positions kp (1, Lk).
+    `leaf` may take over a primitive (return its mask, or None to leave it alone): the mutants' hook."""
     shape = (qp.shape[0], kp.shape[1])
     op = e.op
     if op == "and" or op == "or":
-        out = evaluate(e.args[0], qp, kp)
+        out = evaluate(e.args[0], qp, kp, leaf)
         for a in e.args[1:]:
-            out = (out & evaluate(a, qp, kp)) if op == "and" else (out | evaluate(a, qp, kp))
+            out = (out & evaluate(a, qp, kp, leaf)) if op == "and" else (out | evaluate(a, qp, kp, leaf))
         return out
     if op == "not":
-        return ~evaluate(e.args[0], qp, kp)
+        return ~evaluate(e.args[0], qp, kp, leaf)
+    if op == "per-document":  # the same document, and the operand on positions relative to its start
+        starts = torch.tensor(e.params[0], dtype=torch.long, device=qp.device)
+        dq, dk = doc_ids(e.params[0], qp), doc_ids(e.params[0], kp)
+        return (dq == dk) & evaluate(e.args[0], qp - starts[dq], kp - starts[dk], leaf)
+    if leaf is not None:
+        got = leaf(e, qp, kp)
+        if got is not None:
+            return got.expand(shape)
     if op == "full":
         m = torch.ones(shape, dtype=torch.bool, device=qp.device)
     elif op == "causal":
@@ -489,10 +526,17 @@ def empty_rows(spec: MaskSpec, total: int, chunk: int = DECISION_CHUNK) -> torch
     return out
 
 
-def _map_leaves(e: Expr, fn) -> Expr:
+def _map_nodes(e: Expr, fn) -> Expr:
+    """`fn` applied to every node, operands first."""
     if e.op in COMBINATORS:
-        return Expr(e.op, args=tuple(_map_leaves(a, fn) for a in e.args))
+        e = Expr(e.op, e.params, tuple(_map_nodes(a, fn) for a in e.args))
     return fn(e)
+
+
+def doc_starts_of(e: Expr) -> list[tuple[int, ...]]:
+    """The document starts of every document primitive and per-document combinator of `e`."""
+    own = [e.params[0]] if e.op in ("document", "per-document") else []
+    return own + [s for a in e.args for s in doc_starts_of(a)]
 
 
 def fit(spec: MaskSpec, total: int) -> MaskSpec:
@@ -502,9 +546,9 @@ def fit(spec: MaskSpec, total: int) -> MaskSpec:
     if spec.kind != EXPR:
         return spec
 
-    def cut(leaf: Expr) -> Expr:
-        if leaf.op != "document":
-            return leaf
-        return prim("document", tuple(s for s in leaf.param("starts") if s < max(1, total)))
+    def cut(node: Expr) -> Expr:
+        if node.op not in ("document", "per-document"):
+            return node
+        return Expr(node.op, (tuple(s for s in node.params[0] if s < max(1, total)),), node.args)
 
-    return MaskSpec.of(_map_leaves(spec.expr, cut))
+    return MaskSpec.of(_map_nodes(spec.expr, cut))

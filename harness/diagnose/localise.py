@@ -22,7 +22,7 @@ from harness.ranks.pool import RankPool
 from harness.result import CaseResult
 from harness.runner import run_case
 from ring_impl.layouts import all_positions, zigzag_chunks
-from ring_impl.masks import full_mask
+from ring_impl.masks import doc_starts_of, full_mask
 
 GRADS = ("dq", "dk", "dv")
 QUERY_TENSORS = ("out", "lse", "dq")  # indexed by query token; dk/dv by key token
@@ -76,16 +76,15 @@ def shard_edges(case: Case) -> torch.Tensor:
 
 
 def doc_edges(case: Case) -> torch.Tensor:
-    """(N,) bool: first or last token of a document (document masks, or expressions with a document, with
-    two or more documents)."""
+    """(N,) bool: first or last token of a document (document masks, or expressions with a document
+    primitive or a per-document combinator, with two or more documents)."""
     n = case.total_len
     edge = torch.zeros(n, dtype=torch.bool)
-    for leaf in case.mask.expression().leaves():
-        if leaf.op == "document":
-            for s in leaf.param("starts")[1:]:
-                if s < n:
-                    edge[s] = True
-                    edge[s - 1] = True
+    for starts in doc_starts_of(case.mask.expression()):
+        for s in starts[1:]:
+            if s < n:
+                edge[s] = True
+                edge[s - 1] = True
     return edge
 
 

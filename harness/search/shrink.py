@@ -112,12 +112,15 @@ def simpler_expressions(e: Expr) -> Iterator[Expr]:
     operand, then smaller parameters."""
     if e.op in COMBINATORS:
         yield from e.args
-        if e.op != "not" and len(e.args) > 2:
+        if e.op in ("and", "or") and len(e.args) > 2:
             for i in range(len(e.args)):
                 yield Expr(e.op, args=e.args[:i] + e.args[i + 1:])
+        if e.op == "per-document":
+            for s in e.params[0][1:]:
+                yield Expr(e.op, (tuple(x for x in e.params[0] if x != s),), e.args)
         for i, a in enumerate(e.args):
             for b in simpler_expressions(a):
-                yield Expr(e.op, args=e.args[:i] + (b,) + e.args[i + 1:])
+                yield Expr(e.op, e.params, e.args[:i] + (b,) + e.args[i + 1:])
         return
     yield from _simpler_params(e)
 

@@ -137,6 +137,11 @@ def expressions(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, 
     sub = expressions(total, kinds, boundaries, depth + 1)
     if op == "not":
         return Expr("not", args=(draw(sub),))
+    if op == "per-document":  # documents starting on shard edges, the operand relative to each start
+        n = max(1, total)
+        starts = draw(st.lists(_near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True)) \
+            if n > 1 else []
+        return Expr(op, ((0, *sorted(starts)),), (draw(sub),))
     return Expr(op, args=tuple(draw(st.lists(sub, min_size=2, max_size=3))))
 
 

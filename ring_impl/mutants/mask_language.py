@@ -3,30 +3,12 @@ where global positions were meant, a prefix boundary off by one, and rows or ran
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ring_impl.kernel import block_forward
-from ring_impl.masks import Expr, MaskSpec, evaluate, prim
+from ring_impl.masks import Expr, Leaf, MaskSpec, evaluate, prim
 from ring_impl.mutants.base import mask_changes, mutant
 from ring_impl.ring import BlockAt, position_mask
-
-Leaf = Callable[[Expr, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
-
-
-def _evaluate_with(e: Expr, qp: torch.Tensor, kp: torch.Tensor, leaf: Leaf) -> torch.Tensor:
-    """`masks.evaluate`, but each primitive first offered to `leaf` (None: evaluated as usual)."""
-    if e.op in ("and", "or"):
-        out = _evaluate_with(e.args[0], qp, kp, leaf)
-        for a in e.args[1:]:
-            m = _evaluate_with(a, qp, kp, leaf)
-            out = out & m if e.op == "and" else out | m
-        return out
-    if e.op == "not":
-        return ~_evaluate_with(e.args[0], qp, kp, leaf)
-    got = leaf(e, qp, kp)
-    return evaluate(e, qp, kp) if got is None else got.expand(qp.shape[0], kp.shape[1])
 
 
 def _with_leaves(ops: tuple[str, ...], leaf: Leaf, remote_only: bool = False):
@@ -36,8 +18,8 @@ def _with_leaves(ops: tuple[str, ...], leaf: Leaf, remote_only: bool = False):
         e = spec.expression()
         if not any(x.op in ops for x in e.leaves()) or (remote_only and at.owner == at.rank):
             return position_mask(spec, q_pos, k_pos, at)
-        return _evaluate_with(e, q_pos.view(-1, 1), k_pos.view(1, -1), lambda x, qp, kp: leaf(x, qp, kp)
-                              if x.op in ops else None).contiguous()
+        return evaluate(e, q_pos.view(-1, 1), k_pos.view(1, -1), lambda x, qp, kp: leaf(x, qp, kp)
+                        if x.op in ops else None).contiguous()
 
     return block_mask
 

@@ -19,6 +19,9 @@ def brute_expr(e: Expr, i: int, j: int) -> bool:
         return any(brute_expr(a, i, j) for a in e.args)
     if op == "not":
         return not brute_expr(e.args[0], i, j)
+    if op == "per-document":
+        di, dj = _doc(p[0], i), _doc(p[0], j)
+        return di == dj and brute_expr(e.args[0], i - p[0][di], j - p[0][dj])
     if op == "full":
         return True
     if op == "causal":

@@ -49,6 +49,9 @@ COMBOS = [
     not_(prim("causal")),
     and_(prim("document", (0, 7, 19)), or_(prim("window", 2, 0), prim("prefix", 3)), not_(prim("dilated", 4, 2, 1))),
     or_(prim("window", 4, 0), and_(prim("prefix", 3), prim("causal"))),  # global tokens + sliding window
+    Expr("per-document", ((0, 7, 19),), (or_(prim("causal"), prim("chunked", 4)),)),  # varlen block-causal
+    Expr("per-document", ((0, 9),), (or_(prim("causal"), prim("prefix", 3)),)),  # prefix-LM per sample
+    and_(Expr("per-document", ((0, 13, 14),), (prim("dilated", 4, 2, 1),)), not_(prim("window", 0, 0))),
 ]
 EXPRS = [e for es in PRIMS.values() for e in es] + COMBOS
 
@@ -142,6 +145,9 @@ def test_data_form_round_trips_and_old_files_keep_their_form():
     ({"kind": "window", "left": 1}, "window needs right"),
     ({"kind": "blocks", "size": 2, "pairs": [[0]]}, "pairs must be a list of [query block, key block] pairs"),
     ({"kind": "causal", "size": 3}, "unknown key(s) size for causal"),
+    ({"per-document": {"starts": [2, 5], "mask": {"kind": "causal"}}}, "per-document: document: starts must begin"),
+    ({"per-document": {"mask": {"kind": "causal"}}}, "per-document: must be a mapping with starts and mask"),
+    ({"per-document": {"starts": [0], "mask": {"kind": "chunked"}}}, "per-document.mask: chunked needs size"),
     ({"or": [{"kind": "causal"}, {"kind": "document", "starts": [0, 99]}]}, "document start 99 is beyond"),
 ])
 def test_bad_masks_get_one_line_naming_the_field(bad, words):

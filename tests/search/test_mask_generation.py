@@ -31,12 +31,13 @@ def test_reference_draws_expressions_and_idle_ranks_legacy_caps_draw_neither():
         seen["expr" if c.mask.kind == "expr" else "legacy"] += 1
         seen["idle"] += 0 in c.seq_lens
         assert c.total_len >= 1 and any(c.seq_lens)
-        for leaf in c.mask.expression().leaves():
-            seen[leaf.op] += 1
+        for name in c.mask.needs():
+            seen[name] += 1
 
     ref()
     assert seen["expr"] >= 30 and seen["idle"] >= 10
-    assert all(seen[p] for p in ("window", "chunked", "dilated", "prefix", "document", "blocks", "inverse-causal"))
+    assert all(seen[p] for p in ("window", "chunked", "dilated", "prefix", "document", "blocks", "inverse-causal",
+                                 "and", "or", "not", "per-document"))
 
     @SETTINGS
     @given(cases(Capabilities()))
@@ -112,3 +113,13 @@ def test_drawn_cases_are_valid_and_round_trip(data):
 
     c = data.draw(cases(REFERENCE_CAPABILITIES, max_tokens=24))
     assert from_dict(to_dict(c)) == c
+
+
+def test_shrinking_a_per_document_mask_keeps_its_starts_or_drops_one():
+    from ring_impl.masks import Expr
+
+    e = Expr("per-document", ((0, 4, 9),), (or_(prim("causal"), prim("prefix", 2)),))
+    simpler = list(simpler_expressions(e))
+    assert simpler[0] == e.args[0]
+    assert Expr("per-document", ((0, 9),), e.args) in simpler
+    assert Expr("per-document", ((0, 4, 9),), (prim("causal"),)) in simpler

@@ -2,7 +2,8 @@
 
 Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Draws are ordered
 so that hypothesis shrinks a failure towards the smallest world size, then the shortest sequence,
-the fewest heads and the simplest mask (none < causal < window < document), then fp32, normal
+the fewest heads and the simplest mask (none < causal < window < document < an expression of the mask
+language, itself shrinking towards one primitive), then fp32, normal
 values and the default softmax scale. Only structure and a seed are drawn; tensors are built from
 the seed inside the ranks.
 """

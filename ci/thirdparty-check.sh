@@ -17,6 +17,7 @@ IMPLS=(ring-flash-attn ring-flash-attn-zigzag ring-flash-attn-stripe ring-flash-
 # exit 1 expected (a known library bug or a refusal no capability can express), for the log only
 declare -A KNOWN=(
   [ring-flash-attn]="fp16 dq rounded through bf16 (precision check; upstream PR zhuzilin/ring-flash-attention#87)"
+  [ring-flash-attn-llama3]="dk/dv partials reduce-scattered in the input dtype (llama3_flash_attn_varlen.py: dkv_buffer dtype=k.dtype): growth check, bf16 dv error x1.45 at W8"
   [ring-flash-attn-zigzag]="odd per-rank length (probe finding; cases/ring-flash-attn-zigzag-odd-local-length*.yaml)"
   [yunchang-ring]="odd per-rank length in zigzag (cases/yunchang-ring-zigzag-odd-local-length.yaml); fp16 dq through bf16"
   [yunchang-usp]="heads without a Ulysses degree, W = 5 or 7, are refused (no capability expresses it)"

@@ -279,6 +279,7 @@ def share(case: Case, index: int, device: torch.device | str = "cpu") -> tuple[S
     """(float64 reference share, same-dtype base share) number `index` (a group rank) of the case's
     oracle, computed on `device` from inputs rebuilt from the seed."""
     t0 = time.perf_counter()
+    _TRIM(0)  # what the rank's run left in glibc's heap goes back first: the share's peak is its own
     rows = rows_of(case, index)
     keys = torch.arange(case.total_len, dtype=torch.long)
     q, dout = (inputs.make(case, name, rows).to(device) for name in ("q", "dout"))

@@ -358,17 +358,19 @@ def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
 # causal bf16 h4 d64: each rank peaked at 0.82-0.86 GiB (an idle worker holds ~0.26 GiB). Per rank: idle worker
 # + bytes per local token per (query head x head_dim) + the tile workspace (~24 B per score entry of one tile).
 # The oracle (issue #12), by default computed by the ranks after their run (`oracle="ranks"`): each rank's share
-# holds the global k/v (float32 draw, the dtype, float64) and its dk/dv partials (float64 + the base's float32),
-# its own rows' q/dout/out/dq, and one query block's scores (harness.ranks.reference.query_block: at most
-# SCORE_BUDGET entries, a few float64 temporaries + the base's); the parent holds the W shares' partials until
-# they are assembled, the references and the judging. `oracle="local"`: the parent computes every share itself
+# holds the global k/v (float32 draw, the dtype, float64) and its dk/dv partials (float64 + the base's float32;
+# three times while the share is sent: the tensors, their pickle, the bytes sent), its own rows' q/dout/out/dq,
+# and one query block's scores (harness.ranks.reference.query_block: at most SCORE_BUDGET entries, a few float64
+# temporaries + the base's); the parent holds the W shares' partials until they are assembled, the references and
+# the judging. Calibrated on the same 32k case (`python scripts/long_case.py`): ranks peaked at 1.20-1.33 GiB
+# (estimate 1.45), the parent at 1.70 GiB (estimate 2.6). `oracle="local"`: the parent computes every share itself
 # (the same blocks, one share at a time) and holds the global tensors.
 RANK_IDLE = 300 << 20
 RANK_BYTES_PER_TOKEN_HD = 256  # x local tokens x heads_q x head_dim
 TILE_BYTES_PER_SCORE = 24
 PARENT_IDLE = 600 << 20
 PARENT_BYTES_PER_TOKEN_HD = 160  # x total tokens x heads_q x head_dim: references, base, judging
-SHARE_BYTES_PER_KEY_HD = 64  # x total tokens x heads_q x head_dim: global k/v and the dk/dv partials of a share
+SHARE_BYTES_PER_KEY_HD = 104  # x total tokens x heads_q x head_dim: global k/v and the dk/dv partials of a share
 SHARE_BYTES_PER_ROW_HD = 64  # x the share's rows x heads_q x head_dim: q/dout/out/dq, float64 and base
 SHARE_BYTES_PER_SCORE = 56  # x one query block's score entries: float64 temporaries + the base's (autograd)
 PARENT_BYTES_PER_SHARE_HD = 24  # x total tokens x heads_q x head_dim, per share held before assembly

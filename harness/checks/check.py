@@ -1,9 +1,10 @@
 """The default `check` pipeline as one function, shared by `ring-harness check` and `ring-harness selftest`.
 
-Stages, in order: the fixed battery (then probes of undeclared features and the capability matrix),
-the growth check (harness.checks.growth: the same global case at W = 1, 2, 4, 8, whose error must not
-grow with W; a second, cheap stage so a per-step precision loss is found in seconds), the
-buffer-discipline fault stage, and the property-based run. `stop_at_first_failure` ends the
+Stages, in order: the growth check (harness.checks.growth: the same global case at W = 1, 2, 4, 8,
+whose error must not grow with W; first because it is cheap, ~16 small runs, and a per-step precision
+loss passes every single case, so after the battery it was found only after ~100 runs), the fixed
+battery (then probes of undeclared features and the capability matrix), the buffer-discipline fault
+stage, and the property-based run. `stop_at_first_failure` ends the
 check at the first failing case that `accept` takes (selftest accepts only failures that reproduce
 bit for bit); a failure it refuses is recorded and the check goes on.
 """
@@ -229,6 +230,8 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             "own implementation')")
     out(f"ring-harness check: {len(cases)} cases, impl {impl}, {pool.backend} ranks "
         f"({opts.launcher}, {pool.size} ranks)")
+    if _growth_stage(pool, opts, caps, res, out, failed):
+        return finish(f"stopped at the growth check ({len(res.failures)} failing)")
     out(report.header())
     for i, c in enumerate(cases, 1):
         r = run_case(c, pool, impl, allow_import=allow_import)
@@ -258,8 +261,6 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
                 out(f"        finding saved {path}")
     for line in format_matrix(matrix(caps, res.results, res.probe_results)):
         out(line)
-    if _growth_stage(pool, opts, caps, res, out, failed):
-        return finish(f"stopped at the growth check ({len(res.failures)} failing)")
     if _fault_stage(pool, opts, caps, res, out, failed, save):
         return finish(f"stopped at fault stage case {len(res.fault_results)} ({len(res.failures)} failing)")
     before, t_prop = res.cases, elapsed()

@@ -23,8 +23,9 @@ correct rings (reference, flash-ring, torch-ring) at most x1.12; the per-step-ro
 W = 4). A per-step rounding adds one input-dtype unit at the running result's scale per step:
 e(W)^2 ~ e(2)^2 (1 + c (W - 2)), c > 0.
 
-Only fp16/bf16 cases: rounding to the input dtype is exact for fp32 inputs. A run that does not complete
-(or returns non-finite values) gives no figure; the battery reports such runs.
+Only fp16/bf16 cases: rounding to the input dtype is exact for fp32 inputs. A run that does not complete,
+returns non-finite values or fails on its own gives no figure and ends the growth check (it runs first in
+`check`: a broken ring costs it one or two runs); the battery reports such runs.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> Grow
             e = rms_errors(r)
             r.shards = None  # large: keep only the figures
             gc.results[w] = r
-            if e is None:  # no figure for this global case: its other ring sizes cannot give one
+            if e is None or r.verdict != "pass":  # no figure (or none that means anything: a wrong run)
                 gc.note = f"no figure: W{w} ended {r.verdict}"
                 break
             gc.rms[w] = e
@@ -228,7 +229,7 @@ def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> Grow
             _figures(gc)
         res.cases.append(gc)
         reporter(_line(gc, worlds))
-        if any(r.verdict in ("hang", "fail-stop") for r in gc.results.values()):
+        if gc.note:  # a run wrong, hung or raised on its own: the battery says what failed, and how
             res.skipped = f"stopped after {gc.label}: {gc.note} (the other stages report why)"
             reporter(f"growth check: {res.skipped}")
             break

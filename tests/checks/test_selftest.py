@@ -227,7 +227,8 @@ def test_selftest_kills_shrinks_and_saves_replayable_cases(pool, tmp_path):
     names = ["mutant:scale-one-over-d", "mutant:skipped-ring-step"]
     runs = selftest.run_selftest(pool, names, CheckOptions(), tmp_path, tmp_path / "corpus")
     for r in runs:
-        assert r.status == "killed" and r.ok and r.stage == "battery" and r.cases == 1, kill_matrix.row(r)
+        # killed at the battery's first case, after the growth check's first run (which stops the growth check)
+        assert r.status == "killed" and r.ok and r.stage == "battery" and r.cases <= 3, kill_matrix.row(r)
         assert r.path == tmp_path / "corpus" / f"mutant-{kill_matrix.short(r.name)}.yaml"
         case, data = case_mod.load(r.path)
         assert case.impl == r.name and case.world_size <= 2 and case.total_len <= 2

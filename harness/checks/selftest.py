@@ -2,8 +2,8 @@
 mutant of the reference ring (ring_impl.mutants, one real, publicly reported bug class each) and
 against the reference itself, and report a kill matrix.
 
-Each mutant gets exactly what a user gets: `check`'s own default options (fixed battery, fault
-stage, growth check, property-based run with the ci budget), through the same `run_check`, stopped at the first
+Each mutant gets exactly what a user gets: `check`'s own default options (growth check, fixed
+battery, fault stage, property-based run with the ci budget), through the same `run_check`, stopped at the first
 failure. A failure counts as the kill only if it reproduces bit for bit on two re-runs and once
 under perturbed timing (a data race, e.g. reading a receive buffer before waiting on plain gloo,
 fails with different numbers from run to run; it is reported, and the check goes on to a

@@ -1,5 +1,5 @@
-"""`ring-harness check`: the default check (harness.checks.check: fixed battery, fault stage,
-growth check, property-based run) against one implementation, or the fault battery with --faults."""
+"""`ring-harness check`: the default check (harness.checks.check: growth check, fixed battery,
+fault stage, property-based run) against one implementation, or the fault battery with --faults."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from harness.case import Case, make_case
 from ring_impl.layouts import split_lengths
-from ring_impl.masks import MaskSpec, and_, not_, or_, prim
+from ring_impl.masks import Expr, MaskSpec, and_, not_, or_, prim
 
 MASKS = {
     "none": MaskSpec("none"),
@@ -89,11 +89,13 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
 def language_cases(w: int, total: int) -> list[tuple[str, tuple[int, ...], MaskSpec]]:
     """(layout, seq_lens, mask) of the battery's mask-language cases at world size `w`: Llama 4 chunked
     attention and prefix-LM with an idle rank, a bidirectional window, LongNet dilation, a block table with
-    inverse-causal, documents without their prefix, and a mask that leaves whole ranks seeing nothing."""
+    inverse-causal, documents without their prefix, a mask that leaves whole ranks seeing nothing, and
+    block-causal attention inside each packed document (per-document)."""
     idle = tuple([7, 0, 11, 9][i % 4] + i // 4 for i in range(w)) if w >= 2 else (total,)
     even = tuple(split_lengths(total, w))
     n_idle = sum(idle)
     first = idle[0]  # the first shard's end: chunk, prefix and segment edges on it or next to it
+    docs = tuple(sorted({0, max(1, first - 2), min(n_idle - 1, first + 5)}))
     return [
         ("contiguous", idle, MaskSpec.of(and_(prim("causal"), prim("chunked", first + 1)))),
         ("zigzag", idle, MaskSpec.of(or_(prim("causal"), prim("prefix", min(n_idle - 1, first + 3))))),
@@ -104,6 +106,7 @@ def language_cases(w: int, total: int) -> list[tuple[str, tuple[int, ...], MaskS
         ("striped", even, MaskSpec.of(and_(prim("document", tuple(sorted({0, total // 3, total // 2 + 1}))),
                                            not_(prim("prefix", 2)), prim("full")))),
         ("contiguous", idle, MaskSpec.of(and_(prim("prefix", first), prim("inverse-causal")))),
+        ("zigzag", idle, MaskSpec.of(Expr("per-document", (docs,), (or_(prim("causal"), prim("chunked", 3)),)))),
     ]
 
 

@@ -75,6 +75,7 @@ class CheckOutcome:
     follower: bool = False  # a torchrun rank other than 0: it ran cases, rank 0 judged and reports
     histories: dict = field(default_factory=dict)  # failure signature -> its fresh-rank confirmation (HistoryFinding)
     hangs: int = 0  # failing cases that hung (the check stops at CheckOptions.max_hangs)
+    finding_files: dict = field(default_factory=dict)  # probe finding signature -> [saved path, findings]
 
     @property
     def findings(self) -> list[CaseResult]:
@@ -175,14 +176,17 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
                 return True
         return stop_at_first_failure and ok
 
-    def save(r: CaseResult, note: str | None = None, again: CaseResult | None = None) -> None:
+    def save(r: CaseResult, note: str | None = None, again: CaseResult | None = None,
+             features: tuple[str, ...] = ()) -> None:
         """One saved file per distinct failure (its first case), confirmed on fresh ranks first; one that
         does not reproduce there is history-dependent and saved as the sequence of cases that does
-        (harness.search.history). `again`: the repeat check's second run of the case."""
-        sig = failure_signature(r)
-        if sig in res.distinct:
-            res.distinct[sig][1] += 1
-            out(f"        same failure as {res.distinct[sig][0]} ({' '.join(sig)}): not saved again")
+        (harness.search.history). `again`: the repeat check's second run of the case. `features`: the
+        undeclared features of a probe: its finding is grouped with its features, in res.finding_files."""
+        sig = (*sorted(features), *failure_signature(r))
+        table, what = (res.finding_files, "finding") if features else (res.distinct, "failure")
+        if sig in table:
+            table[sig][1] += 1
+            out(f"        same {what} as {table[sig][0]} ({' '.join(sig)}): not saved again")
             return
         t0 = time.perf_counter()
         repeat = again is not None and r.extra.get("repeat", {}).get("identical") is False
@@ -190,7 +194,7 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             path = save_result(r, opts.save_dir, backend=pool.backend, note="\n".join(filter(None, [
                 note, f"{r.verdict}: {r.case.summary()}", r.detail, "history-dependent: the second run differs in "
                 "bits but passes on its own; replaying this case alone does not reproduce the divergence"])))
-            res.distinct[sig] = [path, 1]
+            table[sig] = [path, 1]
             out(f"        saved {path} (history-dependent: NOT a reproducer on its own)")
             return
         target = again if repeat else r  # the repeat check's failing run is the second one
@@ -208,8 +212,8 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             text += f"\n{found.evidence()}" + (f"; NOT A REPRODUCER: {found.note}" if found.history_dependent else "")
             path = save_result(rec, opts.save_dir, backend=pool.backend, note=text)
         paused[0] += time.perf_counter() - t0  # the confirmation is not the check's own time
-        res.distinct[sig] = [path, 1]
-        out(f"        saved {path}")
+        table[sig] = [path, 1]
+        out(f"        {'finding ' if features else ''}saved {path}")
 
     def finish(why: str = "") -> CheckOutcome:
         if why and opts.max_hangs and res.hangs >= opts.max_hangs:
@@ -255,10 +259,10 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             r = run_case(c, pool, impl, allow_import=allow_import)
             res.probe_results.append(r)
             out(report.row(i, len(probes), r) + "  [" + ", ".join(unsupported(caps, c)) + "]")
-            if not probe_acceptable(r):
-                path = save_result(r, opts.save_dir, backend=pool.backend,
-                                   note=f"undeclared feature probe: {', '.join(unsupported(caps, c))}")
-                out(f"        finding saved {path}")
+            if not probe_acceptable(r):  # one file per distinct finding, confirmed on fresh ranks like a failure
+                feats = tuple(unsupported(caps, c))
+                save(r, note=f"undeclared feature probe: {', '.join(feats)}\n{r.verdict}: {r.case.summary()}\n"
+                     f"{r.detail}", features=feats)
     for line in format_matrix(matrix(caps, res.results, res.probe_results)):
         out(line)
     if _fault_stage(pool, opts, caps, res, out, failed, save):

@@ -27,6 +27,7 @@ from typing import Any
 from harness.context import Capabilities, Impl
 from harness.errors import ImplError, MissingDependency
 from harness.impls.adapters.reference import MUTANT_PREFIX  # ring_impl.mutants: resolved without an import permission
+from ring_impl.masks import MASK_FEATURES
 
 __all__ = [
     "ADAPTER_MODULES",
@@ -149,7 +150,10 @@ def _as_impl(obj: Any, name: str) -> Impl:
             if isinstance(made, Impl):
                 return made
             raise ImplError(f"implementation {name!r}: factory returned {type(made).__name__}, not an Impl")
-        return Impl(name=name, run=obj, capabilities=Capabilities(), declared=False)
+        # a bare run(q, k, v, ctx) declares nothing, so it is taken to support everything (every mask of the
+        # mask language, idle ranks): every case runs as supported, none as an undeclared-feature probe
+        every = Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True)
+        return Impl(name=name, run=obj, capabilities=every, declared=False)
     raise ImplError(f"implementation {name!r} is neither an Impl nor a callable run(q, k, v, ctx)")
 
 

@@ -144,11 +144,15 @@ def test_malformed_names(bad):
         registry.resolve(bad)
 
 
-def test_module_attr_plain_run_gets_defaults(plugin_module):
+def test_module_attr_plain_run_declares_everything(plugin_module):
+    """A bare run(q, k, v, ctx) declares nothing, so every case runs as supported: every mask of the mask
+    language and idle ranks included (a wrapped Impl without capabilities keeps Capabilities()'s defaults)."""
+    from ring_impl.masks import MASK_FEATURES
+
     spec = f"{plugin_module}:run"
     impl = registry.resolve(spec)
-    assert impl.name == spec
-    assert impl.capabilities == Capabilities()
+    assert impl.name == spec and impl.declared is False
+    assert impl.capabilities == Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True)
     assert impl.run(1, 2, 3, None) == 1
 
 

@@ -164,14 +164,14 @@ def test_a_pool_that_fails_to_start_leaves_no_dir(tmp_path, monkeypatch):
 
 def test_both_pools_provide_the_pool_protocol():
     assert isinstance(RankPool(1), protocol.Pool)
-    methods = ("submit", "collect", "ensure", "pids", "close", "__enter__", "__exit__")
+    methods = ("submit", "collect", "oracle", "ensure", "pids", "close", "__enter__", "__exit__")
     assert all(callable(getattr(TorchrunPool, m, None)) for m in methods)
     init = inspect.getsource(TorchrunPool.__init__)  # an instance needs torchrun's process group
     assert all(f"self.{a} =" in init for a in ("size", "backend", "broken", "fresh_group"))
 
 
 def test_the_worker_answers_every_parent_message_with_one_handler():
-    assert set(worker.HANDLERS) == {protocol.RUN, protocol.PING, protocol.STOP}
+    assert set(worker.HANDLERS) == {protocol.RUN, protocol.ORACLE, protocol.PING, protocol.STOP}
     assert set(protocol.SETTLED) == {"ok", "idle"}
 
 

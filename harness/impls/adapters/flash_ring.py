@@ -36,8 +36,9 @@ from harness.impls.adapters._common import Variant, installed_version, require_s
 EXTRA = None  # part of the project itself
 KEY_TILE = 32  # keys per tile of the online softmax (flash-attn uses 64-128; any size is correct)
 KV_TAG, DKV_TAG = 11, 12
-# every layout, mask, dtype, uneven split, GQA/MQA, subgroup; gloo ranks (pure torch: tested on CPU only)
-VARIANTS = {"flash-ring": Variant(Capabilities(backends=frozenset({"gloo"}), returns_lse=True))}
+# every layout, the original masks, dtype, uneven split and idle ranks, GQA/MQA, subgroup; gloo ranks (pure torch:
+# tested on CPU only)
+VARIANTS = {"flash-ring": Variant(Capabilities(backends=frozenset({"gloo"}), returns_lse=True, idle_ranks=True))}
 
 
 def visible(ctx: RunContext, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

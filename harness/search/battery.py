@@ -1,8 +1,8 @@
 """The default fixed battery: a few dozen small cases that together cover every feature
 (each mask, layout, dtype, uneven and even splits, odd zigzag chunks, GQA/MQA, value distribution, world
-sizes 1-4 and 8, a ring inside a subgroup; every primitive of the mask language, idle ranks). An
-implementation that declares fewer features gets every case adapted to the nearest declared feature
-(`harness.impls.capabilities.adapt`), not fewer cases."""
+sizes 1-4 and 8, a ring inside a subgroup that overlaps ranks 0..W-1 and one disjoint from them; every
+primitive of the mask language, idle ranks). An implementation that declares fewer features gets every
+case adapted to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer cases."""
 
 from __future__ import annotations
 
@@ -82,11 +82,17 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
     # their seeds: every primitive and combinator, edges on shard edges, rows and ranks that see nothing
     for layout, lens, mask in language_cases(w, total):
         add(layout=layout, seq_lens=lens, mask=mask, heads_q=4, heads_kv=2)
-    # run order (seeds stay as above): the mask language right after the basics, not last, so a ring wrong on
-    # one primitive or on an idle rank fails within the first ~25 cases (selftest: its mutants were found
-    # after ~65 runs)
+    # a second subgroup, disjoint from ranks 0..W-1 (global ranks 2, 3: a CP group beside a TP or DP group),
+    # seeded after everything above. In the subgroup above (global ranks 1..3) a group-local rank read as a
+    # global one can still name a member, so a ring that confuses the two talks to the wrong process or to
+    # itself, and what it does depends on timing; here every such peer is outside the group and the ring
+    # fails the same way on every run
+    add(world_size=2, group_offset=2, layout="contiguous", mask=MASKS["causal"], total_len=7)
+    # run order (seeds stay as above): the disjoint subgroup and the mask language right after the basics, not
+    # last, so a ring wrong on one primitive, on an idle rank or on group ranks fails within the first ~25 cases
+    # (selftest: those mutants were found after ~65 runs)
     n_language = len(language_cases(w, total))
-    cases = cases[:basics] + cases[-n_language:] + cases[basics:-n_language]
+    cases = cases[:basics] + cases[-1:] + cases[-n_language - 1:-1] + cases[basics:-n_language - 1]
     if dtype is not None:
         cases = [c.replace(dtype=dtype) for c in cases]
     return cases

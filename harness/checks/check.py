@@ -315,6 +315,9 @@ def _growth_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcom
         return False
     res.growth = g = growth_stage.growth_check(pool, opts, caps, out)
     res.cases += sum(len(c.results) for c in g.cases)
+    # a growth run that hung cost its deadline like any other: it counts toward --max-hangs (the growth check
+    # stops at it and records no failure; the battery's runs say what is wrong, and stop at the limit)
+    res.hangs += sum(r.verdict == Verdict.HANG for c in g.cases for r in c.results.values())
     for gc in g.failures:
         w = gc.worst[0]
         out(f"        -> {gc.detail}")

@@ -217,6 +217,8 @@ def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> Grow
         gc = GrowthCase(label=f"{c0.dtype} {c0.layout} {c0.mask.kind} h{c0.heads_q} d{c0.head_dim} L{c0.total_len}",
                         cases=cases)
         for w, c in cases.items():
+            if opts.deadline is not None:  # --deadline holds for every stage's runs
+                c = cases[w] = c.replace(deadline_s=opts.deadline)
             r = run_case(c, pool, opts.impl, allow_import=opts.allow_import, leak=False, keep_shards=True)
             e = rms_errors(r)
             r.shards = None  # large: keep only the figures

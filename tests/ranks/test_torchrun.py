@@ -45,6 +45,7 @@ def test_hang_under_torchrun_is_reported_and_ends_the_job(tmp_path):
               "--deadline", "4"], timeout=120)
     assert p.returncode != 0
     assert "verdict hang" in p.stderr and "_hang" in p.stderr
+    assert "passed its deadline of 4 s" in p.stderr  # the first run (the growth check's) keeps --deadline
 
 
 def test_torchrun_launcher_outside_torchrun_is_one_clear_line():

@@ -8,7 +8,7 @@ import torch
 
 from harness.context import Capabilities, Impl
 from ring_impl import ring_attention
-from ring_impl.masks import MaskSpec
+from ring_impl.masks import MASK_FEATURES, MaskSpec
 
 
 def _reference(q, k, v, ctx):
@@ -89,4 +89,7 @@ def _stale_accumulator(q, k, v, ctx):
     return out
 
 
-stale_accumulator = Impl("tests-stale-accumulator", _stale_accumulator)
+# declares what the reference ring under it supports (every mask, idle ranks): its bug is the state it
+# keeps, and a narrower declaration would make the check probe every mask-language primitive with it
+stale_accumulator = Impl("tests-stale-accumulator", _stale_accumulator,
+                         Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True))

@@ -129,6 +129,7 @@ def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
     assert data["hashes"] and data["localisation"]["findings"]
 
 
+@pytest.mark.slow  # ~90 s alone (seven distinct failures, each confirmed on fresh ranks): the slow tier, run by CI
 def test_default_check_finds_shrinks_saves_and_replays(tmp_path):
     """The full default `check` (battery + property-based) on the planted bug, then `replay`."""
     cmd = [sys.executable, "-m", "harness"]

@@ -55,8 +55,12 @@ PRIMITIVES: dict[str, tuple[str, ...]] = {  # name -> parameters, in order
 }
 COMBINATORS = ("and", "or", "not", "per-document")
 EXPR = "expr"  # the capability of reading a general expression at all (`MaskSpec.expr`)
+# a window that reaches right of the diagonal (window(l, r) with r > 0): a capability of its own, because
+# flash-attn-style rings take a causal (left, 0) window in every layout but a two-sided one only where each
+# rank's queries and keys line up (bottom-right aligned), which an all-gather ring's pieces do not
+WINDOW_RIGHT = "window-right"
 # every capability name a mask can need: an implementation declares the ones it supports
-MASK_FEATURES = tuple(dict.fromkeys((*MASK_KINDS, EXPR, *PRIMITIVES, *COMBINATORS)))
+MASK_FEATURES = tuple(dict.fromkeys((*MASK_KINDS, EXPR, *PRIMITIVES, WINDOW_RIGHT, *COMBINATORS)))
 MAX_BLOCK_TABLE = 4096  # entries of a blocks() table
 DECISION_CHUNK = 1 << 20  # entries of the block mask evaluated at once by block_decision
 
@@ -258,7 +262,9 @@ class MaskSpec:
         """The capability names an implementation must declare to run this mask."""
         if self.kind != EXPR:
             return frozenset({self.kind})
-        return frozenset({EXPR, *(leaf.op for leaf in self.expr.leaves()), *self.expr.combinators()})
+        leaves = self.expr.leaves()
+        right = any(leaf.op == "window" and leaf.params[1] > 0 for leaf in leaves)
+        return frozenset({EXPR, *(leaf.op for leaf in leaves), *self.expr.combinators(), *([WINDOW_RIGHT] * right)})
 
     def describe(self) -> str:
         """The case summary's mask word: none, causal, window5, doc3nc, or the expression."""

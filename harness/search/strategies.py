@@ -16,7 +16,7 @@ from harness.case import Case, make_case
 from harness.context import Capabilities
 from harness.impls.capabilities import divisible_heads, odd_lengths
 from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
-from ring_impl.masks import COMBINATORS, EXPR, MASK_KINDS, Expr, MaskSpec, prim
+from ring_impl.masks import COMBINATORS, EXPR, MASK_KINDS, WINDOW_RIGHT, Expr, MaskSpec, prim
 
 DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
 VALUE_KINDS = ("normal", "large", "near-tie")
@@ -104,7 +104,8 @@ def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, .
     gaps = tuple(b2 - b1 for b1, b2 in zip(boundaries, boundaries[1:], strict=False))
     widths = tuple(b for b in boundaries if b > 0) + gaps  # shard lengths and starts: edges on block edges
     if op == "window":
-        return prim("window", draw(_near(widths, 0, n)), draw(st.one_of(st.just(0), _near(widths, 0, n))))
+        right = st.one_of(st.just(0), _near(widths, 0, n)) if WINDOW_RIGHT in kinds else st.just(0)
+        return prim("window", draw(_near(widths, 0, n)), draw(right))
     if op == "prefix":
         return prim("prefix", draw(_near(boundaries, 0, n)))
     if op == "chunked":
@@ -158,7 +159,8 @@ def masks(draw, total: int, kinds: tuple[str, ...] = MASK_KINDS, boundaries: tup
         kinds_ordered.append(EXPR)
     kind = draw(st.sampled_from(kinds_ordered))
     if kind == EXPR:
-        prims = frozenset(k for k in declared if k in PRIMITIVE_ORDER) | frozenset(declared & set(COMBINATORS))
+        prims = (frozenset(k for k in declared if k in PRIMITIVE_ORDER) | frozenset(declared & set(COMBINATORS))
+                 | frozenset(declared & {WINDOW_RIGHT}))
         if not prims & set(PRIMITIVE_ORDER):
             return MaskSpec("none")
         return MaskSpec.of(draw(expressions(total, prims, boundaries)))

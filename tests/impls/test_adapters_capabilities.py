@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness.context import DTYPES, Capabilities, RunContext
 from harness.impls import registry
@@ -87,7 +89,9 @@ def test_specific_claims():
     assert caps_of("ring-flash-attn-zigzag").masks == {"causal"}
     assert caps_of("ring-flash-attn-stripe").masks == {"causal"}
     assert caps_of("ring-flash-attn").masks == {"none", "causal"}
-    assert caps_of("ring-flash-attn-llama3").masks == {"none", "causal", "window", "document"}
+    assert caps_of("ring-flash-attn-llama3").masks == {"none", "causal", "window", "document", "expr", "and", "full",
+                                                       "per-document"}  # no window-right (two-sided)
+    assert caps_of("yunchang-ulysses").masks == {"none", "causal", "window", "expr", "and", "full", "window-right"}
     assert "window" not in caps_of("te-cp-p2p").masks
     assert "window" in caps_of("te-cp-a2a").masks and "window" in caps_of("te-cp-all-gather").masks
     assert all(caps_of(n).layouts == {"zigzag"} for n in te_cp.VARIANTS)
@@ -185,15 +189,64 @@ def test_torch_ring_missing_symbol(monkeypatch):
         torch_ring.load_private_api()
 
 
-def test_ring_flash_attn_mask_arguments():
-    assert ring_flash_attn.window_size(make_ctx(mask=MaskSpec("window", window=5))) == (5, 0)
-    assert ring_flash_attn.window_size(make_ctx(mask=MaskSpec("causal"))) == (-1, -1)
-    doc = MaskSpec("document", doc_starts=(0, 3, 10), causal=False)
-    assert ring_flash_attn.cu_seqlens(make_ctx(mask=doc)).tolist() == [0, 3, 10, 16]
-    assert ring_flash_attn.cu_seqlens(make_ctx(mask=doc)).dtype == torch.int32
-    assert ring_flash_attn.cu_seqlens(make_ctx(mask=MaskSpec())).tolist() == [0, 16]
-    assert not ring_flash_attn.is_causal(make_ctx(mask=doc))
-    assert ring_flash_attn.is_causal(make_ctx(mask=MaskSpec("window", window=1)))
+def test_flash_mask_of_the_original_kinds():
+    from harness.impls.adapters._common import FlashMask, flash_mask
+
+    assert flash_mask(MaskSpec("window", window=5), 16) == FlashMask(causal=True, window=(5, 0))
+    assert flash_mask(MaskSpec("causal"), 16) == FlashMask(causal=True)
+    assert flash_mask(MaskSpec(), 16) == FlashMask()
+    doc = flash_mask(MaskSpec("document", doc_starts=(0, 3, 10), causal=False), 16)
+    assert doc == FlashMask((0, 3, 10), False) and doc.cu_seqlens(16).tolist() == [0, 3, 10, 16]
+    assert doc.cu_seqlens(16).dtype == torch.int32 and FlashMask().cu_seqlens(16).tolist() == [0, 16]
+
+
+def _flash_visible(fm, total: int) -> torch.Tensor:
+    """What flash-attn varlen computes for `fm` over a whole stream (every document's queries and keys,
+    Lq = Lk per document): the stand-in's copy of flash-attn 2.8.3's window arithmetic, document by document."""
+    import importlib.util
+
+    from harness.kernels import flash_standin
+
+    path = flash_standin.STANDIN_DIR / "flash_attn" / "_cpu_core.py"
+    spec = importlib.util.spec_from_file_location("_rh_cpu_core", path)
+    core = importlib.util.module_from_spec(spec)  # torch only: loaded alone, no flash_attn package installed
+    spec.loader.exec_module(core)
+    bounds = fm.cu_seqlens(total).tolist()
+    max_k = max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    window = core.normalise_window(fm.causal, *fm.window, max_k)
+    out = torch.zeros(total, total, dtype=torch.bool)
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        out[a:b, a:b] = core.visible(b - a, b - a, 0, b - a, window)
+    return out
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.data())
+def test_flash_mask_is_the_mask_for_everything_it_expresses(data):
+    """Every mask drawn from what `flash_mask` claims (conjunctions of full, causal, two-sided windows,
+    documents, per-document) maps, and flash-attn's visibility of the mapping is the mask, position by
+    position; what flash-attn cannot express maps to None."""
+    from harness.impls.adapters._common import FLASH_MASK_FEATURES, flash_mask
+    from harness.search.strategies import masks
+    from ring_impl.masks import allowed
+
+    total = data.draw(st.integers(1, 40))
+    spec = data.draw(masks(total, tuple(sorted(FLASH_MASK_FEATURES)), boundaries=(0, total // 3, total // 2)))
+    fm = flash_mask(spec, total)
+    assert fm is not None, spec.describe()
+    pos = torch.arange(total)
+    want = allowed(spec, pos, pos)
+    want = torch.ones(total, total, dtype=torch.bool) if want is None else want
+    assert torch.equal(_flash_visible(fm, total), want), (spec.describe(), fm)
+
+
+def test_flash_mask_refuses_what_flash_attn_cannot_express():
+    from harness.impls.adapters._common import flash_mask
+    from ring_impl.masks import and_, not_, or_, prim
+
+    for expr in (or_(prim("causal"), prim("prefix", 3)), not_(prim("causal")), prim("chunked", 4),
+                 and_(prim("causal"), prim("inverse-causal")), prim("dilated", 4, 2, 0)):
+        assert flash_mask(MaskSpec.of(expr), 16) is None, expr
 
 
 def test_te_mask_arguments_and_preconditions():

@@ -19,7 +19,7 @@ from harness.kernels import flash_standin
 from harness.ranks.pool import RankPool
 from harness.result import result_record
 from harness.runner import run_case
-from ring_impl.masks import MaskSpec
+from ring_impl.masks import Expr, MaskSpec, and_, prim
 
 CAUSAL, NONE = MaskSpec("causal"), MaskSpec("none")
 PINNED = {"ring_flash_attn": ("ring-flash-attn", "0.1.8"), "yunchang": ("yunchang", "0.6.4")}
@@ -75,6 +75,32 @@ def test_adapter_runs_on_the_standin_and_passes(pool4, impl):
     assert res.extra.get("kernel") == flash_standin.STANDIN_LABEL
     assert result_record(res)["versions"]["kernel"] == "cpu-standin"
     assert {c.tensor for c in res.checks} >= {"out", "dq", "dk", "dv"}
+
+
+# masks of the language each flash-attn adapter maps (`_common.flash_mask`): documents that straddle the ranks
+# with a causal window inside each, a per-document window, a two-sided window where every rank sees the whole
+# sequence (Ulysses); and one it must refuse with one line (llama3 and a two-sided window)
+MASK_LANGUAGE = {
+    "llama3 document & window": ("ring-flash-attn-llama3", and_(prim("document", (0, 5, 11)), prim("window", 3, 0))),
+    "llama3 per-document window": ("ring-flash-attn-llama3",
+                                   Expr("per-document", ((0, 7),), (prim("window", 2, 0),))),
+    "ulysses two-sided window": ("yunchang-ulysses", prim("window", 3, 2)),
+    "ulysses window & causal": ("yunchang-ulysses", and_(prim("window", 9, 2), prim("causal"))),
+}
+
+
+@pytest.mark.parametrize("label", list(MASK_LANGUAGE))
+def test_flash_adapters_run_the_mask_language_they_map(pool4, label):
+    impl, expr = MASK_LANGUAGE[label]
+    _library("yunchang" if impl.startswith("yunchang") else "ring_flash_attn")
+    res = run_case(_case(impl, mask=MaskSpec.of(expr)), pool4)
+    assert res.passed and {c.tensor for c in res.checks} >= {"out", "dq", "dk", "dv"}, _explain(res)
+
+
+def test_llama3_refuses_a_two_sided_window_with_one_line(pool4):
+    _library("ring_flash_attn")
+    res = run_case(_case("ring-flash-attn-llama3", mask=MaskSpec.of(prim("window", 3, 2))), pool4)
+    assert res.verdict == "fail-stop" and "unsupported here: mask window-right" in res.detail, _explain(res)
 
 
 def test_undeclared_dtype_is_refused_with_one_line(pool4):

@@ -17,6 +17,7 @@ from harness.dtypes import dtype_name
 from harness.errors import ImplError
 from harness.impls.capabilities import feature_words, missing_features
 from harness.kernels import flash_standin
+from ring_impl.masks import EXPR, WINDOW_RIGHT, Expr, MaskSpec
 
 FLASH_HEAD_DIMS = tuple(range(8, 257, 8))  # flash-attn 2 / cuDNN fused attention: multiples of 8 up to 256
 
@@ -159,6 +160,68 @@ def tiled_to_grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 # -- libraries that call flash-attn (ring-flash-attn, yunchang) -------------------------------------------
 
 FLASH_KERNEL = "flash-attn"  # the value of an adapter module's KERNEL when its library calls flash-attn
+
+
+@dataclass(frozen=True)
+class FlashMask:
+    """A mask in flash-attn's terms: packed documents (`doc_starts`, the cu_seqlens starts; (0,) for one),
+    the `causal` flag and the `window` (left, right), -1 for an unlimited side (flash-attn aligns both to
+    the bottom-right diagonal of each (query, key) document piece)."""
+
+    doc_starts: tuple[int, ...] = (0,)
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+
+    def cu_seqlens(self, total: int) -> torch.Tensor:
+        """The documents' boundaries of a `total`-token stream (int32), as flash-attn varlen takes them."""
+        return torch.tensor([*(s for s in self.doc_starts if s < total), total], dtype=torch.int32)
+
+
+FLASH_MASK_FEATURES = frozenset({"none", "causal", "window", "document", EXPR, "and", "full", "per-document",
+                                 WINDOW_RIGHT})  # what `flash_mask` can express (a variant declares its part)
+
+
+def flash_mask(spec: MaskSpec, total: int) -> FlashMask | None:
+    """The flash-attn form of a mask over `total` tokens, or None when flash-attn cannot express it.
+
+    Expressible: a conjunction (`and`, any nesting) of full, causal, window(left, right) and document(starts)
+    leaves, and per-document(starts, m) with m such a conjunction. Causal and windows depend on k - q only,
+    so inside a document they are the same as over the whole stream; documents intersect by the union of
+    their starts; windows by the smaller side; causal cuts a window's right side to 0, and a window whose
+    right side is 0 is causal. The original kinds map directly (window w: causal with (w, 0))."""
+    if spec.kind != EXPR:
+        if spec.kind == "document":
+            return FlashMask(tuple(spec.doc_starts), spec.causal)
+        if spec.kind == "window":
+            return FlashMask(causal=True, window=(int(spec.window), 0))
+        return FlashMask(causal=spec.kind == "causal")
+    starts, causal, left, right = {0}, False, None, None
+
+    def add(node: Expr, base: tuple[int, ...]) -> bool:
+        """Fold `node` in; `base`: the document starts its positions are relative to ((0,): the stream)."""
+        nonlocal causal, left, right
+        if node.op == "and":
+            return all(add(a, base) for a in node.args)
+        if node.op in ("document", "per-document"):  # starts relative to each of base's documents, inside it
+            ends = (*base[1:], total)
+            new = {b + s for b, e in zip(base, ends, strict=True) for s in node.params[0] if b + s < e}
+            starts.update(new)
+            return node.op == "document" or add(node.args[0], tuple(sorted(new | set(base))))
+        if node.op == "causal":
+            causal = True
+            return True
+        if node.op == "window":
+            left = node.params[0] if left is None else min(left, node.params[0])
+            right = node.params[1] if right is None else min(right, node.params[1])
+            return True
+        return node.op == "full"
+
+    if not add(spec.expr, (0,)):
+        return None
+    if right is not None and (causal or right == 0):
+        causal, right = True, 0
+    window = (-1, -1) if left is None else (left, -1 if right is None else right)
+    return FlashMask(tuple(sorted(s for s in starts if s < max(1, total))), causal, window)
 
 
 def flash_backends() -> frozenset[str]:

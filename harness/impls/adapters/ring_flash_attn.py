@@ -16,8 +16,11 @@ Signatures (ring-flash-attn 0.1.x):
   heads_k_stride, local_k_slice, ...)` with `llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal,
   rank, world_size)`: all-gathers K/V; rank r holds tokens [r*N/W, (r+1)*N/W) of the packed stream
   (contiguous). Packed documents (cu_seqlens) give our document masks; flash-attn aligns a causal
-  window to the bottom right of each (q, k) document piece, and llama3's pieces end at the same
-  global token, so window_size=(w, 0) is our window mask exactly. Batches run one element at a time.
+  window to the bottom right of each (q, k) document piece, and llama3's causal pieces end at the same
+  global token, so window_size=(w, 0) is our window mask exactly: every mask `_common.flash_mask`
+  expresses (conjunctions of documents, causal and windows, per-document ones) but a two-sided window
+  (non-causal pieces take the whole document's keys: the alignment is off). Batches run one element at a
+  time.
 Tensors are (batch, seq, heads, dim) like ours; GQA is native with the grouped convention.
 With return_attn_probs=True they return (out, lse, None), lse (batch, heads, seq) in float32.
 The ring variants pass window_size to every block in block-local coordinates, which is not a
@@ -50,14 +53,18 @@ from harness.errors import ImplError
 from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
     FLASH_KERNEL,
+    FLASH_MASK_FEATURES,
+    FlashMask,
     Variant,
     flash_backends,
+    flash_mask,
     flash_world_sizes,
     installed_version,
     require_importable,
     require_supported,
     variant,
 )
+from ring_impl.masks import WINDOW_RIGHT
 
 EXTRA = "ring-flash-attn"
 KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`_common.kernel_label`)
@@ -88,26 +95,22 @@ VARIANTS = {
     "ring-flash-attn-zigzag": Variant(_caps("zigzag", {"causal"}), option="zigzag_ring_flash_attn_func",
                                       lets_run=frozenset({"zigzag-odd"})),
     "ring-flash-attn-stripe": Variant(_caps("striped", {"causal"}), option="stripe_flash_attn_func"),
+    # every mask `flash_mask` expresses (documents, causal, windows, their conjunctions, per-document) but a
+    # window reaching right of the diagonal: without causal, llama3 gives each rank's query piece of a
+    # document the whole document's keys, so flash-attn's bottom-right alignment misplaces a two-sided
+    # window on every piece that does not end the document
     "ring-flash-attn-llama3": Variant(
-        _caps("contiguous", {"none", "causal", "window", "document"}, sends_to_itself=False), option=LLAMA3
+        _caps("contiguous", set(FLASH_MASK_FEATURES - {WINDOW_RIGHT}), sends_to_itself=False), option=LLAMA3
     ),
 }
 
 
-def window_size(ctx: RunContext) -> tuple[int, int]:
-    """flash-attn's (left, right) window for our mask: (w, 0) for window masks, else unlimited."""
-    return (int(ctx.mask.window), 0) if ctx.mask.kind == "window" else (-1, -1)
-
-
-def is_causal(ctx: RunContext) -> bool:
-    """Whether the mask is causal (flash-attn's `causal` flag)."""
-    return ctx.mask.is_causal
-
-
-def cu_seqlens(ctx: RunContext) -> torch.Tensor:
-    """Packed-document boundaries of the whole sequence (int32), as flash-attn varlen wants them."""
-    starts = list(ctx.mask.doc_starts) if ctx.mask.kind == "document" else [0]
-    return torch.tensor(starts + [ctx.total_len], dtype=torch.int32)
+def mask_args(name: str, ctx: RunContext) -> FlashMask:
+    """The case's mask in flash-attn's terms (documents, causal, window), or ImplError naming the mask."""
+    fm = flash_mask(ctx.mask, ctx.total_len)
+    if fm is None:
+        raise ImplError(f"{name}: flash-attn cannot express the mask {ctx.mask.describe()}")
+    return fm
 
 
 def _library(name: str, func: str) -> tuple[Any, Callable[..., Any]]:
@@ -129,7 +132,7 @@ def _ring_run(func: str, name: str, caps: Capabilities, lets_run: frozenset[str]
             v,
             dropout_p=0.0,
             softmax_scale=ctx.softmax_scale,
-            causal=is_causal(ctx),
+            causal=ctx.mask.is_causal,
             window_size=(-1, -1),
             deterministic=True,
             return_attn_probs=True,
@@ -143,10 +146,11 @@ def _ring_run(func: str, name: str, caps: Capabilities, lets_run: frozenset[str]
 def _llama3_run(name: str, caps: Capabilities) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
+        fm = mask_args(name, ctx)
         lib, fn = _library(name, LLAMA3)
-        causal = is_causal(ctx)
+        causal = fm.causal
         cu_q, cu_k, max_q, max_k, k_slice = lib.llama3_flash_attn_prepare_cu_seqlens(
-            cu_seqlens(ctx).to(q.device), causal=causal, rank=ctx.rank, world_size=ctx.world_size
+            fm.cu_seqlens(ctx.total_len).to(q.device), causal=causal, rank=ctx.rank, world_size=ctx.world_size
         )
         outs, lses = [], []
         for b in range(q.shape[0]):  # the varlen API packs one token stream; batch elements are separate
@@ -163,7 +167,7 @@ def _llama3_run(name: str, caps: Capabilities) -> RunFn:
                 dropout_p=0.0,
                 softmax_scale=ctx.softmax_scale,
                 causal=causal,
-                window_size=window_size(ctx),
+                window_size=fm.window,
                 deterministic=True,
                 return_attn_probs=True,
                 group=ctx.group,

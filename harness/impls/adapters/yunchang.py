@@ -10,8 +10,9 @@ parent: `make` only checks that it is importable.
   rank i mod W), as its `EXTRACT_FUNC_DICT` helpers shard with one Ulysses rank;
 - Ulysses: `UlyssesAttention(sequence_process_group, scatter_idx=2, gather_idx=1, attn_type)`:
   all-to-all from sequence shards to head shards, full attention, and back; contiguous layout,
-  heads divisible by W (declared: `heads_divisible_by_world`), and a sliding window is exact because
-  each rank sees the whole sequence;
+  heads divisible by W (declared: `heads_divisible_by_world`), and a sliding window, one- or two-sided,
+  is exact because each rank sees the whole sequence: every conjunction of full, causal and windows
+  (`_common.flash_mask`), no documents (its flash_attn_func takes no cu_seqlens);
 - USP: `LongContextAttention(ring_impl_type="basic")` over `PROCESS_GROUP.ULYSSES_PG` and
   `RING_PG`. We build the groups the way `set_seq_parallel_pg(..., use_ulysses_low=True)` does,
   from this ring's global ranks: Ulysses groups are consecutive ranks, so rank g = r*U + u holds
@@ -43,8 +44,10 @@ from harness.errors import ImplError
 from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
     FLASH_KERNEL,
+    FLASH_MASK_FEATURES,
     Variant,
     flash_backends,
+    flash_mask,
     flash_world_sizes,
     installed_version,
     require_importable,
@@ -84,8 +87,11 @@ VARIANTS = {
     "yunchang-ring": Variant(
         _caps(set(RING_TYPE), {"causal"}, (1, 8)), option="ring", lets_run=frozenset({"zigzag-odd"})
     ),
+    # each rank attends the whole sequence (for its heads), so flash-attn's window is exact on both sides;
+    # its flash_attn_func call takes no documents (no cu_seqlens)
     "yunchang-ulysses": Variant(
-        _caps({"contiguous"}, {"none", "causal", "window"}, (1, 8), False, heads_divisible_by_world=True),
+        _caps({"contiguous"}, set(FLASH_MASK_FEATURES - {"document", "per-document"}), (1, 8), False,
+              heads_divisible_by_world=True),
         option="ulysses",
     ),
     "yunchang-usp": Variant(_caps({"contiguous"}, {"none", "causal"}, (4, 8)), option="usp"),
@@ -174,16 +180,18 @@ def _ulysses_run(name: str, caps: Capabilities, lets_run: frozenset[str] = froze
         from yunchang import UlyssesAttention
         from yunchang.kernels import AttnType
 
+        fm = flash_mask(ctx.mask, ctx.total_len)
+        if fm is None or fm.doc_starts != (0,):  # not declared: refused above; kept as a guard
+            raise ImplError(f"{name}: flash_attn_func cannot express the mask {ctx.mask.describe()}")
         attn = UlyssesAttention(ctx.group, scatter_idx=2, gather_idx=1, attn_type=AttnType.FA)
-        window = (int(ctx.mask.window), 0) if ctx.mask.kind == "window" else (-1, -1)
         return attn(
             q,
             k,
             v,
             dropout_p=0.0,
             softmax_scale=ctx.softmax_scale,
-            causal=ctx.mask.is_causal,
-            window_size=window,
+            causal=fm.causal,
+            window_size=fm.window,
             deterministic=True,
         )
 

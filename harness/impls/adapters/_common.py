@@ -224,6 +224,15 @@ def flash_mask(spec: MaskSpec, total: int) -> FlashMask | None:
     return FlashMask(tuple(sorted(s for s in starts if s < max(1, total))), causal, window)
 
 
+def require_flash_mask(name: str, ctx: RunContext) -> FlashMask:
+    """The run's mask in flash-attn's terms, or ImplError naming the mask (a variant's declared masks are
+    within what `flash_mask` expresses, so `require_supported` refuses the rest first)."""
+    fm = flash_mask(ctx.mask, ctx.total_len)
+    if fm is None:
+        raise ImplError(f"{name}: flash-attn cannot express the mask {ctx.mask.describe()}")
+    return fm
+
+
 def flash_backends() -> frozenset[str]:
     """The backend a flash-attn library runs on here: nccl (CUDA tensors) with a real flash-attn; gloo (CPU
     tensors) without one, where the gloo ranks install ring-harness's CPU stand-in

@@ -54,12 +54,11 @@ from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
     FLASH_KERNEL,
     FLASH_MASK_FEATURES,
-    FlashMask,
     Variant,
     flash_backends,
-    flash_mask,
     flash_world_sizes,
     installed_version,
+    require_flash_mask,
     require_importable,
     require_supported,
     variant,
@@ -105,14 +104,6 @@ VARIANTS = {
 }
 
 
-def mask_args(name: str, ctx: RunContext) -> FlashMask:
-    """The case's mask in flash-attn's terms (documents, causal, window), or ImplError naming the mask."""
-    fm = flash_mask(ctx.mask, ctx.total_len)
-    if fm is None:
-        raise ImplError(f"{name}: flash-attn cannot express the mask {ctx.mask.describe()}")
-    return fm
-
-
 def _library(name: str, func: str) -> tuple[Any, Callable[..., Any]]:
     """(the ring_flash_attn module, its function `func`), imported on first use (on a rank)."""
     lib = importlib.import_module("ring_flash_attn")
@@ -146,7 +137,7 @@ def _ring_run(func: str, name: str, caps: Capabilities, lets_run: frozenset[str]
 def _llama3_run(name: str, caps: Capabilities) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
-        fm = mask_args(name, ctx)
+        fm = require_flash_mask(name, ctx)
         lib, fn = _library(name, LLAMA3)
         causal = fm.causal
         cu_q, cu_k, max_q, max_k, k_slice = lib.llama3_flash_attn_prepare_cu_seqlens(

@@ -47,9 +47,9 @@ from harness.impls.adapters._common import (
     FLASH_MASK_FEATURES,
     Variant,
     flash_backends,
-    flash_mask,
     flash_world_sizes,
     installed_version,
+    require_flash_mask,
     require_importable,
     require_supported,
     variant,
@@ -180,9 +180,7 @@ def _ulysses_run(name: str, caps: Capabilities, lets_run: frozenset[str] = froze
         from yunchang import UlyssesAttention
         from yunchang.kernels import AttnType
 
-        fm = flash_mask(ctx.mask, ctx.total_len)
-        if fm is None or fm.doc_starts != (0,):  # not declared: refused above; kept as a guard
-            raise ImplError(f"{name}: flash_attn_func cannot express the mask {ctx.mask.describe()}")
+        fm = require_flash_mask(name, ctx)  # no documents: undeclared, refused above
         attn = UlyssesAttention(ctx.group, scatter_idx=2, gather_idx=1, attn_type=AttnType.FA)
         return attn(
             q,

@@ -47,11 +47,18 @@ def oracle_mode(mode: str) -> Iterator[None]:
         _ORACLE_MODE["mode"] = saved
 
 
-def oracle_deadline(case: Case) -> float:
-    """Seconds the ranks get for their oracle shares: the float64 and base work of the largest share
-    (about 16 flops per query x key x head x dim) at ORACLE_FLOPS_FLOOR, never under ORACLE_DEADLINE_MIN_S."""
-    rows = max(case.seq_lens) if case.seq_lens else 0
-    flops = 16.0 * case.batch * case.heads_q * case.head_dim * rows * case.total_len
+# flops per query x key x head x dim of one pass of a share, float64 and base together, 2 per product
+# (harness.ranks.reference): rows, q.k x 3, dout.v x 2, P V x 2, P |V|, dS K x 2 = 10 products (20), keys, q.k,
+# dout.v, dS^T Q x 2, P^T dO x 2 = 6 (12); with room for the elementwise work
+ORACLE_PASS_FLOPS = {"rows": 24.0, "keys": 16.0}
+
+
+def oracle_deadline(case: Case, oracle_pass: str = "rows") -> float:
+    """Seconds the ranks get for one pass of their oracle shares: the pass's float64 and base work for the
+    largest share (its positions against every position) at ORACLE_FLOPS_FLOOR, never under
+    ORACLE_DEADLINE_MIN_S."""
+    local = max(case.seq_lens) if case.seq_lens else 0
+    flops = ORACLE_PASS_FLOPS[oracle_pass] * case.batch * case.heads_q * case.head_dim * local * case.total_len
     return max(ORACLE_DEADLINE_MIN_S, flops / ORACLE_FLOPS_FLOOR)
 
 
@@ -64,12 +71,14 @@ def ring_completed(case: Case, reply) -> bool:
 
 
 def oracle_from_ranks(case: Case, pool: Pool) -> float:
-    """Have the ring's ranks compute the case's oracle shares, assemble and cache them; the slowest share's
-    seconds on its rank."""
-    shares = pool.oracle(case, oracle_deadline(case))
-    parts = [shares[g] for g in range(case.world_size)]
-    oracle.store(case, (oracle.assemble(case, [p[0] for p in parts]), oracle.assemble(case, [p[1] for p in parts])))
-    return max(p[0].seconds + p[1].seconds for p in parts)
+    """Have the ring's ranks compute the case's oracle shares (two passes: rows, then keys with every row's
+    statistics gathered here), assemble and cache them; the slowest share's seconds on its rank."""
+    ref, base, seconds = oracle.two_passes(
+        case.total_len, case.world_size, case.scale,
+        lambda: pool.oracle(case, oracle_deadline(case, "rows"), "rows"),
+        lambda stats: pool.oracle(case, oracle_deadline(case, "keys"), "keys", stats))
+    oracle.store(case, (ref, base))
+    return seconds
 
 
 _BASELINES: dict[tuple[str, str], dict] = {}

@@ -1,32 +1,35 @@
 """The oracle: single-device full attention with the explicit mask, forward and backward.
 
-The float64 reference every rank is judged against, and the same plain attention in the case's own
-dtype (the `base` whose error sets the tolerance). The computation is partitioned by the case: share g
-is the rows rank g holds (`harness.ranks.reference`, which also computes it). Two ways to get the W shares:
+The float64 reference every rank is judged against, and the same attention in the case's own dtype (the
+`base` whose error sets the tolerance). The computation is partitioned by the case: share g is the positions
+rank g holds, computed in two passes (`harness.ranks.reference`): its query rows against every key (out, lse,
+dq and the rows' statistics), then, once every row's statistics are gathered, every query against its keys
+(dk, dv). Two ways to run the passes:
 
-- `ranks` (the default, `harness.runner`): each rank computes its own share on its own device after
-  the implementation's run, and the pool sends the shares back;
+- `ranks` (the default, `harness.runner`): each rank computes its own share on its own device after the
+  implementation's run, one message per pass, and the pool sends the parts back;
 - `local` (`--oracle local`, the tests' referee): this process computes the W shares one after another.
 
-Either way `assemble` puts them together here: rows into the global out/lse/dq, dk/dv partials and
-term-scale column sums added in rank order. Same shares, same order: on CPU the two ways give
-bit-identical references (docs/tolerance.md states the bound for other devices).
+Either way `two_passes` gathers the statistics between the passes and `assemble` puts the parts together
+here. Same parts, same tiles: on CPU the two ways give bit-identical references (docs/tolerance.md states the
+bound for other devices).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from harness.case import Case
 from harness.ranks import reference as shares_mod
-from harness.ranks.reference import Share, TermScales
+from harness.ranks.reference import KeysPart, RowsPart, RowStats, TermScales
 
-QUERY_BLOCK: int | None = None  # queries per block for `attention`; None: reference.query_block's score budget
+BLOCK: int | None = None  # tile side for `attention`; None: reference.block_size's score budget
 
-__all__ = ["Reference", "TermScales", "Share", "attention", "assemble", "local", "references", "store", "cached"]
+__all__ = ["Reference", "TermScales", "attention", "attention_pair", "assemble", "two_passes", "local", "references",
+           "store", "cached"]
 
 
 @dataclass
@@ -41,56 +44,79 @@ class Reference:
     term_scale: dict[str, dict[str, float]] = field(default_factory=dict)  # tensor -> {rounding class: scale}
 
 
-def _block_for(q: torch.Tensor, n: int) -> int:
-    if QUERY_BLOCK is not None:
-        return QUERY_BLOCK
-    per_query = max(1, q.shape[0] * q.shape[2] * n)
-    return max(shares_mod.MIN_QUERY_BLOCK, min(shares_mod.MAX_QUERY_BLOCK, shares_mod.SCORE_BUDGET // per_query))
-
-
-def attention(q, k, v, dout, mask, scale: float, compute: torch.dtype) -> Reference:
-    """Forward + backward of full attention of global tensors computed in `compute` (inputs are cast to
-    it), every query in one share."""
-    n = q.shape[1]
-    rows = torch.arange(n, dtype=torch.long, device=q.device)
-    exact = compute == torch.float64
-    s = shares_mod.attend(q, k, v, dout, rows, mask, scale, compute, _block_for(q, n), terms=exact)
-    return Reference(s.out, s.lse, s.dq, s.dk.to(s.out.dtype), s.dv.to(s.out.dtype),
-                     s.terms.scales(scale) if s.terms is not None else {})
-
-
-def assemble(case: Case, parts: Sequence[Share]) -> Reference:
-    """The global reference from the W shares of one compute dtype, in rank order: each share's rows
-    into out/lse/dq; dk, dv and the term-scale column sums added share by share, starting from zero."""
-    if len(parts) != case.world_size:
-        raise ValueError(f"{len(parts)} oracle shares for a {case.world_size}-rank case")
-    first = parts[0]
+def assemble(n: int, scale: float, rows: Sequence[RowsPart], keys: Sequence[KeysPart],
+             n_keys: int | None = None) -> Reference:
+    """The global reference from the parts of every share of one compute dtype: each rows part's out/lse/dq
+    into its rows (n of them), each keys part's dk/dv into its keys (`n_keys`, n unless said); the term
+    scales (float64) from all of them."""
+    first, kfirst = rows[0], keys[0]
     b, _, hq, d = first.out.shape
-    n = case.total_len
-    out = first.out.new_zeros(b, n, hq, d)
-    dq = first.dq.new_zeros(b, n, hq, d)
+    out, dq = first.out.new_zeros(b, n, hq, d), first.dq.new_zeros(b, n, hq, d)
     lse = first.lse.new_zeros(b, hq, n)
-    dk, dv = torch.zeros_like(first.dk), torch.zeros_like(first.dv)
-    terms = None
-    for p in parts:
+    dk = kfirst.dk.new_zeros(b, n if n_keys is None else n_keys, *kfirst.dk.shape[2:])
+    dv = torch.zeros_like(dk)
+    for p in rows:
         out.index_copy_(1, p.rows, p.out)
         dq.index_copy_(1, p.rows, p.dq)
         lse.index_copy_(2, p.rows, p.lse)
-        dk += p.dk
-        dv += p.dv
-        if p.terms is not None:
-            if terms is None:
-                terms = TermScales(torch.zeros(b, n, dk.shape[2], 0, dtype=torch.float64))
-            terms.merge(p.terms)
-    if dk.dtype != out.dtype:  # a reduced-precision base: partials summed in float32, rounded once
-        dk, dv = dk.to(out.dtype), dv.to(out.dtype)
-    return Reference(out, lse, dq, dk, dv, terms.scales(case.scale) if terms is not None else {})
+    for p in keys:
+        dk.index_copy_(1, p.keys, p.dk)
+        dv.index_copy_(1, p.keys, p.dv)
+    exact = out.dtype == torch.float64
+    return Reference(out, lse, dq, dk, dv, TermScales(rows, keys).scales(scale) if exact else {})
+
+
+Parts = tuple  # (float64 part, base part) of one share
+
+
+def two_passes(n: int, world: int, scale: float, run_rows: Callable[[], dict[int, Parts]],
+               run_keys: Callable[[tuple[RowStats, RowStats]], dict[int, Parts]]
+               ) -> tuple[Reference, Reference, float]:
+    """(float64 reference, base, the slowest share's seconds) from the W shares' rows passes (`run_rows`:
+    group rank -> (float64, base) RowsPart), every row's statistics gathered here, and their keys passes
+    (`run_keys(stats)`: group rank -> (float64, base) KeysPart)."""
+    got = run_rows()
+    rows = [got[g] for g in range(world)]
+    stats = tuple(shares_mod.gather_stats([r[i] for r in rows], n) for i in (0, 1))
+    got = run_keys(stats)
+    keys = [got[g] for g in range(world)]
+    refs = tuple(assemble(n, scale, [r[i] for r in rows], [k[i] for k in keys]) for i in (0, 1))
+    seconds = max(sum(p.seconds for p in r) + sum(p.seconds for p in k) for r, k in zip(rows, keys, strict=True))
+    return refs[0], refs[1], seconds
+
+
+def attention_pair(q, k, v, dout, mask, scale: float, dtype: torch.dtype) -> tuple[Reference, Reference]:
+    """(float64 reference, base in `dtype`) of full attention of global tensors (rounded to `dtype`), forward and
+    backward, every query and key in one share (as many queries as keys, or fewer: the first ones)."""
+    tensors = {"q": q, "k": k, "v": v, "dout": dout}
+    nq, nk, hkv = q.shape[1], k.shape[1], k.shape[2]
+    size = BLOCK or shares_mod.block_size(q.shape[0], q.shape[2])
+
+    def fetch(name: str, pos: torch.Tensor) -> torch.Tensor:
+        t = tensors[name]
+        return t[:, pos.to(t.device)]
+
+    rows = shares_mod.rows_part(fetch, torch.arange(nq), nk, hkv, mask, scale, dtype, size)
+    stats = tuple(shares_mod.gather_stats([r], nq) for r in rows)
+    keys = shares_mod.keys_part(fetch, torch.arange(nk), nq, hkv, stats, mask, scale, dtype, size)
+    return tuple(assemble(nq, scale, [rows[i]], [keys[i]], nk) for i in (0, 1))
+
+
+def attention(q, k, v, dout, mask, scale: float, compute: torch.dtype) -> Reference:
+    """One of `attention_pair`: for compute=float64 the float64 reference of the inputs rounded to float32,
+    else the base of a case in `compute` (inputs rounded to it)."""
+    if compute == torch.float64:
+        return attention_pair(q, k, v, dout, mask, scale, torch.float32)[0]
+    return attention_pair(q, k, v, dout, mask, scale, compute)[1]
 
 
 def local(case: Case) -> tuple[Reference, Reference]:
     """(float64 reference, same-dtype base) computed here, share after share (what the ranks compute)."""
-    pairs = [shares_mod.share(case, g) for g in range(case.world_size)]
-    return assemble(case, [p[0] for p in pairs]), assemble(case, [p[1] for p in pairs])
+    ref, base, _ = two_passes(
+        case.total_len, case.world_size, case.scale,
+        lambda: {g: shares_mod.share_rows(case, g) for g in range(case.world_size)},
+        lambda stats: {g: shares_mod.share_keys(case, g, stats) for g in range(case.world_size)})
+    return ref, base
 
 
 _CACHE: dict[str, tuple[Reference, Reference]] = {}

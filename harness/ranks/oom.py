@@ -357,23 +357,27 @@ def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
 # Calibrated on this 2-core 24 GiB host with the tiled reference kernel (issue #21), 32,768 tokens W=4 zigzag
 # causal bf16 h4 d64: each rank peaked at 0.82-0.86 GiB (an idle worker holds ~0.26 GiB). Per rank: idle worker
 # + bytes per local token per (query head x head_dim) + the tile workspace (~24 B per score entry of one tile).
-# The oracle (issue #12), by default computed by the ranks after their run (`oracle="ranks"`): each rank's share
-# holds the global k/v (float32 draw, the dtype, float64) and its dk/dv partials (float64 + the base's float32;
-# three times while the share is sent: the tensors, their pickle, the bytes sent), its own rows' q/dout/out/dq,
-# and one query block's scores (harness.ranks.reference.query_block: at most SCORE_BUDGET entries, a few float64
-# temporaries + the base's); the parent holds the W shares' partials until they are assembled, the references and
-# the judging. Calibrated on the same 32k case (`python scripts/long_case.py`): ranks peaked at 1.20-1.33 GiB
-# (estimate 1.45), the parent at 1.70 GiB (estimate 2.6). `oracle="local"`: the parent computes every share itself
-# (the same blocks, one share at a time) and holds the global tensors.
+# The oracle (issue #12), by default computed by the ranks after their run (`oracle="ranks"`), in two passes
+# (harness.ranks.reference) whose memory is the share's own positions, never the whole sequence at head_dim width:
+# the rows pass holds its rows' q/dout/out/dq (+ the float64 term sums) and one block of generated keys, the keys
+# pass its keys' k/v/dk/dv (+ the column sums) and one block of generated queries; each holds one tile's
+# workspace (harness.ranks.reference.block: at most SCORE_BUDGET score entries, float64 and float32 temporaries);
+# the keys pass also holds every row's statistics (B x Hq floats per token). Its parts are pickled while sent.
+# Measured in a fresh process (`ring-harness bench --only oracle_split`, figure (d); 2^21-entry tiles): one share's
+# peak above the process at 32,768 tokens, W = 2 / 4 / 8: 297 / 213 / 148 MiB, ~53 B per position x head x dim
+# beyond a ~60-80 MiB workspace (~35 B per score entry); the 32k case end to end (`python scripts/long_case.py`):
+# ranks peaked at 0.73-0.81 GiB (the ring's run the larger part), the parent at 1.31 GiB. The parent holds the
+# parts until they are assembled (one set of global tensors: they partition the positions), the references and
+# the judging. `oracle="local"`: the parent computes every share itself (the same tiles, one share at a time).
 RANK_IDLE = 300 << 20
 RANK_BYTES_PER_TOKEN_HD = 256  # x local tokens x heads_q x head_dim
 TILE_BYTES_PER_SCORE = 24
 PARENT_IDLE = 600 << 20
-PARENT_BYTES_PER_TOKEN_HD = 160  # x total tokens x heads_q x head_dim: references, base, judging
-SHARE_BYTES_PER_KEY_HD = 104  # x total tokens x heads_q x head_dim: global k/v and the dk/dv partials of a share
-SHARE_BYTES_PER_ROW_HD = 64  # x the share's rows x heads_q x head_dim: q/dout/out/dq, float64 and base
-SHARE_BYTES_PER_SCORE = 56  # x one query block's score entries: float64 temporaries + the base's (autograd)
-PARENT_BYTES_PER_SHARE_HD = 24  # x total tokens x heads_q x head_dim, per share held before assembly
+PARENT_BYTES_PER_TOKEN_HD = 96  # x total tokens x heads_q x head_dim: references, base, judging
+SHARE_BYTES_PER_POS_HD = 96  # x the share's positions x heads_q x head_dim: a pass's tensors (53 B) and their pickle
+SHARE_BYTES_PER_TOKEN_H = 96  # x total tokens x batch x heads_q: every row's statistics, float64 and base
+SHARE_BYTES_PER_SCORE = 48  # x one tile's score entries: float64 and float32 temporaries (q.k, P, dP, dS, s dS)
+PARENT_BYTES_PER_PART_HD = 32  # x total tokens x heads_q x head_dim: the passes' parts held before assembly
 
 
 @dataclass(frozen=True)
@@ -403,13 +407,14 @@ class MemoryEstimate:
 
 def oracle_share_bytes(case) -> int:
     """Peak bytes of computing one share of the case's oracle (harness.ranks.reference), the largest share."""
-    from harness.ranks.reference import query_block
+    from harness.ranks.reference import block
 
     hd = case.heads_q * case.head_dim * case.batch
-    n = case.total_len
-    rows = max(case.seq_lens) if case.seq_lens else 0
-    scores = min(query_block(case), rows) * n * case.heads_q * case.batch
-    return SHARE_BYTES_PER_KEY_HD * n * hd + SHARE_BYTES_PER_ROW_HD * rows * hd + SHARE_BYTES_PER_SCORE * scores
+    local = max(case.seq_lens) if case.seq_lens else 0
+    side = min(block(case), max(local, 1))
+    scores = side * min(block(case), case.total_len) * case.heads_q * case.batch
+    return (SHARE_BYTES_PER_POS_HD * local * hd + SHARE_BYTES_PER_TOKEN_H * case.total_len * case.batch * case.heads_q
+            + SHARE_BYTES_PER_SCORE * scores)
 
 
 def estimate(case, available: int | None = None, tile_budget: int | None = None,
@@ -429,7 +434,7 @@ def estimate(case, available: int | None = None, tile_budget: int | None = None,
     parent = PARENT_IDLE + PARENT_BYTES_PER_TOKEN_HD * n * hd
     if oracle == "ranks":
         per_rank = RANK_IDLE + max(run, share)
-        parent += PARENT_BYTES_PER_SHARE_HD * n * hd * case.world_size
+        parent += PARENT_BYTES_PER_PART_HD * n * hd
     else:
         per_rank = RANK_IDLE + run
         parent += share

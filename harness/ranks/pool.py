@@ -39,6 +39,7 @@ from harness.ranks.protocol import (
     STOP,
     LocalTicket,
     OracleMessage,
+    OraclePass,
     PoolReply,
     RunMessage,
     StopMessage,
@@ -298,12 +299,15 @@ class RankPool:
             self._release()  # the standby set (if any) stays: the next case adopts it
         return out
 
-    def oracle(self, case: case_mod.Case, timeout_s: float) -> dict[int, tuple]:
-        """Every ring rank's share of the case's oracle (harness.ranks.reference), sent back over the
-        ranks' own sockets (never a process group): group rank -> (float64 share, base share). A rank that
+    def oracle(self, case: case_mod.Case, timeout_s: float, oracle_pass: OraclePass = "rows",
+               stats: tuple | None = None) -> dict[int, tuple]:
+        """One pass of every ring rank's share of the case's oracle (harness.ranks.reference), sent back over
+        the ranks' own sockets (never a process group): group rank -> (float64 part, base part). A rank that
         fails, dies or passes `timeout_s` raises PoolError, and the pool restarts on the next case."""
-        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id)
-        what = f"the oracle of {case.summary()}"
+        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id, oracle_pass=oracle_pass)
+        if stats is not None:
+            msg["stats"] = stats
+        what = f"the oracle ({oracle_pass} pass) of {case.summary()}"
         pending: dict[Connection, int] = {}
         for r in range(case.group_offset, case.group_offset + case.world_size):
             try:
@@ -312,7 +316,7 @@ class RankPool:
                 self.broken = True
                 raise PoolError(f"{what}: rank {r} is gone ({self._death(r)})") from None
             pending[self.conns[r]] = r
-        shares: dict[int, tuple] = {}
+        parts: dict[int, tuple] = {}
         end = time.monotonic() + timeout_s
         while pending:
             ready = wait(list(pending), timeout=max(0.0, end - time.monotonic()))
@@ -325,12 +329,12 @@ class RankPool:
                     rep = wire.recv(c)
                 except (EOFError, OSError):
                     self.broken = True
-                    raise PoolError(f"{what}: rank {r} died computing its share ({self._death(r)})") from None
+                    raise PoolError(f"{what}: rank {r} died computing its part ({self._death(r)})") from None
                 if rep.get("op") != ORACLE_RESULT or rep.get("case_id") != self._case_id or rep.get("status") != OK:
                     self.broken = True  # the other ranks' replies are still on their way: start afresh
                     raise PoolError(f"{what}: rank {r}: {rep.get('error') or 'unexpected reply ' + str(rep.get('op'))}")
-                shares[r - case.group_offset] = rep["shares"]
-        return shares
+                parts[r - case.group_offset] = rep["parts"]
+        return parts
 
     # -- diagnostics -----------------------------------------------------------------------
     def _fault_note(self, r: int, case_id: int | None) -> dict | None:

@@ -15,8 +15,10 @@ The conversation with one rank (local pool)::
       <------------- ready           (after rendezvous)
       run ------------->
       <------------- result          (one per run, status ok / idle / error / diverged)
-      oracle ---------->             (after a run whose ranks all completed, unless cached)
-      <------------- oracle-result   (the rank's share of the float64 oracle and the base)
+      oracle ---------->             (after a run whose ranks all completed, unless cached: pass "rows")
+      <------------- oracle-result   (its rows' part of the float64 oracle and the base)
+      oracle ---------->             (pass "keys", with every row's statistics)
+      <------------- oracle-result   (its keys' part)
       ping ------------>
       <------------- pong
       stop ------------>             (the rank leaves its loop and exits)
@@ -36,14 +38,16 @@ if TYPE_CHECKING:
 
 # -- message kinds (the "op" key) ----------------------------------------------------------------
 Op = Literal["run", "stop", "ping", "ready", "pong", "result", "oracle", "oracle-result"]
+OraclePass = Literal["rows", "keys"]  # the two passes of a rank's oracle share (harness.ranks.reference)
+ORACLE_PASSES: Final = ("rows", "keys")
 RUN: Final = "run"  # parent -> rank: run one case
-ORACLE: Final = "oracle"  # parent -> rank: compute your share of a case's oracle (harness.ranks.reference)
+ORACLE: Final = "oracle"  # parent -> rank: compute one pass of your share of a case's oracle (harness.ranks.reference)
 STOP: Final = "stop"  # parent -> rank: leave the loop and exit
 PING: Final = "ping"  # parent -> rank: are you there?
 READY: Final = "ready"  # rank -> parent: rendezvous done, waiting for cases
 PONG: Final = "pong"  # rank -> parent: answer to ping
 RESULT: Final = "result"  # rank -> parent: one case's outcome on this rank
-ORACLE_RESULT: Final = "oracle-result"  # rank -> parent: its oracle share (or why not)
+ORACLE_RESULT: Final = "oracle-result"  # rank -> parent: that pass's part of its oracle share (or why not)
 
 # -- a rank's outcome of one case (the "status" key of a result) -----------------------------------
 Status = Literal["ok", "idle", "error", "diverged"]
@@ -70,12 +74,18 @@ class RunMessage(_RunRequired, total=False):
     fresh_group: bool  # build new process groups first (the last case raised mid-ring); local pool only
 
 
-class OracleMessage(TypedDict):
-    """Compute this rank's share of a case's oracle (outside the fault interposer: no fault touches it)."""
-
+class _OracleRequired(TypedDict):
     op: Literal["oracle"]
     case: dict[str, Any]  # harness.case.to_dict(case)
     case_id: int  # echoed in the reply
+    oracle_pass: OraclePass  # "rows": its query rows against every key; "keys": its keys against every query
+
+
+class OracleMessage(_OracleRequired, total=False):
+    """Compute one pass of this rank's share of a case's oracle (outside the fault interposer: no fault
+    touches it)."""
+
+    stats: tuple[Any, Any]  # "keys": every row's (float64, base) `harness.ranks.reference.RowStats`
 
 
 class StopMessage(TypedDict):
@@ -145,9 +155,10 @@ class _OracleResultRequired(TypedDict):
 
 
 class OracleResultMessage(_OracleResultRequired, total=False):
-    """One rank's share of the oracle: (float64 reference, base) `harness.ranks.reference.Share`s."""
+    """One pass of one rank's share of the oracle: (float64 reference, base) `harness.ranks.reference.RowsPart`s
+    or `KeysPart`s."""
 
-    shares: tuple[Any, Any]  # ok
+    parts: tuple[Any, Any]  # ok
     error: str  # error: one line (an oracle failure is the harness's, never the implementation's)
 
 
@@ -213,9 +224,11 @@ class Pool(Protocol[TicketT]):
         """Wait (up to the case's deadline) for every rank's reply to the case `ticket` stands for."""
         ...
 
-    def oracle(self, case: Case, timeout_s: float) -> dict[int, tuple[Any, Any]]:
-        """Every ring rank's share of `case`'s oracle: group rank -> (float64 share, base share)
-        (`harness.ranks.reference`), within `timeout_s`; a PoolError when a rank fails, dies or passes it."""
+    def oracle(self, case: Case, timeout_s: float, oracle_pass: OraclePass = "rows",
+               stats: tuple[Any, Any] | None = None) -> dict[int, tuple[Any, Any]]:
+        """One pass of every ring rank's share of `case`'s oracle: group rank -> (float64 part, base part)
+        (`harness.ranks.reference`: "rows", then "keys" given every row's `stats`), within `timeout_s`; a
+        PoolError when a rank fails, dies or passes it."""
         ...
 
     def ensure(self, size: int, exact: bool = False) -> bool:

@@ -1,32 +1,49 @@
-"""The oracle's share of one rank: float64 reference and same-dtype base for the rank's own query rows.
+"""The oracle's share of one rank: float64 reference and same-dtype base, split by query rows and by keys.
 
-The oracle is partitioned by the case, never by who computes it: share `g` of a W-rank case is the
-float64 (and base-dtype) attention of the global query rows rank g holds under the case's layout,
-against every key, in query blocks of `query_block(case)` rows, with
+The oracle is partitioned by the case, never by who computes it. Share `g` of a W-rank case is the global
+positions rank g holds under the case's layout, P_g, and it is computed in two passes, float64 and the base side
+by side (they share the float64 products q.k and dout.v), in tiles of at most `block(case)` queries x
+`block(case)` keys (at most SCORE_BUDGET score entries; a share's contiguous runs of positions tiled on their
+own, each tile trimmed to the rows and keys its mask lets meet), so that no pass ever holds a global tensor of
+head_dim width:
 
-- out, lse, dq of those rows,
-- dk, dv *partials*: every key's gradient from those rows only (the full dk/dv is the sum of the W
-  partials, in rank order),
-- the term-scale partials the tolerance rule needs (float64 only; `TermScales`).
+1. rows (`rows_part`): the queries P_g against every key: out, lse and dq of those rows, and the per-row
+   statistics the keys pass needs: the softmax's row max and sum, D (below) and (float64) A, the term scale
+   of D. Three sweeps over the key blocks, each key block generated from the case seed once per sweep
+   (`harness.inputs` makes any positions): max and sum (online), out and D, dq.
+2. keys (`keys_part`): every query against the keys P_g: dk and dv of those keys, and (float64) the term
+   scales' column sums. The query blocks are generated from the seed one at a time; their statistics come from
+   the rows pass of every share (`RowStats`, gathered by whoever runs the passes: B x Hq floats per token).
+
+Per share the memory is the share's own rows and keys (~N/W tokens x heads x head_dim), one tile's workspace
+and one block of generated inputs (a small case makes each whole input once: WHOLE_INPUTS_BYTES), plus the
+B x Hq x N row statistics (no head_dim factor): it falls ~1/W (`ring-harness bench --only oracle_split`, (d)).
 
 The ranks compute their own share on their own device (pool workers: one CPU thread each; torchrun:
-cuda:LOCAL_RANK) after the implementation's run, outside the fault interposer, from the global k/v and
-their own q/dout rows rebuilt from the case seed (`harness.inputs`); `harness.judging.oracle.assemble`
-puts the W shares together in one place. The local oracle (`--oracle local`, the tests' referee) runs
-the same W shares one after another in one process and assembles them the same way, so on CPU the two
-are bit-identical by construction.
+cuda:LOCAL_RANK) after the implementation's run, outside the fault interposer; `harness.judging.oracle`
+runs the passes (one message each), gathers the statistics between them and assembles the parts in one
+place. The local oracle (`--oracle local`, the tests' referee) runs the same parts one after another in
+one process with the same blocks, so on CPU the two are bit-identical by construction.
 
-The float64 reference has a hand-written backward (dP = dO V^T, D = rowsum(dO * O), dS = P (dP - D),
-dQ = s dS K, dK = s dS^T Q, dV = P^T dO) that shares P, dP and dS with the term scales; the base keeps
-autograd through plain attention in the case's dtype (its roundings are what the tolerance's `base`
-term measures: docs/tolerance.md). A query that sees no key gets out = 0, lse = -inf, dq = 0 and
-contributes nothing to dk/dv (never NaN).
+The float64 reference's backward is the hand-written one (dP = dO V^T, D = rowsum(dO * O), dS = P (dP - D),
+dQ = s dS K, dK = s dS^T Q, dV = P^T dO), sharing P, dP and dS with the term scales. The base is plain
+attention as autograd computes it in the case's dtype (the tolerance's `base` term measures its roundings,
+docs/tolerance.md), op by op: scores q.k and s q.k, the softmax P = exp(s - max) / sum (float32), dP, the
+softmax's backward dS = P (dP - D) with D = sum_j P_ij dP_ij (float32, from the rounded P and dP: autograd's
+softmax backward, not flash's rowsum(dO * O)) and s dS, each rounded to the dtype as it is formed; q.k and dP
+are summed in float64 (exact products of dtype values; both passes recompute them, so their rounding must not
+follow the tile's shape), every other matmul sums products of dtype values in float32 (across tiles too) and
+rounds its result once: out, dq, dk, dv (dk/dv summed over a GQA group in float32). Split into tiles it rounds
+where one autograd graph over the whole sequence does. A query that sees no key gets out = 0, lse = -inf, dq = 0
+and contributes nothing to dk/dv (never NaN).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,9 +54,11 @@ from harness.dtypes import TORCH_DTYPES
 from ring_impl.layouts import all_positions
 from ring_impl.masks import MaskSpec, allowed
 
-SCORE_BUDGET = 1 << 22  # score entries (batch x query heads x queries x keys) of one query block: 32 MiB float64
-MAX_QUERY_BLOCK = 1024
-MIN_QUERY_BLOCK = 16
+SCORE_BUDGET = 1 << 21  # score entries (batch x query heads x queries x keys) of one tile: 16 MiB float64
+MAX_BLOCK = 1024
+MIN_BLOCK = 16
+
+Fetch = Callable[[str, torch.Tensor], torch.Tensor]  # (q/k/v/dout, global positions) -> (B, len, heads, D)
 
 
 def _libc_trim():
@@ -53,19 +72,364 @@ def _libc_trim():
 _TRIM = _libc_trim()
 
 
-def query_block(case: Case) -> int:
-    """Queries per block: as many as keep one block's scores within SCORE_BUDGET entries (a few float64
-    temporaries of that size live at once), between MIN_QUERY_BLOCK and MAX_QUERY_BLOCK. A function of
-    the case only, so every way of computing the oracle uses the same blocks."""
-    per_query = max(1, case.batch * case.heads_q * case.total_len)
-    return max(MIN_QUERY_BLOCK, min(MAX_QUERY_BLOCK, SCORE_BUDGET // per_query))
+def _trimmer(entries: int) -> Callable[[int], int]:
+    """glibc's malloc_trim for work of more than one tile's score entries (a long share: its tiles change size at
+    the edges and glibc keeps the holes, 1.15 GiB instead of 0.5 GiB peak RSS for a 16k share once), a no-op for
+    the rest: a trim walks the whole heap (26 ms in a process holding ~800 MB of small blocks, e.g. a test
+    runner), more than a small case's whole oracle."""
+    return _TRIM if entries > SCORE_BUDGET else (lambda pad: 0)
+
+
+def block_size(batch: int, heads_q: int) -> int:
+    """Queries (and keys) per tile side: the square tile of at most SCORE_BUDGET score entries (a few float64
+    temporaries of that size live at once), between MIN_BLOCK and MAX_BLOCK."""
+    return max(MIN_BLOCK, min(MAX_BLOCK, math.isqrt(SCORE_BUDGET // max(1, batch * heads_q))))
+
+
+def block(case: Case) -> int:
+    """The case's tile side: a function of the case only, so every way of computing the oracle uses the same
+    tiles."""
+    return block_size(case.batch, case.heads_q)
+
+
+@dataclass
+class RowStats:
+    """What the keys pass needs of every query row, one compute dtype, (B, Hq, N): the softmax's row max and sum
+    of exp(s - max), D (float64: rowsum(dout * out); the base: sum_j P_ij dP_ij) and (float64 only) A, the term
+    scale of D (`TermScales`)."""
+
+    mx: torch.Tensor
+    total: torch.Tensor
+    delta: torch.Tensor
+    amp: torch.Tensor | None = None
+
+    def to(self, device) -> RowStats:
+        return RowStats(*(None if t is None else t.to(device) for t in (self.mx, self.total, self.delta, self.amp)))
+
+
+@dataclass
+class RowsPart:
+    """The rows pass of one share, one compute dtype: its query rows' out/lse/dq, their statistics (`RowStats`),
+    and (float64 only) the row maxima of the term scales: out, dq, dq_d, max_q, max_dout."""
+
+    rows: torch.Tensor  # (r,) global query positions, in the order of the rows below
+    out: torch.Tensor  # (B, r, Hq, D) in the compute dtype
+    lse: torch.Tensor  # (B, Hq, r) float64 / float32
+    dq: torch.Tensor  # (B, r, Hq, D)
+    mx: torch.Tensor  # (B, Hq, r) in the accumulation dtype: the rows' score max (-inf: sees no key)
+    total: torch.Tensor  # (B, Hq, r): sum_j exp(s_ij - mx_i)
+    delta: torch.Tensor  # (B, Hq, r)
+    amp: torch.Tensor | None = None  # (B, Hq, r) float64
+    maxima: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def cpu(self) -> RowsPart:
+        for name in ("rows", "out", "lse", "dq", "mx", "total", "delta", "amp"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).cpu())
+        return self
+
+
+@dataclass
+class KeysPart:
+    """The keys pass of one share, one compute dtype: its keys' dk/dv from every query and (float64 only) the
+    term scales' column sums over every query (ds, pa, p: (B, Hkv, c)) and max|k|."""
+
+    keys: torch.Tensor  # (c,) global key positions
+    dk: torch.Tensor  # (B, c, Hkv, D) in the compute dtype
+    dv: torch.Tensor
+    cols: dict[str, torch.Tensor] = field(default_factory=dict)
+    max_k: float = 0.0
+    seconds: float = 0.0
+
+    def cpu(self) -> KeysPart:
+        self.keys, self.dk, self.dv = self.keys.cpu(), self.dk.cpu(), self.dv.cpu()
+        self.cols = {n: t.cpu() for n, t in self.cols.items()}
+        return self
+
+
+def _blocks(n: int, size: int):
+    return ((a, min(n, a + size)) for a in range(0, n, size))
+
+
+def _amax(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def _rounder(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Round float32 values to `dtype`, kept in float32 (identity for float32)."""
+    if dtype == torch.float32:
+        return lambda t: t
+    return lambda t: t.to(dtype).to(torch.float32)
+
+
+def _load(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inputs rounded to the case's dtype, held in float64 (exact)."""
+    return t.detach().to(dtype).to(torch.float64)
+
+
+def _heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Queries (B, r, Hq, D) -> (B, Hkv, g, r, D), contiguous: query head h belongs to kv head h // g."""
+    b, r, hq, d = t.shape
+    return t.reshape(b, r, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, g, r, D) -> (B, r, Hq, D)."""
+    b, hkv, g, r, d = t.shape
+    return t.permute(0, 3, 1, 2, 4).reshape(b, r, hkv * g, d)
+
+
+def _kv_heads(t: torch.Tensor) -> torch.Tensor:
+    """Keys (B, c, Hkv, D) -> (B, Hkv, c, D), contiguous."""
+    return t.permute(0, 2, 1, 3).contiguous()
+
+
+def _t(k: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, c, D) -> (B, Hkv, 1, D, c): the right operand of a score matmul, broadcast over the group."""
+    return k.unsqueeze(2).transpose(-1, -2)
+
+
+def _keys_side(t: torch.Tensor) -> torch.Tensor:
+    """A tile (B, Hkv, g, q, k) as (B, Hkv, k, g q): the left operand of a key gradient, summing the group's
+    query heads inside the one matmul."""
+    b, hkv, g, r, c = t.shape
+    return t.permute(0, 1, 4, 2, 3).reshape(b, hkv, c, g * r)
+
+
+def _runs(pos: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """Index ranges of at most `size` tiling a share's positions: each contiguous run of positions tiled on its
+    own when the runs are long enough for tiles of their own (MIN_BLOCK on average: zigzag's two chunks, a
+    contiguous shard), so a mask's span over a tile's positions stays tight; else plain blocks (striped)."""
+    n = pos.numel()
+    breaks = ((pos[1:] != pos[:-1] + 1).nonzero().view(-1) + 1).tolist() if n > 1 else []
+    if n == 0 or n < MIN_BLOCK * (len(breaks) + 1):
+        return list(_blocks(n, size))
+    edges = [0, *breaks, n]
+    return [(a + i, min(b, a + i + size)) for a, b in zip(edges[:-1], edges[1:], strict=True)
+            for i in range(0, b - a, size)]
+
+
+Tile = tuple  # (qa, qz, ka, kz, mask or None): queries qa:qz x keys ka:kz of a block pair, trimmed to what is seen
+
+
+def _tiles(mask: MaskSpec, qpos: torch.Tensor, qblocks, kpos: torch.Tensor, kblocks, device) -> list[Tile]:
+    """Every (query block, key block) pair in which some query sees some key, each trimmed to the rows that see
+    some key of the block and the keys some row sees (causal, window and document masks leave much of a block
+    pair out), with its mask (None when every query of the tile sees every key)."""
+    out = []
+    for qa, qz in qblocks:
+        for ka, kz in kblocks:
+            m = allowed(mask, qpos[qa:qz], kpos[ka:kz])
+            if m is None:
+                out.append((qa, qz, ka, kz, None))
+                continue
+            rows, cols = m.any(dim=1).nonzero().view(-1), m.any(dim=0).nonzero().view(-1)
+            if rows.numel() == 0:
+                continue
+            r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+            m = m[r0:r1, c0:c1]
+            out.append((qa + r0, qa + r1, ka + c0, ka + c1, None if bool(m.all()) else m.to(device)))
+    return out
+
+
+def _masked(s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    return s if m is None else s.masked_fill_(~m, float("-inf"))
+
+
+def _base_scores(raw: torch.Tensor, rnd, scale: float, m) -> torch.Tensor:
+    """The base's scaled scores from the float64 q.k of dtype values (exact products): q.k rounded to the dtype
+    (a dtype matmul's one rounding), times the scale rounded again."""
+    return _masked(rnd(rnd(raw.float()).mul_(scale)), m)
+
+
+Norm = tuple  # (shift, denominator) of every row of a tile: (B, Hkv, g, q) each (`_norm`)
+
+
+def _norm(mx: torch.Tensor, total: torch.Tensor) -> Norm:
+    """A softmax's normalisation from the row max of the scores and the sum of exp(s - max): (max, sum), or
+    (+inf, 1) for a row that sees no key (its p is then exp(-inf) = 0, never NaN)."""
+    empty = total <= 0
+    return (torch.where(empty, torch.full_like(mx, float("inf")), mx),
+            torch.where(empty, torch.ones_like(total), total))
+
+
+def _rows(norm: Norm, a: int, z: int) -> Norm:
+    return norm[0][..., a:z], norm[1][..., a:z]
+
+
+def _probs(s: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """p = exp(s - max) / sum in place, as a softmax forms it (exp(s - lse) would err by eps |lse| in float32)."""
+    shift, denom = norm
+    return s.sub_(shift.unsqueeze(-1)).exp_().div_(denom.unsqueeze(-1))
+
+
+def _online(mx: torch.Tensor, total: torch.Tensor, s: torch.Tensor, a: int, z: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a tile's scores into rows a:z's running max and sum of exp(s - max): (exp(s - new max) in place of s,
+    the factor the rows' earlier partial sums are rescaled by)."""
+    new = torch.maximum(mx[..., a:z], s.amax(dim=-1))
+    shift = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    alpha = (mx[..., a:z] - shift).exp_()
+    p = s.sub_(shift.unsqueeze(-1)).exp_()
+    total[..., a:z] = total[..., a:z] * alpha + p.sum(-1)
+    mx[..., a:z] = new
+    return p, alpha
+
+
+def _backward(raw: torch.Tensor, dpr: torch.Tensor, m, scale: float, norm: Norm, delta: torch.Tensor):
+    """(p, dS, s dS) of a float64 tile from q.k and dP = dout.v (both consumed): dS = p (dP - D)."""
+    p = _probs(_masked(raw.mul_(scale), m), norm)
+    ds = dpr.sub_(delta.unsqueeze(-1)).mul_(p)
+    return p, ds, ds * scale
+
+
+def _base_backward(raw: torch.Tensor, dpr: torch.Tensor, rnd, m, scale: float, norm: Norm, delta: torch.Tensor):
+    """(p, s dS) of the base's tile, from the same float64 q.k and dout.v (read, not consumed): the scores, P, dP,
+    dS = P (dP - D) and s dS each rounded to the dtype as formed."""
+    p = rnd(_probs(_base_scores(raw, rnd, scale, m), norm))
+    ds = rnd(rnd(dpr.float()).sub_(delta.unsqueeze(-1)).mul_(p))
+    return p, rnd(ds.mul_(scale))
+
+
+def rows_part(fetch: Fetch, rows: torch.Tensor, n: int, heads_kv: int, mask: MaskSpec, scale: float,
+              dtype: torch.dtype, size: int) -> tuple[RowsPart, RowsPart]:
+    """The rows pass for query rows `rows` (global positions) against keys 0..n-1, float64 and the base in
+    `dtype` side by side (they share the float64 products q.k and dout.v), in tiles of `size`: three sweeps over
+    the key blocks some row sees, each block fetched once per sweep: (1) the softmax's max and sum, and the
+    float64 out by an online softmax; (2) the base's out and D (its P must be normalised before it is rounded);
+    (3) dq."""
+    t0 = time.perf_counter()
+    rnd = _rounder(dtype)
+    q, dout = (_heads(_load(fetch(name, rows), dtype), heads_kv) for name in ("q", "dout"))
+    b, hkv, g, r, d = q.shape
+    device = q.device
+    qblocks = _runs(rows, size)
+    trim = _trimmer(b * hkv * g * r * n)
+
+    def sweep():
+        """(k, v, a, z, mask) of every tile in which some query sees some key: queries a:z, k, v (B, Hkv, c, D)
+        float64 the tile's keys."""
+        for j0, j1 in _blocks(n, size):
+            kpos = torch.arange(j0, j1, dtype=torch.long)
+            tiles = _tiles(mask, rows, qblocks, kpos, [(0, j1 - j0)], device)
+            if tiles:  # the tile masks are made again each sweep: r x n of them would not fit
+                k, v = (_kv_heads(_load(fetch(name, kpos), dtype)) for name in ("k", "v"))
+                for a, z, ka, kz, m in tiles:
+                    yield k[:, :, ka:kz], v[:, :, ka:kz], a, z, m
+            trim(0)  # tiles change size at the edges: give glibc's holes back (peak RSS of long shares)
+
+    f64, f32 = dict(dtype=torch.float64, device=device), dict(dtype=torch.float32, device=device)
+    mx, total = torch.full((b, hkv, g, r), float("-inf"), **f64), torch.zeros((b, hkv, g, r), **f64)
+    mxb, totalb = torch.full((b, hkv, g, r), float("-inf"), **f32), torch.zeros((b, hkv, g, r), **f32)
+    out, outb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
+    pv = torch.zeros_like(q, dtype=torch.float32)  # the term scale sum_j p_ij |v_jd|: float32 is plenty
+    for k, v, a, z, m in sweep():  # (1)
+        raw = torch.matmul(q[..., a:z, :], _t(k))
+        _online(mxb, totalb, _base_scores(raw, rnd, scale, m), a, z)
+        p, alpha = _online(mx, total, _masked(raw.mul_(scale), m), a, z)
+        out[..., a:z, :] = out[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, v.unsqueeze(2))
+        pv[..., a:z, :] = (pv[..., a:z, :] * alpha.unsqueeze(-1).float()
+                           + torch.matmul(p.float(), v.abs().float().unsqueeze(2)))
+        del raw, p
+    norm, normb = _norm(mx, total), _norm(mxb, totalb)
+    out.div_(norm[1].unsqueeze(-1))
+    pv = pv.double().div_(norm[1].unsqueeze(-1))
+    delta = (dout * out).sum(dim=-1)  # (B, Hkv, g, r)
+    amp = (dout.abs() * pv).sum(dim=-1)
+    maxima = {"out": _amax(pv), "dq_d": _amax(amp), "max_q": _amax(q), "max_dout": _amax(dout)}
+    del pv
+    deltab = torch.zeros((b, hkv, g, r), **f32)
+    for k, v, a, z, m in sweep():  # (2)
+        raw = torch.matmul(q[..., a:z, :], _t(k))
+        p = rnd(_probs(_base_scores(raw, rnd, scale, m), _rows(normb, a, z)))
+        outb[..., a:z, :] += torch.matmul(p, v.float().unsqueeze(2))
+        deltab[..., a:z] += p.mul_(rnd(torch.matmul(dout[..., a:z, :], _t(v)).float())).sum(dim=-1)
+        del raw, p
+    outb = rnd(outb)
+    dq, dqb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
+    ds_rows = torch.zeros((b, hkv, g, r), **f64)
+    for k, v, a, z, m in sweep():  # (3)
+        raw = torch.matmul(q[..., a:z, :], _t(k))
+        dpr = torch.matmul(dout[..., a:z, :], _t(v))
+        _, drawb = _base_backward(raw, dpr, rnd, m, scale, _rows(normb, a, z), deltab[..., a:z])
+        dqb[..., a:z, :] += torch.matmul(drawb, k.float().unsqueeze(2))
+        _, ds, draw = _backward(raw, dpr, m, scale, _rows(norm, a, z), delta[..., a:z])
+        dq[..., a:z, :] += torch.matmul(draw, k.unsqueeze(2))
+        ds_rows[..., a:z] += ds.abs_().sum(dim=-1)
+        del raw, dpr, ds, draw, drawb
+    hq = hkv * g
+
+    def part(out, dq, mx, total, delta, amp, out_dtype):
+        lse = torch.where(total > 0, mx + total.log(), torch.full_like(mx, float("-inf")))
+        return RowsPart(rows, _tokens(out).to(out_dtype), lse.reshape(b, hq, r), _tokens(dq).to(out_dtype),
+                        *(t.reshape(b, hq, r) if t is not None else None for t in (mx, total, delta, amp)))
+
+    del q, dout
+    ref = part(out, dq, mx, total, delta, amp, torch.float64)
+    ref.maxima = {**maxima, "dq": _amax(ds_rows)}
+    del out, dq
+    base = part(outb, dqb, mxb, totalb, deltab, None, dtype)
+    ref.seconds = time.perf_counter() - t0
+    return ref, base
+
+
+def keys_part(fetch: Fetch, keys: torch.Tensor, n: int, heads_kv: int, stats: Sequence[RowStats], mask: MaskSpec,
+              scale: float, dtype: torch.dtype, size: int) -> tuple[KeysPart, KeysPart]:
+    """The keys pass for keys `keys` (global positions) against queries 0..n-1 whose (float64, base) row
+    statistics are `stats` (every row), float64 and the base in `dtype` side by side, in tiles of `size`: one
+    sweep over the query blocks that see some key, each fetched once."""
+    t0 = time.perf_counter()
+    rnd = _rounder(dtype)
+    k, v = (_kv_heads(_load(fetch(name, keys), dtype)) for name in ("k", "v"))
+    b, hkv, c, d = k.shape
+    trim = _trimmer(b * stats[0].mx.shape[1] * n * c)  # batch x query heads x queries x keys
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dkb, dvb = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    cols = {name: torch.zeros(b, hkv, c, dtype=torch.float64, device=k.device) for name in ("ds", "pa", "p")}
+    kblocks = _runs(keys, size)
+    st, stb = (s.to(k.device) for s in stats)
+    norm_all, normb_all = _norm(st.mx, st.total), _norm(stb.mx, stb.total)
+    for i0, i1 in _blocks(n, size):
+        qpos = torch.arange(i0, i1, dtype=torch.long)
+        tiles = _tiles(mask, qpos, [(0, i1 - i0)], keys, kblocks, k.device)
+        if not tiles:
+            continue
+        q, dout = (_heads(_load(fetch(name, qpos), dtype), hkv) for name in ("q", "dout"))
+        qb, doutb = q.float(), dout.float()
+        for qa, qz, a, z, m in tiles:
+            at = (slice(None),) * 3 + (slice(i0 + qa, i0 + qz),)  # the tile's rows of a (B, Hkv, g, N) statistic
+            norm, normb = (tuple(t.view(b, hkv, -1, n)[at] for t in nm) for nm in (norm_all, normb_all))
+            delta, deltab, amp = (t.view(b, hkv, -1, n)[at] for t in (st.delta, stb.delta, st.amp))
+            rows_q, rows_dout, rows_qb, rows_doutb = (t[..., qa:qz, :].reshape(b, hkv, -1, d)
+                                                      for t in (q, dout, qb, doutb))  # (B, Hkv, g q, D)
+            raw = torch.matmul(q[..., qa:qz, :], _t(k[:, :, a:z]))
+            dpr = torch.matmul(dout[..., qa:qz, :], _t(v[:, :, a:z]))
+            pb, drawb = _base_backward(raw, dpr, rnd, m, scale, normb, deltab)
+            dkb[:, :, a:z] += torch.matmul(_keys_side(drawb), rows_qb)
+            dvb[:, :, a:z] += torch.matmul(_keys_side(pb), rows_doutb)
+            p, ds, draw = _backward(raw, dpr, m, scale, norm, delta)
+            dk[:, :, a:z] += torch.matmul(_keys_side(draw), rows_q)
+            dv[:, :, a:z] += torch.matmul(_keys_side(p), rows_dout)
+            cols["ds"][..., a:z] += ds.abs_().sum(dim=(2, 3))
+            cols["p"][..., a:z] += p.sum(dim=(2, 3))
+            cols["pa"][..., a:z] += p.mul_(amp.unsqueeze(-1)).sum(dim=(2, 3))
+            del raw, dpr, pb, drawb, p, ds, draw
+        trim(0)
+
+    def part(dk, dv, out_dtype, cols, max_k):  # (B, c, Hkv, D)
+        dk, dv = (t.permute(0, 2, 1, 3).contiguous().to(out_dtype) for t in (dk, dv))
+        return KeysPart(keys, dk, dv, cols, max_k)
+
+    ref, base = part(dk, dv, torch.float64, cols, _amax(k)), part(rnd(dkb), rnd(dvb), dtype, {}, 0.0)
+    ref.seconds = time.perf_counter() - t0
+    return ref, base
 
 
 class TermScales:
-    """The magnitude of the terms each result is summed from, accumulated over query blocks in float64
-    (not of the result itself, which can be exactly 0, e.g. dq of a query that sees one key). With p the
-    probabilities, dP = dout . v, D = dout . out and dS = p (dP - D) (per query head; dk, dv sum
-    over the query heads of each kv head's group):
+    """The magnitude of the terms each result is summed from, in float64 (not of the result itself, which can
+    be exactly 0, e.g. dq of a query that sees one key). With p the probabilities, dP = dout . v, D = dout . out
+    and dS = p (dP - D) (per query head; dk, dv sum over the query heads of each kv head's group):
 
     out  terms   max_{i,d} sum_j p_ij |v_jd|                     (A = that, dotted with |dout_i|)
     dq   terms   scale max|k| max_i sum_j |dS_ij|;   D   scale max|k| max_i A_i
@@ -73,221 +437,82 @@ class TermScales:
     dv   terms   max|dout| max_j sum_i p_ij
     lse  terms   scale max|q| max|k|
 
-    A_i = sum_j p_ij sum_d |dout_id| |v_jd| bounds the error of D_i made by rounding P, partial
-    outputs and out, and D itself (harness/judging/tolerance.py, docs/tolerance.md).
+    A_i = sum_j p_ij sum_d |dout_id| |v_jd| bounds the error of D_i made by rounding P, partial outputs and
+    out, and D itself (harness/judging/tolerance.py, docs/tolerance.md). The row maxima come from the shares'
+    rows passes (max over shares), the column sums from their keys passes (each key's sum made whole by the
+    share that owns the key)."""
 
-    One rank's share holds its rows' maxima and its rows' column sums (every key); `merge` combines
-    shares (maxima: max; column sums: added in rank order) and `scales` turns them into the table."""
-
-    def __init__(self, k: torch.Tensor) -> None:
-        b, n, hkv, _ = k.shape
-        self.out = self.dq = self.dq_d = 0.0
-        self.max_q = self.max_dout = 0.0
-        self.max_k = float(k.abs().max()) if k.numel() else 0.0
-        self.col_ds, self.col_pa, self.col_p = (torch.zeros(b, hkv, n, dtype=torch.float64, device=k.device)
-                                                for _ in range(3))
-
-    def add(self, p, v_abs, dout, ds_abs, lo: int, hi: int) -> None:
-        """One query block, grouped layout: p and ds_abs (B, Hkv, g, q, keys lo:hi), v_abs (B, keys, Hkv, D),
-        dout (B, q, Hkv, g, D)."""
-        pv = torch.einsum("bhgqk,bkhd->bqhgd", p, v_abs)
-        a = (dout.abs() * pv).sum(dim=-1).permute(0, 2, 3, 1)  # (B, Hkv, g, q)
-        self.out = max(self.out, float(pv.max()))
-        self.dq = max(self.dq, float(ds_abs.sum(dim=-1).max()))
-        self.dq_d = max(self.dq_d, float(a.max()))
-        self.col_ds[:, :, lo:hi] += ds_abs.sum(dim=(2, 3))
-        self.col_pa[:, :, lo:hi] += torch.einsum("bhgqk,bhgq->bhk", p, a)
-        self.col_p[:, :, lo:hi] += p.sum(dim=(2, 3))
-
-    def to(self, device: torch.device | str) -> TermScales:
-        """The same scales with their column sums on `device` (for sending back to the parent)."""
-        for name in ("col_ds", "col_pa", "col_p"):
-            setattr(self, name, getattr(self, name).to(device))
-        return self
-
-    def merge(self, other: TermScales) -> None:
-        """Add another share's rows (call in rank order: the column sums are float64 additions)."""
-        for name in ("out", "dq", "dq_d", "max_q", "max_dout", "max_k"):
-            setattr(self, name, max(getattr(self, name), getattr(other, name)))
-        for name in ("col_ds", "col_pa", "col_p"):
-            getattr(self, name).add_(getattr(other, name))
+    def __init__(self, rows: Sequence[RowsPart], keys: Sequence[KeysPart]) -> None:
+        self.maxima = {name: max((p.maxima.get(name, 0.0) for p in rows), default=0.0)
+                       for name in ("out", "dq", "dq_d", "max_q", "max_dout")}
+        self.max_k = max((p.max_k for p in keys), default=0.0)
+        self.top = {name: max((float(p.cols[name].max()) for p in keys if p.cols[name].numel()), default=0.0)
+                    for name in ("ds", "pa", "p")}
 
     def scales(self, scale: float) -> dict[str, dict[str, float]]:
         """{tensor: {rounding class: scale}} for the tolerance rule."""
-        mq, mk, mdo = self.max_q, self.max_k, self.max_dout
-        top = {n: float(t.max()) if t.numel() else 0.0
-               for n, t in (("ds", self.col_ds), ("pa", self.col_pa), ("p", self.col_p))}
-        return {"out": {"terms": self.out}, "lse": {"terms": scale * mq * mk},
-                "dq": {"terms": scale * mk * self.dq, "D": scale * mk * self.dq_d},
-                "dk": {"terms": scale * mq * top["ds"], "D": scale * mq * top["pa"]},
-                "dv": {"terms": mdo * top["p"]}}
+        mq, mk, mdo, x = self.maxima["max_q"], self.max_k, self.maxima["max_dout"], self.maxima
+        return {"out": {"terms": x["out"]}, "lse": {"terms": scale * mq * mk},
+                "dq": {"terms": scale * mk * x["dq"], "D": scale * mk * x["dq_d"]},
+                "dk": {"terms": scale * mq * self.top["ds"], "D": scale * mq * self.top["pa"]},
+                "dv": {"terms": mdo * self.top["p"]}}
 
 
-@dataclass
-class Share:
-    """One rank's share of the oracle in one compute dtype: its query rows' out/lse/dq, every key's
-    dk/dv partial from those rows, and (float64 only) the term-scale partials."""
+def gather_stats(rows: Sequence[RowsPart], n: int) -> RowStats:
+    """Every row's statistics, (B, Hq, n), from the rows passes of all the shares of one compute dtype."""
+    first = rows[0]
+    b, hq = first.mx.shape[:2]
 
-    rows: torch.Tensor  # (r,) global query positions, in the order of the rows below
-    out: torch.Tensor  # (B, r, Hq, D)
-    lse: torch.Tensor  # (B, Hq, r)
-    dq: torch.Tensor  # (B, r, Hq, D)
-    dk: torch.Tensor  # (B, N, Hkv, D): partial (float32 for a bf16/fp16 base: rounded once, when assembled)
-    dv: torch.Tensor  # (B, N, Hkv, D): partial
-    terms: TermScales | None = None
-    seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+    def whole(name: str) -> torch.Tensor | None:
+        if getattr(first, name) is None:
+            return None
+        t = getattr(first, name).new_zeros(b, hq, n)
+        for p in rows:
+            t.index_copy_(2, p.rows.to(t.device), getattr(p, name))
+        return t
 
-    def cpu(self) -> Share:
-        """The same share with every tensor on the CPU."""
-        for name in ("rows", "out", "lse", "dq", "dk", "dv"):
-            setattr(self, name, getattr(self, name).cpu())
-        if self.terms is not None:
-            self.terms.to("cpu")
-        return self
+    return RowStats(whole("mx"), whole("total"), whole("delta"), whole("amp"))
 
 
-def key_span(m: torch.Tensor | None, n: int) -> tuple[int, int]:
-    """[lo, hi): the keys some query of the block may see (all keys without a mask). Causal, window
-    and document masks leave most keys of early or narrow blocks out: up to 2x less work causal."""
-    if m is None:
-        return 0, n
-    cols = m.any(dim=0).nonzero()
-    return (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 0)
+# -- one rank's share of a case ---------------------------------------------------------------------------
+
+def positions(case: Case, index: int) -> torch.Tensor:
+    """The global positions of share `index` (group rank): the rows and the keys that rank holds."""
+    return all_positions(case.layout, case.seq_lens)[index]
 
 
-def _grouped(t: torch.Tensor, hkv: int) -> torch.Tensor:
-    """(B, r, Hq, D) -> (B, r, Hkv, g, D): query head h belongs to kv head h // g."""
-    b, r, hq, d = t.shape
-    return t.view(b, r, hkv, hq // hkv, d)
+WHOLE_INPUTS_BYTES = 16 << 20  # a case whose four global inputs fit here makes each once per pass
 
 
-def _exact_block(q, k, v, dout, m, scale: float, dk, dv, lo: int, hi: int, terms: TermScales | None):
-    """Float64 forward + hand-written backward of one query block against keys lo:hi (grouped layout:
-    q, dout (B, r, Hkv, g, D); k, v (B, N, Hkv, D)); adds into dk/dv[:, lo:hi]. Returns (out, lse, dq)."""
-    kb, vb = k[:, lo:hi], v[:, lo:hi]
-    s = torch.einsum("bqhgd,bkhd->bhgqk", q, kb).mul_(scale)
-    if m is not None:
-        s.masked_fill_(~m, float("-inf"))
-    mx = s.amax(dim=-1, keepdim=True)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # a row that sees no key: p = 0
-    p = s.sub_(mx).exp_()
-    total = p.sum(dim=-1, keepdim=True)
-    lse = (mx + total.log()).squeeze(-1)  # log 0 = -inf for a row that sees no key
-    p.div_(torch.where(total > 0, total, torch.ones_like(total)))
-    out = torch.einsum("bhgqk,bkhd->bqhgd", p, vb)
-    delta = (dout * out).sum(dim=-1).permute(0, 2, 3, 1).unsqueeze(-1)  # (B, Hkv, g, q, 1)
-    ds = torch.einsum("bqhgd,bkhd->bhgqk", dout, vb).sub_(delta).mul_(p)
-    if terms is not None:
-        terms.add(p, vb.abs(), dout, ds.abs(), lo, hi)
-    dq = torch.einsum("bhgqk,bkhd->bqhgd", ds, kb).mul_(scale)
-    dk[:, lo:hi] += torch.einsum("bhgqk,bqhgd->bkhd", ds, q).mul_(scale)
-    dv[:, lo:hi] += torch.einsum("bhgqk,bqhgd->bkhd", p, dout)
-    return out, lse, dq
+def case_fetch(case: Case, device="cpu") -> Fetch:
+    """Inputs of the case made from its seed for any positions, on `device`. The sweeps ask for every key (or
+    query) block again and again; a small case makes each whole tensor once and indexes it (the same values:
+    inputs are made per token), a long one makes each block when asked and keeps nothing."""
+    size = 4 * case.batch * case.total_len * case.heads_q * case.head_dim * 4
+    if size > WHOLE_INPUTS_BYTES:
+        return lambda name, pos: inputs.make(case, name, pos).to(device)
+    whole: dict[str, torch.Tensor] = {}
+
+    def fetch(name: str, pos: torch.Tensor) -> torch.Tensor:
+        if name not in whole:
+            whole[name] = inputs.make(case, name, torch.arange(case.total_len)).to(device)
+        return whole[name][:, pos.to(device)]
+
+    return fetch
 
 
-def _plain_block(q, k, v, dout, m, scale: float, groups: int):
-    """Plain attention of one query block in the case's dtype, as a naive implementation would do it (the
-    tolerance's `base`): (out, lse, dq, dk, dv). out, lse and dq as autograd gives them in the dtype; dk and
-    dv are the float32 sums of the dtype's products (what a dtype matmul accumulates before rounding its
-    result), unrounded, so that the blocks' and shares' partials add up in float32 and are rounded to the
-    dtype once (`harness.judging.oracle.assemble`), as by one matmul over every query."""
-    q = q.detach().requires_grad_(True)
-    kk = k.repeat_interleave(groups, dim=2) if groups > 1 else k
-    vv = v.repeat_interleave(groups, dim=2) if groups > 1 else v
-    raw = torch.einsum("bqhd,bkhd->bhqk", q, kk)
-    s = raw * scale
-    if m is not None:
-        s = s.masked_fill(~m, float("-inf"))
-    lse = torch.logsumexp(s.float() if s.dtype in (torch.float16, torch.bfloat16) else s, dim=-1)
-    if m is not None and not bool(m.any(dim=1).all()):  # rows that see no key: p = 0, not NaN
-        s = s.masked_fill(~m.any(dim=1).view(-1, 1), 0.0)
-        p = torch.softmax(s, dim=-1).masked_fill(~m, 0.0).to(v.dtype)
-    else:
-        p = torch.softmax(s, dim=-1).to(v.dtype)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
-    dq, draw = torch.autograd.grad(out, (q, raw), dout)
-    b, hq, r, n = p.shape
-    dk = torch.einsum("bhqk,bqhd->bkhd", draw.float(), q.detach().float())
-    dv = torch.einsum("bhqk,bqhd->bkhd", p.detach().float(), dout.float())
-    if groups > 1:
-        dk = dk.view(b, n, hq // groups, groups, -1).sum(dim=3)
-        dv = dv.view(b, n, hq // groups, groups, -1).sum(dim=3)
-    return out.detach(), lse.detach(), dq, dk, dv
+def share_rows(case: Case, index: int, device="cpu") -> tuple[RowsPart, RowsPart]:
+    """(float64, base) rows passes of share `index`, computed on `device`, returned on the CPU."""
+    _trimmer(case.batch * case.heads_q * case.total_len * max(case.seq_lens, default=0))(0)  # what the rank's
+    # run left in glibc's heap goes back first: a long share's peak is its own
+    parts = rows_part(case_fetch(case, device), positions(case, index), case.total_len, case.heads_kv, case.mask,
+                      case.scale, TORCH_DTYPES[case.dtype], block(case))
+    return tuple(p.cpu() for p in parts)
 
 
-def attend(q, k, v, dout, rows: torch.Tensor, mask: MaskSpec, scale: float, compute: torch.dtype,
-           block: int, terms: bool = False) -> Share:
-    """The share of query rows `rows` (global positions; q and dout hold those rows in that order)
-    against all keys (k, v global), in `compute`, in blocks of `block` rows. `terms`: also the
-    term-scale partials (float64 only)."""
-    t0 = time.perf_counter()
-    q, k, v, dout = (t.detach().to(compute) for t in (q, k, v, dout))
-    b, n, hkv, d = k.shape
-    hq = q.shape[2]
-    groups = hq // hkv
-    kpos = torch.arange(n, dtype=torch.long, device=rows.device)
-    exact = compute == torch.float64
-    # the base's dk/dv: each block's gradient (rounded to the dtype by autograd) is accumulated in float32 over
-    # blocks and shares and rounded to the dtype once, in `assemble` (plain attention's one matmul over every
-    # query: partitioning must not add roundings)
-    acc = compute if exact or compute == torch.float32 else torch.float32
-    dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
-    ts = TermScales(k) if terms and exact else None
-    if ts is not None:
-        ts.max_q = float(q.abs().max()) if q.numel() else 0.0
-        ts.max_dout = float(dout.abs().max()) if dout.numel() else 0.0
-    outs, lses, dqs = [], [], []
-    with torch.no_grad() if exact else torch.enable_grad():
-        for start in range(0, rows.numel(), block):
-            stop = min(rows.numel(), start + block)
-            qb, db = q[:, start:stop], dout[:, start:stop]
-            m = allowed(mask, rows[start:stop], kpos)
-            lo, hi = key_span(m, n)  # keys outside it are masked for the whole block: exact zeros, skipped
-            mb = None if m is None else m[:, lo:hi]
-            if hi <= lo:  # no query of the block sees any key: out = dq = 0, lse = -inf, no dk/dv
-                out, dq = q.new_zeros(qb.shape), q.new_zeros(qb.shape)
-                lse = torch.full((b, hq, stop - start), float("-inf"), device=q.device,
-                                 dtype=compute if exact else torch.float32)
-            elif exact:
-                out, lse, dq = _exact_block(_grouped(qb, hkv), k, v, _grouped(db, hkv), mb, scale, dk, dv, lo, hi, ts)
-                out, dq = out.reshape(b, -1, hq, d), dq.reshape(b, -1, hq, d)
-                lse = lse.reshape(b, hq, -1)
-            else:
-                out, lse, dq, gk, gv = _plain_block(qb, k[:, lo:hi], v[:, lo:hi], db, mb, scale, groups)
-                dk[:, lo:hi] += gk.to(acc)
-                dv[:, lo:hi] += gv.to(acc)
-            outs.append(out)
-            lses.append(lse)
-            dqs.append(dq)
-            # give the block's freed temporaries back: their sizes change with every key span, and glibc's heap
-            # otherwise keeps the holes (measured: 1.15 GiB instead of 0.5 GiB peak RSS for a 16k share)
-            _TRIM(0)
-    empty = q.new_zeros(b, 0, hq, d)
-    out = torch.cat(outs, 1) if outs else empty
-    lse = torch.cat(lses, 2) if lses else q.new_zeros(b, hq, 0, dtype=torch.float32 if not exact else compute)
-    dq = torch.cat(dqs, 1) if dqs else empty
-    return Share(rows, out, lse, dq, dk, dv, ts, time.perf_counter() - t0)
-
-
-def rows_of(case: Case, share: int) -> torch.Tensor:
-    """The global query rows of share `share` (group rank): the positions that rank holds."""
-    return all_positions(case.layout, case.seq_lens)[share]
-
-
-def share(case: Case, index: int, device: torch.device | str = "cpu") -> tuple[Share, Share]:
-    """(float64 reference share, same-dtype base share) number `index` (a group rank) of the case's
-    oracle, computed on `device` from inputs rebuilt from the seed."""
-    t0 = time.perf_counter()
-    _TRIM(0)  # what the rank's run left in glibc's heap goes back first: the share's peak is its own
-    rows = rows_of(case, index)
-    keys = torch.arange(case.total_len, dtype=torch.long)
-    q, dout = (inputs.make(case, name, rows).to(device) for name in ("q", "dout"))
-    k, v = (inputs.make(case, name, keys).to(device) for name in ("k", "v"))
-    t_in = time.perf_counter() - t0
-    block = query_block(case)
-    rows_d = rows.to(device)
-    ref = attend(q, k, v, dout, rows_d, case.mask, case.scale, torch.float64, block, terms=True)
-    base = attend(q, k, v, dout, rows_d, case.mask, case.scale, TORCH_DTYPES[case.dtype], block)
-    ref.extra = {"inputs_s": t_in, "block": block}
-    return ref.cpu(), base.cpu()
+def share_keys(case: Case, index: int, stats: Sequence[RowStats], device="cpu") -> tuple[KeysPart, KeysPart]:
+    """(float64, base) keys passes of share `index` given every row's (float64, base) statistics."""
+    _trimmer(case.batch * case.heads_q * case.total_len * max(case.seq_lens, default=0))(0)
+    parts = keys_part(case_fetch(case, device), positions(case, index), case.total_len, case.heads_kv, stats,
+                      case.mask, case.scale, TORCH_DTYPES[case.dtype], block(case))
+    return tuple(p.cpu() for p in parts)

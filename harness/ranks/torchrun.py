@@ -27,6 +27,7 @@ from harness.ranks.protocol import (
     RUN,
     STOP,
     OracleMessage,
+    OraclePass,
     PoolReply,
     RunMessage,
     StopMessage,
@@ -129,24 +130,28 @@ class TorchrunPool:
         ticket["dog"].cancel()
         return PoolReply(replies={r: rep for r, rep in enumerate(replies)}, wall_s=time.monotonic() - ticket["start"])
 
-    def oracle(self, case: case_mod.Case, timeout_s: float) -> dict[int, tuple]:
-        """Every ring rank's share of the case's oracle, each computed on its own device (cuda:LOCAL_RANK
-        under NCCL) outside the fault interposer and gathered over the control group; group rank ->
-        (float64 share, base share). A rank's error raises PoolError; the watchdog guards `timeout_s`."""
+    def oracle(self, case: case_mod.Case, timeout_s: float, oracle_pass: OraclePass = "rows",
+               stats: tuple | None = None) -> dict[int, tuple]:
+        """One pass of every ring rank's share of the case's oracle, each computed on its own device
+        (cuda:LOCAL_RANK under NCCL) outside the fault interposer and gathered over the control group; group
+        rank -> (float64 part, base part). A rank's error raises PoolError; the watchdog guards `timeout_s`."""
         from harness.errors import PoolError
 
-        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id)
+        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id, oracle_pass=oracle_pass)
+        if stats is not None:
+            msg["stats"] = stats
         self._broadcast(msg)
-        dog = _Watchdog(self.rank, timeout_s, f"the oracle of case {self._case_id} ({case.summary()})")
+        what = f"the oracle ({oracle_pass} pass) of {case.summary()}"
+        dog = _Watchdog(self.rank, timeout_s, f"{what} (case {self._case_id})")
         replies = self._gather(handle_oracle(msg, self.rank, self.device))
         dog.cancel()
-        shares = {}
+        parts = {}
         for r, rep in enumerate(replies):
             if case.group_offset <= r < case.group_offset + case.world_size:
                 if rep.get("status") != OK:
-                    raise PoolError(f"the oracle of {case.summary()}: rank {r}: {rep.get('error')}")
-                shares[r - case.group_offset] = rep["shares"]
-        return shares
+                    raise PoolError(f"{what}: rank {r}: {rep.get('error')}")
+                parts[r - case.group_offset] = rep["parts"]
+        return parts
 
     def follow(self) -> None:
         """Non-zero ranks: run every case rank 0 broadcasts until it says stop."""

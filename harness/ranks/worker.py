@@ -300,8 +300,9 @@ def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device
 
 
 def handle_oracle(msg: OracleMessage, rank: int, device: torch.device) -> OracleResultMessage:
-    """This rank's share of a case's oracle (float64 reference + base for its own query rows) on its own
-    device. Runs outside the fault interposer and uses no process group: faults cannot touch it."""
+    """One pass of this rank's share of a case's oracle (float64 reference + base: its own query rows against
+    every key, or its own keys against every query given every row's statistics) on its own device. Runs
+    outside the fault interposer and uses no process group: faults cannot touch it."""
     case = case_mod.from_dict(msg["case"])
     reply = OracleResultMessage(op=ORACLE_RESULT, rank=rank, case_id=msg["case_id"], status=OK)
     g = rank - case.group_offset
@@ -309,7 +310,10 @@ def handle_oracle(msg: OracleMessage, rank: int, device: torch.device) -> Oracle
         reply["status"] = IDLE
         return reply
     try:
-        reply["shares"] = reference.share(case, g, device)
+        if msg["oracle_pass"] == "rows":
+            reply["parts"] = reference.share_rows(case, g, device)
+        else:
+            reply["parts"] = reference.share_keys(case, g, msg["stats"], device)
     except Exception as e:  # e.g. out of memory: reported to the parent, which raises it as the harness's error
         reply.update(status=ERROR, error=_error_text(e))
     return reply
@@ -342,7 +346,7 @@ def on_run(st: Serving, msg: RunMessage) -> bool:
 
 
 def on_oracle(st: Serving, msg: OracleMessage) -> bool:
-    """Compute this rank's oracle share and send it."""
+    """Compute one pass of this rank's oracle share and send it."""
     wire.send(st.conn, handle_oracle(msg, st.rank, st.device))
     return True
 

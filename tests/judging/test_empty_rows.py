@@ -94,13 +94,19 @@ def test_leak_check_with_empty_rows_and_idle_ranks(case):
 def test_a_rank_whose_rows_all_see_nothing_gets_its_oracle_share():
     """prefix(7) & inverse-causal: only queries 0-6 see keys, so ranks 2 and 3 (rows 7-26) see nothing at
     all and rank 1 holds no token; each rank's share is 0 / -inf, never NaN or an error."""
-    from harness.ranks.reference import share
+    from harness.ranks.reference import gather_stats, share_keys, share_rows
 
     case = make_case(world_size=4, seq_lens=(7, 0, 11, 9),
                      mask={"and": [{"kind": "prefix", "length": 7}, {"kind": "inverse-causal"}]})
-    for rank in range(4):
-        ref, base = share(case, rank)
+    rows = {rank: share_rows(case, rank) for rank in range(4)}
+    for rank, (ref, base) in rows.items():
         for s in (ref, base):
-            assert not s.out.isnan().any() and not s.dq.isnan().any()
+            assert not s.out.isnan().any() and not s.dq.isnan().any() and not s.delta.isnan().any()
         if rank >= 2:
             assert bool((ref.out == 0).all()) and bool((ref.lse == float("-inf")).all()) and bool((ref.dq == 0).all())
+    stats = tuple(gather_stats([rows[r][d] for r in range(4)], case.total_len) for d in (0, 1))
+    for rank in range(4):
+        for s in share_keys(case, rank, stats):
+            assert not s.dk.isnan().any() and not s.dv.isnan().any()
+            if rank >= 2:  # keys 7-26: no query sees them
+                assert bool((s.dk == 0).all()) and bool((s.dv == 0).all())

@@ -26,7 +26,7 @@ def _shards(case, ref, perturb=None):
 def test_blockwise_oracle_equals_one_block(monkeypatch):
     c = make_case(world_size=1, total_len=50, heads_q=4, heads_kv=2, mask={"kind": "window", "window": 7})
     whole = references(c)[0]
-    monkeypatch.setattr(oracle, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(oracle, "BLOCK", 8)
     from harness import inputs
 
     g = inputs.make_global(c)

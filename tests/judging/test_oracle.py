@@ -48,7 +48,7 @@ def independent(q, k, v, dout, spec: MaskSpec, scale: float):
 @pytest.mark.parametrize("spec", MASKS, ids=lambda s: f"{s.kind}{s.window if s.kind == 'window' else ''}"
                          f"{'' if s.causal else '-bi'}")
 def test_oracle_matches_an_independent_float64_computation(monkeypatch, spec, heads, block):
-    monkeypatch.setattr(oracle, "QUERY_BLOCK", block)
+    monkeypatch.setattr(oracle, "BLOCK", block)
     g = torch.Generator().manual_seed(100 * MASKS.index(spec) + 10 * HEADS.index(heads) + block)
     hq, hkv = heads
     q = torch.randn(2, N, hq, 8, generator=g)

@@ -1,6 +1,8 @@
-"""Issue #12: the oracle computed by the ranks, each for its own query rows, equals the local oracle bit for
-bit (same shares, same blocks, assembled in the same rank order), on every battery case, every tensor,
-every rank's share; a query that sees no key gets out = 0, lse = -inf, dq = 0 and no NaN anywhere."""
+"""Issue #12: the oracle computed by the ranks, each for its own positions in two passes (its query rows against
+every key, then its keys against every query), equals the local oracle bit for bit (same shares, same tiles,
+assembled the same way), on every battery case, every tensor, every rank's parts; no pass holds more than one
+block of positions that are not its share's (memory ~1/W); a query that sees no key gets out = 0, lse = -inf,
+dq = 0 and no NaN anywhere."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from harness.runner import oracle_deadline, oracle_mode, run_case
 from harness.search.battery import default_battery
 
 FIELDS = ("out", "lse", "dq", "dk", "dv")
+ROWS_FIELDS = ("rows", "out", "lse", "dq", "mx", "total", "delta", "amp")
+KEYS_FIELDS = ("keys", "dk", "dv")
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +30,29 @@ def pool():
         yield p
 
 
-def _same_share(a: reference.Share, b: reference.Share, what: str) -> None:
-    assert torch.equal(a.rows, b.rows), what
-    for f in FIELDS:
+def _same(a, b, fields, what: str) -> None:
+    for f in fields:
         x, y = getattr(a, f), getattr(b, f)
+        if x is None or y is None:
+            assert x is None and y is None, f"{what}: {f}"
+            continue
         assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {f}"
-    if a.terms is not None:
-        for f in ("col_ds", "col_pa", "col_p"):
-            assert torch.equal(getattr(a.terms, f), getattr(b.terms, f)), f"{what}: {f}"
-        for f in ("out", "dq", "dq_d", "max_q", "max_k", "max_dout"):
-            assert getattr(a.terms, f) == getattr(b.terms, f), f"{what}: {f}"
+
+
+def _same_rows(a: reference.RowsPart, b: reference.RowsPart, what: str) -> None:
+    _same(a, b, ROWS_FIELDS, what)
+    assert a.maxima == b.maxima, what
+
+
+def _same_keys(a: reference.KeysPart, b: reference.KeysPart, what: str) -> None:
+    _same(a, b, KEYS_FIELDS, what)
+    assert a.cols.keys() == b.cols.keys() and a.max_k == b.max_k, what
+    for name in a.cols:
+        assert torch.equal(a.cols[name], b.cols[name]), f"{what}: column sums {name}"
 
 
 def _same_reference(a: oracle.Reference, b: oracle.Reference, what: str) -> None:
-    for f in FIELDS:
-        x, y = getattr(a, f), getattr(b, f)
-        assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {f}"
+    _same(a, b, FIELDS, what)
     assert a.term_scale == b.term_scale, what
 
 
@@ -51,15 +62,24 @@ def test_the_ranks_oracle_equals_the_local_oracle_on_the_battery(pool):
     try:
         for i, case in enumerate(default_battery(4)):
             pool.ensure(case.pool_size)
-            got = pool.oracle(case, oracle_deadline(case))
-            assert sorted(got) == list(range(case.world_size)), case.summary()
-            for g in range(case.world_size):
-                want = reference.share(case, g)
-                _same_share(got[g][0], want[0], f"case {i} rank {g} float64")
-                _same_share(got[g][1], want[1], f"case {i} rank {g} base")
+            world = range(case.world_size)
+            rows = pool.oracle(case, oracle_deadline(case, "rows"), "rows")
+            assert sorted(rows) == list(world), case.summary()
+            for g in world:
+                want = reference.share_rows(case, g)
+                _same_rows(rows[g][0], want[0], f"case {i} rank {g} float64 rows")
+                _same_rows(rows[g][1], want[1], f"case {i} rank {g} base rows")
+            stats = tuple(reference.gather_stats([rows[g][d] for g in world], case.total_len) for d in (0, 1))
+            keys = pool.oracle(case, oracle_deadline(case, "keys"), "keys", stats)
+            for g in world:
+                want = reference.share_keys(case, g, stats)
+                _same_keys(keys[g][0], want[0], f"case {i} rank {g} float64 keys")
+                _same_keys(keys[g][1], want[1], f"case {i} rank {g} base keys")
             ref, base = oracle.local(case)
-            _same_reference(oracle.assemble(case, [got[g][0] for g in range(case.world_size)]), ref, f"case {i}")
-            _same_reference(oracle.assemble(case, [got[g][1] for g in range(case.world_size)]), base, f"case {i}")
+            for d, whole in enumerate((ref, base)):
+                got = oracle.assemble(case.total_len, case.scale, [rows[g][d] for g in world],
+                                      [keys[g][d] for g in world])
+                _same_reference(got, whole, f"case {i} {'float64' if d == 0 else 'base'}")
     finally:
         torch.set_num_threads(threads)
 
@@ -109,24 +129,90 @@ def test_queries_that_see_no_key(monkeypatch, compute, block):
     n = 16
     mask = _hand_mask(n)
     monkeypatch.setattr(reference, "allowed", lambda spec, qp, kp: mask[qp][:, kp])
+    monkeypatch.setattr(oracle, "BLOCK", block)
     g = torch.Generator().manual_seed(5)
     q, dout = (torch.randn(2, n, 4, 8, generator=g) for _ in range(2))
     k, v = (torch.randn(2, n, 2, 8, generator=g) for _ in range(2))
-    s = reference.attend(q, k, v, dout, torch.arange(n), None, 0.3, compute, block, terms=True)
-    dk, dv = s.dk.to(compute), s.dv.to(compute)
-    for name, t in (("out", s.out), ("lse", s.lse), ("dq", s.dq), ("dk", dk), ("dv", dv)):
-        assert not t.isnan().any(), name
+    s = oracle.attention(q, k, v, dout, None, 0.3, compute)
+    for name in FIELDS:
+        assert not getattr(s, name).isnan().any(), name
     empty = [3, 8, 9, 10, 11]
     assert (s.out[:, empty] == 0).all() and (s.dq[:, empty] == 0).all()
     assert (s.lse[:, :, empty] == float("-inf")).all() and torch.isfinite(s.lse[:, :, [0, 1, 2, 4, 15]]).all()
-    assert (dk[:, 11] == 0).all() and (dv[:, 11] == 0).all()
-    assert (dk[:, 10] != 0).any() and (s.out[:, 4] != 0).any()
+    assert (s.dk[:, 11] == 0).all() and (s.dv[:, 11] == 0).all()
+    assert (s.dk[:, 10] != 0).any() and (s.out[:, 4] != 0).any()
     if compute == torch.float64:  # the empty rows change nothing else: same as attention without them
         keep = [i for i in range(n) if i not in empty]
-        monkeypatch.setattr(reference, "allowed", lambda spec, qp, kp: mask[keep][:, :][qp][:, kp])
-        r = reference.attend(q[:, keep], k, v, dout[:, keep], torch.arange(len(keep)), None, 0.3, compute, block)
+        monkeypatch.setattr(reference, "allowed", lambda spec, qp, kp: mask[keep][qp][:, kp])
+        r = oracle.attention(q[:, keep], k, v, dout[:, keep], None, 0.3, compute)
         torch.testing.assert_close(s.out[:, keep], r.out, rtol=1e-14, atol=1e-14)
         torch.testing.assert_close(s.dk, r.dk, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(s.dv, r.dv, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_a_share_never_holds_more_than_one_block_of_other_positions(monkeypatch, layout):
+    """The memory claim, checked by what the passes make: past WHOLE_INPUTS_BYTES (here 0) every input a pass
+    generates from the seed is either the share's own positions or at most one tile side of others', and what
+    it returns has the share's size (plus B x Hq statistics per token), so a share's memory falls ~1/W."""
+    from harness import inputs
+
+    case = make_case(world_size=4, total_len=203, layout=layout, mask={"kind": "causal"}, heads_q=4, heads_kv=2,
+                     head_dim=8, dtype="bf16", seed=11)
+    monkeypatch.setattr(reference, "block", lambda c: 16)
+    monkeypatch.setattr(reference, "WHOLE_INPUTS_BYTES", 0)
+    made: list[tuple[str, int, bool]] = []
+    real = inputs.make
+    mine: set[int] = set()
+
+    def counting(c, name, pos):
+        made.append((name, pos.numel(), set(pos.tolist()) <= mine))
+        return real(c, name, pos)
+
+    monkeypatch.setattr(inputs, "make", counting)
+    rows = {}
+    for g in range(4):
+        made.clear()
+        mine = set(reference.positions(case, g).tolist())
+        rows[g] = reference.share_rows(case, g)
+        own = len(mine)
+        assert made and all(size <= 16 for _, size, is_mine in made if not is_mine), made
+        assert {name for name, size, is_mine in made if is_mine and size == own} == {"q", "dout"}
+        for part in rows[g]:
+            assert part.out.shape[1] == part.dq.shape[1] == own
+    stats = tuple(reference.gather_stats([rows[g][d] for g in range(4)], case.total_len) for d in (0, 1))
+    for g in range(4):
+        made.clear()
+        mine = set(reference.positions(case, g).tolist())
+        parts = reference.share_keys(case, g, stats)
+        own = len(mine)
+        assert made and all(size <= 16 for _, size, is_mine in made if not is_mine), made
+        for part in parts:
+            assert part.dk.shape[1] == part.dv.shape[1] == own
+    for st in stats:  # the only whole-sequence tensors: B x Hq per token
+        whole = [t for t in (st.mx, st.total, st.delta, st.amp) if t is not None]
+        assert all(t.shape == (1, 4, 203) for t in whole)
+
+
+def test_a_small_case_makes_each_input_once_per_pass(monkeypatch):
+    """Below WHOLE_INPUTS_BYTES a pass makes each whole input once and indexes it: the same values as block by
+    block (inputs are made per token), so the same parts bit for bit."""
+    from harness import inputs
+
+    case = make_case(world_size=3, total_len=100, layout="zigzag", mask={"kind": "window", "window": 9}, heads_q=2,
+                     heads_kv=2, head_dim=8, dtype="fp16", seed=4)
+    monkeypatch.setattr(reference, "block", lambda c: 16)
+    calls = []
+    real = inputs.make
+    monkeypatch.setattr(inputs, "make", lambda c, name, pos: calls.append(name) or real(c, name, pos))
+    whole = reference.share_rows(case, 1)
+    assert sorted(calls) == ["dout", "k", "q", "v"]
+    calls.clear()
+    monkeypatch.setattr(reference, "WHOLE_INPUTS_BYTES", 0)
+    blockwise = reference.share_rows(case, 1)
+    assert len(calls) > 4
+    for a, b in zip(whole, blockwise, strict=True):
+        _same_rows(a, b, "whole vs block by block")
 
 
 def test_an_oracle_past_its_deadline_is_the_harness_error_and_the_pool_recovers(pool):
@@ -135,7 +221,7 @@ def test_an_oracle_past_its_deadline_is_the_harness_error_and_the_pool_recovers(
     case = make_case(world_size=2, total_len=2048, layout="zigzag", mask={"kind": "causal"}, heads_q=8, heads_kv=8,
                      head_dim=64, seed=9)
     pool.ensure(2)
-    with pytest.raises(PoolError, match=r"the oracle of W2 .*passed its deadline of 0 s"):
+    with pytest.raises(PoolError, match=r"the oracle \(rows pass\) of W2 .*passed its deadline of 0 s"):
         pool.oracle(case, 0.001)
     assert pool.broken  # the late shares are still on their way: the next case starts fresh ranks
     small = make_case(world_size=2, total_len=16, mask={"kind": "causal"}, seed=9)

@@ -116,18 +116,21 @@ def test_the_kernel_log_is_read():
 
 
 def test_a_memory_estimate_up_front():
-    """The estimate grows linearly per rank (tiled kernel, oracle share with the global k/v) and says what a case
-    needs against what is free; under the local oracle the parent carries the oracle instead of the ranks."""
+    """The estimate grows linearly per rank with the rank's own tokens (tiled kernel, and an oracle share that
+    holds only its own positions) and says what a case needs against what is free; under the local oracle the
+    parent carries the oracle instead of the ranks."""
     c32 = make_case(world_size=4, total_len=32768, layout="zigzag", mask={"kind": "causal"}, dtype="bf16",
                     heads_q=4, heads_kv=4, head_dim=64)
     c64 = c32.replace(world_size=8, seq_lens=(8192,) * 8)
     e32 = oom.estimate(c32, available=20 << 30, tile_budget=1 << 22)
     e64 = oom.estimate(c64, available=8 << 30, tile_budget=1 << 22)
-    # measured on this host (issues #21, #12): ~0.85 GiB per rank for the ring, 1.20-1.33 GiB with its oracle share
-    assert 1.33 * (1 << 30) < e32.per_rank < 1.7 * (1 << 30) and e32.fits
-    assert e64.per_rank > e32.per_rank and e64.parent > e32.parent and not e64.fits
+    # measured on this host (issues #21, #12; scripts/long_case.py): the ranks peaked at 0.73-0.81 GiB, the ring's
+    # run and the oracle share one after the other
+    assert 0.81 * (1 << 30) < e32.per_rank < 1.2 * (1 << 30) and e32.fits
+    # twice the tokens on twice the ranks: the same per rank (the oracle share no longer holds the global k/v)
+    assert abs(e64.per_rank - e32.per_rank) < 0.1 * e32.per_rank and e64.parent > e32.parent and not e64.fits
     local = oom.estimate(c32, available=20 << 30, tile_budget=1 << 22, oracle="local")
-    assert local.per_rank < e32.per_rank and local.parent > e32.parent and "parent's oracle" in local.words()
+    assert local.per_rank <= e32.per_rank and local.parent > e32.parent and "parent's oracle" in local.words()
     words = e64.words()
     assert words.startswith("needs ~") and "8 ranks x" in words and "8.0 GiB available" in words, words
     tiny = oom.estimate(make_case(world_size=2, total_len=16), available=20 << 30)

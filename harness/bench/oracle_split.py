@@ -12,16 +12,28 @@ computed in one process, measured side by side in one run on this machine.
 (c) A paper estimate, not a measurement, for 8 GPUs at 64k and 128k tokens: the oracle's float64 and base
     products counted per (query, visible key, head, dim) (FLOPS_PER_QKHD), the measured CPU rate from (b),
     and a published fp64 peak (H100 SXM, 67 TFLOP/s FP64 Tensor Core) at an assumed GPU_EFFICIENCY.
+(d) One share's memory against W: in a fresh process per W, the peak resident bytes above the process's
+    baseline of share 0's rows pass and of its keys pass (given row statistics of the right shape, plus their
+    bytes: memory does not depend on their values), at W = 2, 4, 8 for one length where every zigzag chunk
+    fills a whole tile. A share holds its own positions (~n/W) plus one tile's workspace (the same at every W):
+    memory = C + A/W, so C = peak(8) - (peak(4) - peak(8)) and the part that scales falls from W=2 to W=8 by 4.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+from harness.bench.memory import Peak, _rss
 from harness.bench.overhead import medium_cases
 from harness.bench.pool_vs_spawn import rank_compute_s
 from harness.bench.timing import Figure, Target, fmt, interleaved, load_line
@@ -34,9 +46,10 @@ from ring_impl.masks import MaskSpec
 
 WORLD = 4
 TARGET_RATIO = 4.0  # medium case: wall <= 4 x the ranks' own forward + backward
-# float64 share: q.k, p.v, dout.v, p.|v| (term scales), ds.k, ds^T.q, p^T.dout = 7 products; base: q.k, p.v,
-# dout.v, ds.k, ds^T.q, p^T.dout = 6; 2 flops each, per (query, visible key, query head, head dim)
-FLOPS_PER_QKHD = 2 * (7 + 6)
+# products per (query, visible key, query head, head dim), 2 flops each (harness.ranks.reference): float64, shared
+# with the base: rows pass q.k x 3, dout.v x 2, p.v, ds.k; keys pass q.k, dout.v, ds^T.q, p^T.dout = 11; float32:
+# p.|v| (term scale), the base's p.v, ds.k, ds^T.q, p^T.dout = 5
+FLOPS_PER_QKHD = 2 * (11 + 5)
 GPU_FP64_PEAK = 67e12  # NVIDIA H100 SXM datasheet: FP64 Tensor Core, FLOP/s
 GPU_EFFICIENCY = 0.5  # assumed fraction of that peak the oracle's batched einsums reach (an assumption)
 ESTIMATE_GPUS = 8
@@ -99,6 +112,54 @@ def _growth(pool: RankPool, lengths: tuple[int, ...], worlds: tuple[int, ...],
     return out
 
 
+def _share_child(total: int, world: int) -> dict:
+    """In a fresh process: peak bytes above its baseline of share 0's rows pass and keys pass (`total` tokens,
+    `world` shares); the keys pass gets row statistics of the right shape (not the values: the other shares'
+    rows passes are not run) and counts their bytes."""
+    from harness.ranks import reference
+
+    torch.set_num_threads(1)
+    reference.share_rows(growth_case(64, world), 0)  # first calls: lazy imports, the allocator's arenas
+    case = growth_case(total, world)
+    shape = (case.batch, case.heads_q, total)
+    stats = tuple(reference.RowStats(torch.zeros(shape, dtype=dt), torch.ones(shape, dtype=dt),
+                                     torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt) if amp else None)
+                  for dt, amp in ((torch.float64, True), (torch.float32, False)))
+    stats_bytes = sum(t.numel() * t.element_size() for st in stats for t in vars(st).values() if t is not None)
+    reference._TRIM(0)
+    before = _rss()
+    with Peak() as p_rows:
+        part = reference.share_rows(case, 0)
+    del part
+    reference._TRIM(0)
+    before_keys = _rss()
+    with Peak() as p_keys:
+        reference.share_keys(case, 0, stats)
+    return {"total": total, "world": world, "rows": p_rows.peak - before,
+            "keys": p_keys.peak - before_keys + stats_bytes}
+
+
+def share_memory(total: int, world: int, timeout_s: float = 1800.0) -> dict:
+    """`_share_child` in a fresh process (its own baseline and high-water mark); as in the ring's memory figure,
+    glibc maps every block over 64 KiB on its own and returns freed memory at once, so the resident peak is what
+    the tensors alive at once need, not what the allocator happened to keep."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 16), MALLOC_TRIM_THRESHOLD_="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    p = subprocess.Popen([sys.executable, "-m", "harness.bench.oracle_split", "--share-memory", str(total),
+                          str(world), "--parent", str(os.getpid())], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    if p.returncode:
+        raise RuntimeError(f"share memory at {total} tokens, W={world}: {err.decode(errors='replace')[-600:]}")
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
 def _estimate_lines(rate: float) -> list[str]:
     lines = [f"paper estimate (not measured): {ESTIMATE_GPUS} GPUs, each its share, float64 at "
              f"{fmt(GPU_FP64_PEAK / 1e12)} TFLOP/s peak (H100 SXM FP64 Tensor Core) x {GPU_EFFICIENCY:g} assumed "
@@ -121,12 +182,14 @@ def run(quick: bool = False) -> Figure:
     n_cases, total = (2, 512) if quick else (4, 2048)
     lengths = (256, 512) if quick else (2048, 4096, 8192)
     worlds = (1, 2, 4)
+    mem_n = 2048 if quick else 16384  # 16k: zigzag chunks of >= 1024 tokens (the tile side at h4) up to W = 8
     cores = os.cpu_count() or 1
     with RankPool(WORLD) as pool:
         pool.start()
         run_case(medium_cases(1, 256, seed0=99)[0], pool)  # warm-up
         medium = _medium(pool, medium_cases(n_cases, total))
         growth = _growth(pool, lengths, worlds, reps=1 if quick else 3)
+    mem = {w: share_memory(mem_n, w) for w in (2, 4, 8)}
     med = {mode: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for mode, rows in medium.items()}
     ratio = {mode: statistics.median(r["wall"] / r["ranks"] for r in rows) for mode, rows in medium.items()}
     fig = Figure("oracle_split", f"the oracle on the ranks vs in one process ({cores} cores)")
@@ -138,21 +201,47 @@ def run(quick: bool = False) -> Figure:
                          f"{fmt(ratio[mode])}")
     fig.lines.append(f"(b) oracle wall (s) vs tokens, zigzag causal h4 d64 fp32, medians of interleaved rounds; local: "
                      f"one process, {oracle_threads(WORLD)} thread; ranks: W ranks, one thread each, on {cores} cores")
-    fig.lines.append("    tokens   local " + "".join(f"   W={w}" for w in worlds) + "   local/W=" +
+    fig.lines.append("    tokens   local " + "".join(f"    W={w}" for w in worlds) + "   local/W=" +
                      "/W=".join(str(w) for w in worlds))
     for n, row in growth.items():
-        fig.lines.append(f"    {n:6d} {fmt(row['local']):>7s} " + "".join(f"{fmt(row[f'W{w}']):>6s}" for w in worlds)
+        fig.lines.append(f"    {n:6d} {fmt(row['local']):>7s} " + "".join(f" {fmt(row[f'W{w}']):>6s}" for w in worlds)
                          + "   " + " ".join(fmt(row["local"] / row[f"W{w}"]) for w in worlds))
     big = max(growth)
     rate = FLOPS_PER_QKHD * visible_products(growth_case(big, 1)) / growth[big]["W1"]
     fig.lines += _estimate_lines(rate)
+    gib = 1 << 30
+    peak = {w: max(m["rows"], m["keys"]) for w, m in mem.items()}
+    work = peak[8] - (peak[4] - peak[8])  # C of C + A / W
+    fig.lines.append(f"(d) one share's peak memory above a fresh process at {mem_n} tokens (zigzag causal h4 d64 fp32; "
+                     f"GiB): the tile workspace C = {fmt(work / gib)}")
+    for w, m in mem.items():
+        fig.lines.append(f"    W={w}: rows pass {fmt(m['rows'] / gib)}, keys pass {fmt(m['keys'] / gib)}; "
+                         f"beyond C {fmt((peak[w] - work) / gib)}")
+    scaled = (peak[2] - work) / max(peak[8] - work, 1)
     fig.lines.append(load_line())
     w_top = max(worlds)
     speedup = statistics.median(row["W1"] / row[f"W{w_top}"] for row in growth.values())
     fig.targets = [Target("medium case wall / ranks' own compute (oracle on the ranks)", ratio["ranks"], "<=",
                           TARGET_RATIO),
                    Target(f"oracle W=1 / W={w_top}, median over lengths (ideal min(W, cores) = {min(w_top, cores)})",
-                          speedup, ">=", 0.8 * min(w_top, cores))]
+                          speedup, ">=", 0.8 * min(w_top, cores)),
+                   Target(f"one share's memory beyond the tile workspace at {mem_n} tokens, W=2 / W=8 (ideal 4)",
+                          scaled, ">=", 3.0)]
     fig.data = {"medium": medium, "growth": {str(k): v for k, v in growth.items()}, "rate_flops": rate,
-                "cores": cores}
+                "cores": cores, "share_memory": {str(w): m for w, m in mem.items()}}
     return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="harness.bench.oracle_split")
+    p.add_argument("--share-memory", type=int, nargs=2, metavar=("TOKENS", "W"), required=True)
+    p.add_argument("--parent", type=int, required=True)
+    a = p.parse_args(argv)
+    from harness.ranks.worker import _die_with_parent
+
+    _die_with_parent(a.parent)
+    print(json.dumps(_share_child(*a.share_memory)))
+
+
+if __name__ == "__main__":
+    main()

@@ -96,9 +96,12 @@ def attention_pair(q, k, v, dout, mask, scale: float, dtype: torch.dtype) -> tup
         t = tensors[name]
         return t[:, pos.to(t.device)]
 
-    rows = shares_mod.rows_part(fetch, torch.arange(nq), nk, hkv, mask, scale, dtype, size)
+    qpos, kpos = torch.arange(nq), torch.arange(nk)
+    groups = shares_mod.groups([kpos], size)
+    rows = shares_mod.rows_part(fetch, qpos, [g.pos for g in groups], hkv, mask, scale, dtype, size)
     stats = tuple(shares_mod.gather_stats([r], nq) for r in rows)
-    keys = shares_mod.keys_part(fetch, torch.arange(nk), nq, hkv, stats, mask, scale, dtype, size)
+    qblocks = [qpos[a:z] for a, z in shares_mod._runs(qpos, size)]
+    keys = shares_mod.keys_part(fetch, kpos, 0, qblocks, groups, hkv, stats, mask, scale, dtype)
     return tuple(assemble(nq, scale, [rows[i]], [keys[i]], nk) for i in (0, 1))
 
 

@@ -2,10 +2,10 @@
 
 The oracle is partitioned by the case, never by who computes it. Share `g` of a W-rank case is the global
 positions rank g holds under the case's layout, P_g, and it is computed in two passes, float64 and the base side
-by side (they share the float64 products q.k and dout.v), in tiles of at most `block(case)` queries x
-`block(case)` keys (at most SCORE_BUDGET score entries; a share's contiguous runs of positions tiled on their
-own, each tile trimmed to the rows and keys its mask lets meet), so that no pass ever holds a global tensor of
-head_dim width:
+by side, in tiles of at most `block(case)` queries x `block(case)` keys (at most SCORE_BUDGET score entries): a
+block of one share's queries (`_runs`: its contiguous runs of positions tiled on their own) against a key group
+(`Group`: consecutive blocks of the shares' positions), trimmed to the rows and keys its mask lets meet, so
+that no pass ever holds a global tensor of head_dim width:
 
 1. rows (`rows_part`): the queries P_g against every key: out, lse and dq of those rows, and the per-row
    statistics the keys pass needs: the softmax's row max and sum, D (below) and (float64) A, the term scale
@@ -30,12 +30,12 @@ dQ = s dS K, dK = s dS^T Q, dV = P^T dO), sharing P, dP and dS with the term sca
 attention as autograd computes it in the case's dtype (the tolerance's `base` term measures its roundings,
 docs/tolerance.md), op by op: scores q.k and s q.k, the softmax P = exp(s - max) / sum (float32), dP, the
 softmax's backward dS = P (dP - D) with D = sum_j P_ij dP_ij (float32, from the rounded P and dP: autograd's
-softmax backward, not flash's rowsum(dO * O)) and s dS, each rounded to the dtype as it is formed; q.k and dP
-are summed in float64 (exact products of dtype values; both passes recompute them, so their rounding must not
-follow the tile's shape), every other matmul sums products of dtype values in float32 (across tiles too) and
-rounds its result once: out, dq, dk, dv (dk/dv summed over a GQA group in float32). Split into tiles it rounds
-where one autograd graph over the whole sequence does. A query that sees no key gets out = 0, lse = -inf, dq = 0
-and contributes nothing to dk/dv (never NaN).
+softmax backward, not flash's rowsum(dO * O)) and s dS, each rounded to the dtype as it is formed; every matmul
+sums products of dtype values in float32 (across tiles too) and rounds its result once: q.k, dP, out, dq, dk, dv
+(dk/dv summed over a GQA group in float32). Both passes recompute q.k and dP, each tile with the same operands,
+shapes and layout (the keys pass computes the rows pass's tile whole and keeps its own columns), so they round
+alike. Split into tiles it rounds where one autograd graph over the whole sequence does. A query that sees no
+key gets out = 0, lse = -inf, dq = 0 and contributes nothing to dk/dv (never NaN).
 """
 
 from __future__ import annotations
@@ -233,14 +233,66 @@ def _tiles(mask: MaskSpec, qpos: torch.Tensor, qblocks, kpos: torch.Tensor, kblo
     return out
 
 
+@dataclass(frozen=True)
+class Group:
+    """A canonical key group: consecutive blocks of the shares' positions (each share's `_runs` blocks, shares in
+    order), at most one tile side together (one block when the blocks are that long). The rows pass tiles its
+    queries against each group whole; the keys pass of share h computes the same tile, whole, and keeps its own
+    columns, `own[h]`, so both passes form each of the base's products with the same operands."""
+
+    pos: torch.Tensor  # the group's global positions
+    own: dict  # share -> (first column, end column, first index into the share's positions)
+
+
+def groups(shares: Sequence[torch.Tensor], size: int) -> list[Group]:
+    """The canonical key groups of shares with these positions (every share's, in order) and tile side."""
+    out, cur = [], []
+
+    def flush() -> None:
+        own, width = {}, 0
+        for h, a, z in cur:
+            c0, _, o0 = own.get(h, (width, 0, a))
+            own[h] = (c0, width + z - a, o0)
+            width += z - a
+        out.append(Group(torch.cat([shares[h][a:z] for h, a, z in cur]), own))
+        cur.clear()
+
+    for h, pos in enumerate(shares):
+        for a, z in _runs(pos, size):
+            if cur and sum(y - x for _, x, y in cur) + z - a > size:
+                flush()
+            cur.append((h, a, z))
+    if cur:
+        flush()
+    return out
+
+
 def _masked(s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     return s if m is None else s.masked_fill_(~m, float("-inf"))
 
 
+def _lo_matmul(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The base's q.k or dout.v: a matmul of dtype values (`a`, `b` contiguous, in the dtype for bf16, else
+    float32), summed in float32 as a dtype kernel does and rounded to the dtype once; float32 out. Both passes
+    compute each tile (a query block against a key group, `Group`) with the same operands, shapes and layout, so
+    its rounding is the same in both: a kernel's summation order can follow the shape (0.6% of an fp32 test's
+    scores differed by an ulp between tile shapes, and at |s| ~ 350 an fp32 base's dv then erred 60x autograd's:
+    every P of the keys pass off by 350 ulps against the rows pass's normaliser)."""
+    c = torch.matmul(a, b)
+    if dtype == torch.bfloat16:
+        return c.float()
+    return c if dtype == torch.float32 else c.to(dtype).float()  # fp16: CPU fp16 matmuls are ~15x slower
+
+
+def _operands(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64, the base's matmul operand) of a tile's inputs, contiguous (a canonical layout for `_lo_matmul`)."""
+    t = t.contiguous()
+    return t, t.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+
+
 def _base_scores(raw: torch.Tensor, rnd, scale: float, m) -> torch.Tensor:
-    """The base's scaled scores from the float64 q.k of dtype values (exact products): q.k rounded to the dtype
-    (a dtype matmul's one rounding), times the scale rounded again."""
-    return _masked(rnd(rnd(raw.float()).mul_(scale)), m)
+    """The base's scaled scores from its q.k (already rounded to the dtype): times the scale, rounded again."""
+    return _masked(rnd(raw.mul_(scale)), m)
 
 
 Norm = tuple  # (shift, denominator) of every row of a tile: (B, Hkv, g, q) each (`_norm`)
@@ -284,80 +336,78 @@ def _backward(raw: torch.Tensor, dpr: torch.Tensor, m, scale: float, norm: Norm,
     return p, ds, ds * scale
 
 
-def _base_backward(raw: torch.Tensor, dpr: torch.Tensor, rnd, m, scale: float, norm: Norm, delta: torch.Tensor):
-    """(p, s dS) of the base's tile, from the same float64 q.k and dout.v (read, not consumed): the scores, P, dP,
-    dS = P (dP - D) and s dS each rounded to the dtype as formed."""
+def _base_backward(raw: torch.Tensor, dp: torch.Tensor, rnd, m, scale: float, norm: Norm, delta: torch.Tensor):
+    """(p, s dS) of the base's tile from its q.k and dP = dout.v (`_lo_matmul`, both consumed): P, dS = P (dP - D)
+    and s dS each rounded to the dtype as formed."""
     p = rnd(_probs(_base_scores(raw, rnd, scale, m), norm))
-    ds = rnd(rnd(dpr.float()).sub_(delta.unsqueeze(-1)).mul_(p))
+    ds = rnd(dp.sub_(delta.unsqueeze(-1)).mul_(p))
     return p, rnd(ds.mul_(scale))
 
 
-def rows_part(fetch: Fetch, rows: torch.Tensor, n: int, heads_kv: int, mask: MaskSpec, scale: float,
-              dtype: torch.dtype, size: int) -> tuple[RowsPart, RowsPart]:
-    """The rows pass for query rows `rows` (global positions) against keys 0..n-1, float64 and the base in
-    `dtype` side by side (they share the float64 products q.k and dout.v), in tiles of `size`: three sweeps over
-    the key blocks some row sees, each block fetched once per sweep: (1) the softmax's max and sum, and the
-    float64 out by an online softmax; (2) the base's out and D (its P must be normalised before it is rounded);
-    (3) dq."""
+def rows_part(fetch: Fetch, rows: torch.Tensor, key_blocks: Sequence[torch.Tensor], heads_kv: int, mask: MaskSpec,
+              scale: float, dtype: torch.dtype, size: int) -> tuple[RowsPart, RowsPart]:
+    """The rows pass for query rows `rows` (global positions, a share's, in blocks of `_runs`) against every key
+    (`key_blocks`: the positions of the key groups, `Group`), float64 and the base in `dtype` side by side, in
+    tiles trimmed to what the mask lets meet (`_tiles`):
+    three sweeps over the key blocks some row sees, each block fetched once per sweep: (1) the softmax's max and
+    sum, and the float64 out by an online softmax; (2) the base's out and D (its P must be normalised before it
+    is rounded); (3) dq."""
     t0 = time.perf_counter()
     rnd = _rounder(dtype)
     q, dout = (_heads(_load(fetch(name, rows), dtype), heads_kv) for name in ("q", "dout"))
     b, hkv, g, r, d = q.shape
     device = q.device
     qblocks = _runs(rows, size)
-    trim = _trimmer(b * hkv * g * r * n)
+    trim = _trimmer(b * hkv * g * r * sum(kp.numel() for kp in key_blocks))
 
-    def sweep():
-        """(k, v, a, z, mask) of every tile in which some query sees some key: queries a:z, k, v (B, Hkv, c, D)
-        float64 the tile's keys."""
-        for j0, j1 in _blocks(n, size):
-            kpos = torch.arange(j0, j1, dtype=torch.long)
-            tiles = _tiles(mask, rows, qblocks, kpos, [(0, j1 - j0)], device)
+    def sweep(q: torch.Tensor, dout: torch.Tensor):
+        """Every tile in which some query sees some key: queries a:z, mask, and (float64, base operand) pairs of
+        q, dout, k, v of the tile (k, v (B, Hkv, c, D))."""
+        for kpos in key_blocks:
+            tiles = _tiles(mask, rows, qblocks, kpos, [(0, kpos.numel())], device)
             if tiles:  # the tile masks are made again each sweep: r x n of them would not fit
                 k, v = (_kv_heads(_load(fetch(name, kpos), dtype)) for name in ("k", "v"))
                 for a, z, ka, kz, m in tiles:
-                    yield k[:, :, ka:kz], v[:, :, ka:kz], a, z, m
+                    yield a, z, m, *(_operands(t, dtype) for t in (q[..., a:z, :], dout[..., a:z, :],
+                                                                  k[:, :, ka:kz], v[:, :, ka:kz]))
             trim(0)  # tiles change size at the edges: give glibc's holes back (peak RSS of long shares)
 
     f64, f32 = dict(dtype=torch.float64, device=device), dict(dtype=torch.float32, device=device)
     mx, total = torch.full((b, hkv, g, r), float("-inf"), **f64), torch.zeros((b, hkv, g, r), **f64)
     mxb, totalb = torch.full((b, hkv, g, r), float("-inf"), **f32), torch.zeros((b, hkv, g, r), **f32)
     out, outb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
-    pv = torch.zeros_like(q, dtype=torch.float32)  # the term scale sum_j p_ij |v_jd|: float32 is plenty
-    for k, v, a, z, m in sweep():  # (1)
-        raw = torch.matmul(q[..., a:z, :], _t(k))
-        _online(mxb, totalb, _base_scores(raw, rnd, scale, m), a, z)
-        p, alpha = _online(mx, total, _masked(raw.mul_(scale), m), a, z)
-        out[..., a:z, :] = out[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, v.unsqueeze(2))
-        pv[..., a:z, :] = (pv[..., a:z, :] * alpha.unsqueeze(-1).float()
-                           + torch.matmul(p.float(), v.abs().float().unsqueeze(2)))
-        del raw, p
+    pv = torch.zeros_like(q)  # the term scale sum_j p_ij |v_jd|
+    for a, z, m, (qt, qlo), _, (kt, klo), (vt, _) in sweep(q, dout):  # (1)
+        _online(mxb, totalb, _base_scores(_lo_matmul(dtype, qlo, _t(klo)), rnd, scale, m), a, z)
+        p, alpha = _online(mx, total, _masked(torch.matmul(qt, _t(kt)).mul_(scale), m), a, z)
+        out[..., a:z, :] = out[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, vt.unsqueeze(2))
+        pv[..., a:z, :] = pv[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, vt.abs().unsqueeze(2))
+        del p
     norm, normb = _norm(mx, total), _norm(mxb, totalb)
     out.div_(norm[1].unsqueeze(-1))
-    pv = pv.double().div_(norm[1].unsqueeze(-1))
+    pv.div_(norm[1].unsqueeze(-1))
     delta = (dout * out).sum(dim=-1)  # (B, Hkv, g, r)
     amp = (dout.abs() * pv).sum(dim=-1)
     maxima = {"out": _amax(pv), "dq_d": _amax(amp), "max_q": _amax(q), "max_dout": _amax(dout)}
     del pv
     deltab = torch.zeros((b, hkv, g, r), **f32)
-    for k, v, a, z, m in sweep():  # (2)
-        raw = torch.matmul(q[..., a:z, :], _t(k))
-        p = rnd(_probs(_base_scores(raw, rnd, scale, m), _rows(normb, a, z)))
-        outb[..., a:z, :] += torch.matmul(p, v.float().unsqueeze(2))
-        deltab[..., a:z] += p.mul_(rnd(torch.matmul(dout[..., a:z, :], _t(v)).float())).sum(dim=-1)
-        del raw, p
+    for a, z, m, (_, qlo), (_, dlo), (_, klo), (vt, vlo) in sweep(q, dout):  # (2)
+        p = rnd(_probs(_base_scores(_lo_matmul(dtype, qlo, _t(klo)), rnd, scale, m), _rows(normb, a, z)))
+        outb[..., a:z, :] += torch.matmul(p, vt.float().unsqueeze(2))
+        deltab[..., a:z] += p.mul_(_lo_matmul(dtype, dlo, _t(vlo))).sum(dim=-1)
+        del p
     outb = rnd(outb)
     dq, dqb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
     ds_rows = torch.zeros((b, hkv, g, r), **f64)
-    for k, v, a, z, m in sweep():  # (3)
-        raw = torch.matmul(q[..., a:z, :], _t(k))
-        dpr = torch.matmul(dout[..., a:z, :], _t(v))
-        _, drawb = _base_backward(raw, dpr, rnd, m, scale, _rows(normb, a, z), deltab[..., a:z])
-        dqb[..., a:z, :] += torch.matmul(drawb, k.float().unsqueeze(2))
-        _, ds, draw = _backward(raw, dpr, m, scale, _rows(norm, a, z), delta[..., a:z])
-        dq[..., a:z, :] += torch.matmul(draw, k.unsqueeze(2))
+    for a, z, m, (qt, qlo), (dt, dlo), (kt, klo), (vt, vlo) in sweep(q, dout):  # (3)
+        _, drawb = _base_backward(_lo_matmul(dtype, qlo, _t(klo)), _lo_matmul(dtype, dlo, _t(vlo)), rnd, m, scale,
+                                  _rows(normb, a, z), deltab[..., a:z])
+        dqb[..., a:z, :] += torch.matmul(drawb, kt.float().unsqueeze(2))
+        _, ds, draw = _backward(torch.matmul(qt, _t(kt)), torch.matmul(dt, _t(vt)), m, scale, _rows(norm, a, z),
+                                delta[..., a:z])
+        dq[..., a:z, :] += torch.matmul(draw, kt.unsqueeze(2))
         ds_rows[..., a:z] += ds.abs_().sum(dim=-1)
-        del raw, dpr, ds, draw, drawb
+        del ds, draw, drawb
     hq = hkv * g
 
     def part(out, dq, mx, total, delta, amp, out_dtype):
@@ -374,47 +424,75 @@ def rows_part(fetch: Fetch, rows: torch.Tensor, n: int, heads_kv: int, mask: Mas
     return ref, base
 
 
-def keys_part(fetch: Fetch, keys: torch.Tensor, n: int, heads_kv: int, stats: Sequence[RowStats], mask: MaskSpec,
-              scale: float, dtype: torch.dtype, size: int) -> tuple[KeysPart, KeysPart]:
-    """The keys pass for keys `keys` (global positions) against queries 0..n-1 whose (float64, base) row
-    statistics are `stats` (every row), float64 and the base in `dtype` side by side, in tiles of `size`: one
-    sweep over the query blocks that see some key, each fetched once."""
+def keys_part(fetch: Fetch, keys: torch.Tensor, share: int, query_blocks: Sequence[torch.Tensor],
+              key_groups: Sequence[Group], heads_kv: int, stats: Sequence[RowStats], mask: MaskSpec, scale: float,
+              dtype: torch.dtype) -> tuple[KeysPart, KeysPart]:
+    """The keys pass of share `share` (its keys `keys`, global positions) against every query (`query_blocks`:
+    every share's query blocks, `blocks`) whose (float64, base) row statistics are `stats` (every row, by global
+    position), float64 and the base in `dtype` side by side: each tile of a query block against a key group
+    holding some of its keys, computed as the rows pass computes it (`Group`), one sweep over the query blocks
+    that see some of its keys, each fetched once."""
     t0 = time.perf_counter()
     rnd = _rounder(dtype)
     k, v = (_kv_heads(_load(fetch(name, keys), dtype)) for name in ("k", "v"))
     b, hkv, c, d = k.shape
+    n = sum(qp.numel() for qp in query_blocks)
     trim = _trimmer(b * stats[0].mx.shape[1] * n * c)  # batch x query heads x queries x keys
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dkb, dvb = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     cols = {name: torch.zeros(b, hkv, c, dtype=torch.float64, device=k.device) for name in ("ds", "pa", "p")}
-    kblocks = _runs(keys, size)
     st, stb = (s.to(k.device) for s in stats)
     norm_all, normb_all = _norm(st.mx, st.total), _norm(stb.mx, stb.total)
-    for i0, i1 in _blocks(n, size):
-        qpos = torch.arange(i0, i1, dtype=torch.long)
-        tiles = _tiles(mask, qpos, [(0, i1 - i0)], keys, kblocks, k.device)
-        if not tiles:
+    mine = [g for g in key_groups if share in g.own]
+    others: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a group with others' keys: its k, v (one tile side)
+
+    def group_kv(i: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        c0, c1, o0 = g.own[share]
+        if c0 == 0 and c1 == g.pos.numel():  # the whole group is this share's
+            return k[:, :, o0:o0 + c1], v[:, :, o0:o0 + c1]
+        if i not in others:
+            others[i] = tuple(_kv_heads(_load(fetch(name, g.pos), dtype)) for name in ("k", "v"))
+        return others[i]
+
+    for qpos in query_blocks:
+        work = []
+        for i, g in enumerate(mine):
+            c0, c1, o0 = g.own[share]
+            for qa, qz, ka, kz, m in _tiles(mask, qpos, [(0, qpos.numel())], g.pos, [(0, g.pos.numel())], k.device):
+                lo, hi = max(ka, c0), min(kz, c1)
+                if lo < hi:  # the tile holds some of this share's keys: columns lo:hi, keys o:o + hi - lo
+                    work.append((i, g, qa, qz, ka, kz, m, lo - ka, hi - ka, o0 + lo - c0))
+        if not work:
             continue
         q, dout = (_heads(_load(fetch(name, qpos), dtype), hkv) for name in ("q", "dout"))
-        qb, doutb = q.float(), dout.float()
-        for qa, qz, a, z, m in tiles:
-            at = (slice(None),) * 3 + (slice(i0 + qa, i0 + qz),)  # the tile's rows of a (B, Hkv, g, N) statistic
-            norm, normb = (tuple(t.view(b, hkv, -1, n)[at] for t in nm) for nm in (norm_all, normb_all))
-            delta, deltab, amp = (t.view(b, hkv, -1, n)[at] for t in (st.delta, stb.delta, st.amp))
-            rows_q, rows_dout, rows_qb, rows_doutb = (t[..., qa:qz, :].reshape(b, hkv, -1, d)
-                                                      for t in (q, dout, qb, doutb))  # (B, Hkv, g q, D)
-            raw = torch.matmul(q[..., qa:qz, :], _t(k[:, :, a:z]))
-            dpr = torch.matmul(dout[..., qa:qz, :], _t(v[:, :, a:z]))
-            pb, drawb = _base_backward(raw, dpr, rnd, m, scale, normb, deltab)
-            dkb[:, :, a:z] += torch.matmul(_keys_side(drawb), rows_qb)
-            dvb[:, :, a:z] += torch.matmul(_keys_side(pb), rows_doutb)
-            p, ds, draw = _backward(raw, dpr, m, scale, norm, delta)
-            dk[:, :, a:z] += torch.matmul(_keys_side(draw), rows_q)
-            dv[:, :, a:z] += torch.matmul(_keys_side(p), rows_dout)
-            cols["ds"][..., a:z] += ds.abs_().sum(dim=(2, 3))
-            cols["p"][..., a:z] += p.sum(dim=(2, 3))
-            cols["pa"][..., a:z] += p.mul_(amp.unsqueeze(-1)).sum(dim=(2, 3))
-            del raw, dpr, pb, drawb, p, ds, draw
+        for i, g, qa, qz, ka, kz, m, u0, u1, o in work:
+            at = qpos[qa:qz].to(k.device)
+
+            def rows_of(t: torch.Tensor) -> torch.Tensor:  # the tile's rows of a (B, Hq, N) statistic
+                return t.index_select(-1, at).view(b, hkv, -1, qz - qa)  # noqa: B023 - used in this iteration
+
+            kg, vg = group_kv(i, g)
+            (qt, qlo), (dt, dlo), (_, klo), (_, vlo) = (_operands(t, dtype) for t in (
+                q[..., qa:qz, :], dout[..., qa:qz, :], kg[:, :, ka:kz], vg[:, :, ka:kz]))
+            mo = None if m is None else m[:, u0:u1]
+            if mo is not None and bool(mo.all()):
+                mo = None
+            w = u1 - u0
+            kt, vt = k[:, :, o:o + w], v[:, :, o:o + w]
+            rows_q, rows_dout = (t.reshape(b, hkv, -1, d) for t in (qt, dt))  # (B, Hkv, g q, D)
+            raw = _lo_matmul(dtype, qlo, _t(klo))[..., u0:u1]  # the rows pass's tile, this share's columns
+            dp = _lo_matmul(dtype, dlo, _t(vlo))[..., u0:u1]
+            pb, drawb = _base_backward(raw, dp, rnd, mo, scale, tuple(map(rows_of, normb_all)), rows_of(stb.delta))
+            dkb[:, :, o:o + w] += torch.matmul(_keys_side(drawb), rows_q.float())
+            dvb[:, :, o:o + w] += torch.matmul(_keys_side(pb), rows_dout.float())
+            p, ds, draw = _backward(torch.matmul(qt, _t(kt)), torch.matmul(dt, _t(vt)), mo, scale,
+                                    tuple(map(rows_of, norm_all)), rows_of(st.delta))
+            dk[:, :, o:o + w] += torch.matmul(_keys_side(draw), rows_q)
+            dv[:, :, o:o + w] += torch.matmul(_keys_side(p), rows_dout)
+            cols["ds"][..., o:o + w] += ds.abs_().sum(dim=(2, 3))
+            cols["p"][..., o:o + w] += p.sum(dim=(2, 3))
+            cols["pa"][..., o:o + w] += p.mul_(rows_of(st.amp).unsqueeze(-1)).sum(dim=(2, 3))
+            del pb, drawb, p, ds, draw
         trim(0)
 
     def part(dk, dv, out_dtype, cols, max_k):  # (B, c, Hkv, D)
@@ -481,17 +559,22 @@ def positions(case: Case, index: int) -> torch.Tensor:
     return all_positions(case.layout, case.seq_lens)[index]
 
 
-WHOLE_INPUTS_BYTES = 16 << 20  # a case whose four global inputs fit here makes each once per pass
+WHOLE_INPUTS_BYTES = 16 << 20  # a case whose four global inputs fit here makes each once
+_WHOLE: dict = {"key": None, "tensors": {}}  # the last small case's whole inputs: both passes, every local share
 
 
 def case_fetch(case: Case, device="cpu") -> Fetch:
     """Inputs of the case made from its seed for any positions, on `device`. The sweeps ask for every key (or
-    query) block again and again; a small case makes each whole tensor once and indexes it (the same values:
-    inputs are made per token), a long one makes each block when asked and keeps nothing."""
+    query) block again and again; a small case makes each whole tensor once (kept for the case's next pass or
+    share in this process) and indexes it (the same values: inputs are made per token), a long one makes each
+    block when asked and keeps nothing."""
     size = 4 * case.batch * case.total_len * case.heads_q * case.head_dim * 4
     if size > WHOLE_INPUTS_BYTES:
         return lambda name, pos: inputs.make(case, name, pos).to(device)
-    whole: dict[str, torch.Tensor] = {}
+    key = (case.replace(impl="-", faults=(), tolerance={}, deadline_s=1.0).key(), str(device))
+    if _WHOLE["key"] != key:
+        _WHOLE.update(key=key, tensors={})
+    whole = _WHOLE["tensors"]
 
     def fetch(name: str, pos: torch.Tensor) -> torch.Tensor:
         if name not in whole:
@@ -501,18 +584,34 @@ def case_fetch(case: Case, device="cpu") -> Fetch:
     return fetch
 
 
+def blocks(case: Case) -> list[torch.Tensor]:
+    """Every share's blocks of positions (`_runs` of its positions, shares in order): the rows passes' query
+    blocks, and so the keys passes'."""
+    size = block(case)
+    return [pos[a:z] for pos in all_positions(case.layout, case.seq_lens) for a, z in _runs(pos, size)]
+
+
+def key_groups(case: Case) -> list[Group]:
+    """The case's canonical key groups (`Group`)."""
+    return groups(all_positions(case.layout, case.seq_lens), block(case))
+
+
+def _work(case: Case) -> int:
+    """Score entries of the largest share's pass: batch x query heads x its positions x every position."""
+    return case.batch * case.heads_q * case.total_len * max(case.seq_lens, default=0)
+
+
 def share_rows(case: Case, index: int, device="cpu") -> tuple[RowsPart, RowsPart]:
     """(float64, base) rows passes of share `index`, computed on `device`, returned on the CPU."""
-    _trimmer(case.batch * case.heads_q * case.total_len * max(case.seq_lens, default=0))(0)  # what the rank's
-    # run left in glibc's heap goes back first: a long share's peak is its own
-    parts = rows_part(case_fetch(case, device), positions(case, index), case.total_len, case.heads_kv, case.mask,
-                      case.scale, TORCH_DTYPES[case.dtype], block(case))
+    _trimmer(_work(case))(0)  # what the rank's run left in glibc's heap goes back first: a long share's peak is its own
+    parts = rows_part(case_fetch(case, device), positions(case, index), [g.pos for g in key_groups(case)],
+                      case.heads_kv, case.mask, case.scale, TORCH_DTYPES[case.dtype], block(case))
     return tuple(p.cpu() for p in parts)
 
 
 def share_keys(case: Case, index: int, stats: Sequence[RowStats], device="cpu") -> tuple[KeysPart, KeysPart]:
     """(float64, base) keys passes of share `index` given every row's (float64, base) statistics."""
-    _trimmer(case.batch * case.heads_q * case.total_len * max(case.seq_lens, default=0))(0)
-    parts = keys_part(case_fetch(case, device), positions(case, index), case.total_len, case.heads_kv, stats,
-                      case.mask, case.scale, TORCH_DTYPES[case.dtype], block(case))
+    _trimmer(_work(case))(0)
+    parts = keys_part(case_fetch(case, device), positions(case, index), index, blocks(case), key_groups(case),
+                      case.heads_kv, stats, case.mask, case.scale, TORCH_DTYPES[case.dtype])
     return tuple(p.cpu() for p in parts)

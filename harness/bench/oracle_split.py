@@ -14,9 +14,10 @@ computed in one process, measured side by side in one run on this machine.
     and a published fp64 peak (H100 SXM, 67 TFLOP/s FP64 Tensor Core) at an assumed GPU_EFFICIENCY.
 (d) One share's memory against W: in a fresh process per W, the peak resident bytes above the process's
     baseline of share 0's rows pass and of its keys pass (given row statistics of the right shape, plus their
-    bytes: memory does not depend on their values), at W = 2, 4, 8 for one length where every zigzag chunk
-    fills a whole tile. A share holds its own positions (~n/W) plus one tile's workspace (the same at every W):
-    memory = C + A/W, so C = peak(8) - (peak(4) - peak(8)) and the part that scales falls from W=2 to W=8 by 4.
+    bytes: memory does not depend on their values), at W = 2, 4, 8 for one length where every W cuts its zigzag
+    chunks into tiles of the same side. A share holds its own positions (~n/W) plus one tile's workspace (the
+    same at every W): memory = C + A/W, so C = peak(8) - (peak(4) - peak(8)) and the part that scales falls from
+    W=2 to W=8 by ~4 (the rows and keys passes hold different tensors: the larger of the two is taken).
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ from ring_impl.masks import MaskSpec
 
 WORLD = 4
 TARGET_RATIO = 4.0  # medium case: wall <= 4 x the ranks' own forward + backward
-# products per (query, visible key, query head, head dim), 2 flops each (harness.ranks.reference): float64, shared
-# with the base: rows pass q.k x 3, dout.v x 2, p.v, ds.k; keys pass q.k, dout.v, ds^T.q, p^T.dout = 11; float32:
-# p.|v| (term scale), the base's p.v, ds.k, ds^T.q, p^T.dout = 5
-FLOPS_PER_QKHD = 2 * (11 + 5)
+# products per (query, visible key, query head, head dim), 2 flops each (harness.ranks.reference): float64, rows
+# pass q.k x 2, p.v, p.|v| (term scale), dout.v, ds.k, keys pass q.k, dout.v, ds^T.q, p^T.dout = 10; the base
+# (float32 or the dtype), rows pass q.k x 3, dout.v x 2, p.v, ds.k, keys pass the same four = 11
+FLOPS_PER_QKHD = 2 * (10 + 11)
 GPU_FP64_PEAK = 67e12  # NVIDIA H100 SXM datasheet: FP64 Tensor Core, FLOP/s
 GPU_EFFICIENCY = 0.5  # assumed fraction of that peak the oracle's batched einsums reach (an assumption)
 ESTIMATE_GPUS = 8
@@ -182,7 +183,9 @@ def run(quick: bool = False) -> Figure:
     n_cases, total = (2, 512) if quick else (4, 2048)
     lengths = (256, 512) if quick else (2048, 4096, 8192)
     worlds = (1, 2, 4)
-    mem_n = 2048 if quick else 16384  # 16k: zigzag chunks of >= 1024 tokens (the tile side at h4) up to W = 8
+    # 32k: zigzag chunks of 8192 / 4096 / 2048 tokens at W = 2 / 4 / 8, each cut into equal blocks of 683 (the
+    # tile side at h4 is 724), so every W has the same tile workspace
+    mem_n = 2048 if quick else 32768
     cores = os.cpu_count() or 1
     with RankPool(WORLD) as pool:
         pool.start()

@@ -203,11 +203,21 @@ def _runs(pos: torch.Tensor, size: int) -> list[tuple[int, int]]:
     contiguous shard), so a mask's span over a tile's positions stays tight; else plain blocks (striped)."""
     n = pos.numel()
     breaks = ((pos[1:] != pos[:-1] + 1).nonzero().view(-1) + 1).tolist() if n > 1 else []
-    if n == 0 or n < MIN_BLOCK * (len(breaks) + 1):
-        return list(_blocks(n, size))
+    if n == 0:
+        return []
+    if n < MIN_BLOCK * (len(breaks) + 1):
+        return _even(0, n, size)
     edges = [0, *breaks, n]
-    return [(a + i, min(b, a + i + size)) for a, b in zip(edges[:-1], edges[1:], strict=True)
-            for i in range(0, b - a, size)]
+    return [t for a, b in zip(edges[:-1], edges[1:], strict=True) for t in _even(a, b, size)]
+
+
+def _even(a: int, b: int, size: int) -> list[tuple[int, int]]:
+    """a:b cut into the fewest blocks of at most `size`, of equal length within one (1024 at 724: 512 + 512, not
+    724 + 300: the matmuls of a ragged last block are slower for their size)."""
+    count = -(-(b - a) // size)
+    step, extra = divmod(b - a, count)
+    edges = [a + i * step + min(i, extra) for i in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 Tile = tuple  # (qa, qz, ka, kz, mask or None): queries qa:qz x keys ka:kz of a block pair, trimmed to what is seen

@@ -364,9 +364,10 @@ def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
 # workspace (harness.ranks.reference.block: at most SCORE_BUDGET score entries, float64 and float32 temporaries);
 # the keys pass also holds every row's statistics (B x Hq floats per token). Its parts are pickled while sent.
 # Measured in a fresh process (`ring-harness bench --only oracle_split`, figure (d); 2^21-entry tiles): one share's
-# peak above the process at 32,768 tokens, W = 2 / 4 / 8: 297 / 213 / 148 MiB, ~53 B per position x head x dim
-# beyond a ~60-80 MiB workspace (~35 B per score entry); the 32k case end to end (`python scripts/long_case.py`):
-# ranks peaked at 0.73-0.81 GiB (the ring's run the larger part), the parent at 1.31 GiB. The parent holds the
+# peak above the process at 32,768 tokens, W = 2 / 4 / 8: 289 / 159 / 115 MiB (with glibc's default allocator 297 /
+# 213 / 148), up to ~53 B per position x head x dim beyond a ~70 MiB workspace (~35 B per score entry); the 32k
+# case end to end (`python scripts/long_case.py`): ranks peaked at 0.73-0.82 GiB (the ring's run the larger part),
+# the parent at 1.18-1.31 GiB. The parent holds the
 # parts until they are assembled (one set of global tensors: they partition the positions), the references and
 # the judging. `oracle="local"`: the parent computes every share itself (the same tiles, one share at a time).
 RANK_IDLE = 300 << 20

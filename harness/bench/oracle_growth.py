@@ -13,15 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from harness.bench.memory import Peak, _rss
-from harness.bench.timing import Figure, Target, fmt, load_line
+from harness.bench.timing import Figure, Target, fmt, in_fresh_process, load_line
 from harness.case import Case, make_case
 from harness.dtypes import TORCH_DTYPES
 from harness.ranks.pool import RankPool
@@ -63,21 +58,8 @@ def _child(total: int) -> dict:
 
 def oracle_cost(total: int, timeout_s: float = 1800.0) -> dict:
     """Time and peak memory of the oracle for `total` tokens, in a fresh process."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    p = subprocess.Popen([sys.executable, "-m", "harness.bench.oracle_growth", "--total", str(total),
-                          "--parent", str(os.getpid())], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout_s)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    if p.returncode:
-        raise RuntimeError(f"oracle at {total} tokens failed: {err.decode(errors='replace')[-600:]}")
-    return json.loads(out.decode().strip().splitlines()[-1])
+    return in_fresh_process("harness.bench.oracle_growth", ["--total", str(total)], f"oracle at {total} tokens",
+                            timeout_s)
 
 
 def _judge_time(pool: RankPool, total: int) -> float:

@@ -25,19 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 from harness.bench.memory import Peak, _rss
 from harness.bench.overhead import medium_cases
 from harness.bench.pool_vs_spawn import rank_compute_s
-from harness.bench.timing import Figure, Target, fmt, interleaved, load_line
+from harness.bench.timing import Figure, Target, fmt, in_fresh_process, interleaved, load_line
 from harness.case import Case, make_case
 from harness.judging import oracle
 from harness.ranks import oom
@@ -144,21 +140,9 @@ def share_memory(total: int, world: int, timeout_s: float = 1800.0) -> dict:
     """`_share_child` in a fresh process (its own baseline and high-water mark); as in the ring's memory figure,
     glibc maps every block over 64 KiB on its own and returns freed memory at once, so the resident peak is what
     the tensors alive at once need, not what the allocator happened to keep."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 16), MALLOC_TRIM_THRESHOLD_="0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    p = subprocess.Popen([sys.executable, "-m", "harness.bench.oracle_split", "--share-memory", str(total),
-                          str(world), "--parent", str(os.getpid())], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout_s)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    if p.returncode:
-        raise RuntimeError(f"share memory at {total} tokens, W={world}: {err.decode(errors='replace')[-600:]}")
-    return json.loads(out.decode().strip().splitlines()[-1])
+    return in_fresh_process("harness.bench.oracle_split", ["--share-memory", str(total), str(world)],
+                            f"share memory at {total} tokens, W={world}", timeout_s,
+                            {"MALLOC_MMAP_THRESHOLD_": str(1 << 16), "MALLOC_TRIM_THRESHOLD_": "0"})
 
 
 def _estimate_lines(rate: float) -> list[str]:

@@ -6,11 +6,16 @@ repeated, medians reported), so other work on the machine slows both sides alike
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -108,3 +113,24 @@ def load_line() -> str:
     """The machine's load averages and core count, printed with timings measured on a shared host."""
     one, five, _ = os.getloadavg()
     return f"host: {os.cpu_count()} cores, load average {one:.1f} (1 min) / {five:.1f} (5 min)"
+
+
+def in_fresh_process(module: str, args: list[str], what: str, timeout_s: float = 1800.0,
+                     env: dict[str, str] | None = None) -> dict:
+    """Run `python -m module *args --parent PID` in a fresh process of its own session (one torch thread, this
+    checkout first on PYTHONPATH, `env` added; killed as a group past `timeout_s`) and return the JSON object it
+    prints last: a figure measured with its own baseline and high-water mark."""
+    root = str(Path(__file__).resolve().parents[2])
+    full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [root, full.get("PYTHONPATH")]))
+    p = subprocess.Popen([sys.executable, "-m", module, *args, "--parent", str(os.getpid())], env=full,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    if p.returncode:
+        raise RuntimeError(f"{what} failed: {err.decode(errors='replace')[-600:]}")
+    return json.loads(out.decode().strip().splitlines()[-1])

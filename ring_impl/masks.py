@@ -3,7 +3,8 @@
 Because a mask is a function of global positions only, one kernel serves every layout and every
 uneven split: a block's mask is `allowed(spec, q_positions, k_positions)`, and the same predicate gives
 the oracle's explicit mask, the reference ring's per-block decision (`block_decision`: skip / full /
-partial), the leak check's "may see" relation (`visible_keys`) and the case summary (`describe`).
+partial), the leak check's "may see" relation (`visible_keys`), the case summary (`describe`), and flex
+attention's mask_mod (`evaluate` on two 0-d positions, its tables made once by `lookups`).
 
 A mask is a `MaskSpec`. The four original kinds (none, causal, window, document) stay as they were
 (old case files load and replay unchanged); any other mask is kind "expr": an `Expr` tree of named
@@ -415,28 +416,74 @@ def _block_table(size: int, pairs: tuple[tuple[int, int], ...], qb: torch.Tensor
 Leaf = Callable[[Expr, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
-def evaluate(e: Expr, qp: torch.Tensor, kp: torch.Tensor, leaf: Leaf | None = None) -> torch.Tensor:
-    """Bool (Lq, Lk) of the expression for query positions qp (Lq, 1) and key positions kp (1, Lk).
+@dataclass(frozen=True)
+class Lookups:
+    """Tensors made once for `evaluate` inside a compiled kernel, where a tensor made by the function itself
+    does not lower (flex attention's `mask_mod`: `lookups`): for each document-starts tuple of an expression
+    the document index and the document's start of every position 0..total-1, for each block table its
+    flattened table."""
+
+    docs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]
+    blocks: dict[tuple[int, tuple[tuple[int, int], ...]], tuple[torch.Tensor, int, int]]
+
+
+def lookups(e: Expr, total: int, device: torch.device | str = "cpu") -> Lookups:
+    """The `Lookups` of expression `e` for positions 0..total-1 (relative positions of per-document operands
+    are in that range too)."""
+    pos = torch.arange(max(1, total), dtype=torch.long, device=device)
+    docs = {}
+    for starts in doc_starts_of(e):
+        ids = doc_ids(starts, pos)
+        docs[starts] = (ids, torch.tensor(starts, dtype=torch.long, device=device)[ids])
+    blocks = {}
+    for node in _nodes(e):
+        if node.op == "blocks":
+            size, pairs = node.params
+            nq = max((p[0] for p in pairs), default=0) + 1
+            nk = max((p[1] for p in pairs), default=0) + 1
+            qb, kb = torch.arange(nq + 1, device=device).view(-1, 1), torch.arange(nk + 1, device=device).view(1, -1)
+            blocks[node.params] = (_block_table(size, pairs, qb, kb).reshape(-1).contiguous(), nq, nk)
+    return Lookups(docs, blocks)
+
+
+def _nodes(e: Expr) -> list[Expr]:
+    return [e] + [n for a in e.args for n in _nodes(a)]
+
+
+def _docs(starts: tuple[int, ...], pos: torch.Tensor, tables: Lookups | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index, document start) of each position."""
+    if tables is not None:
+        ids, first = tables.docs[starts]
+        return ids[pos], first[pos]
+    ids = doc_ids(starts, pos)
+    return ids, torch.tensor(starts, dtype=torch.long, device=pos.device)[ids]
+
+
+def evaluate(e: Expr, qp: torch.Tensor, kp: torch.Tensor, leaf: Leaf | None = None,
+             tables: Lookups | None = None) -> torch.Tensor:
+    """Bool mask of the expression for query positions qp (Lq, 1) and key positions kp (1, Lk): (Lq, Lk); or
+    for any two broadcastable position tensors, e.g. two 0-d ones (flex attention's mask_mod: pointwise ops
+    only, no view of a result whose shape is already right, and with `tables` no tensor made here).
     `leaf` may take over a primitive (return its mask, or None to leave it alone): the mutants' hook."""
-    shape = (qp.shape[0], kp.shape[1])
+    shape = torch.broadcast_shapes(qp.shape, kp.shape)
     op = e.op
     if op == "and" or op == "or":
-        out = evaluate(e.args[0], qp, kp, leaf)
+        out = evaluate(e.args[0], qp, kp, leaf, tables)
         for a in e.args[1:]:
-            out = (out & evaluate(a, qp, kp, leaf)) if op == "and" else (out | evaluate(a, qp, kp, leaf))
+            nxt = evaluate(a, qp, kp, leaf, tables)
+            out = (out & nxt) if op == "and" else (out | nxt)
         return out
     if op == "not":
-        return ~evaluate(e.args[0], qp, kp, leaf)
+        return ~evaluate(e.args[0], qp, kp, leaf, tables)
     if op == "per-document":  # the same document, and the operand on positions relative to its start
-        starts = torch.tensor(e.params[0], dtype=torch.long, device=qp.device)
-        dq, dk = doc_ids(e.params[0], qp), doc_ids(e.params[0], kp)
-        return (dq == dk) & evaluate(e.args[0], qp - starts[dq], kp - starts[dk], leaf)
+        (dq, sq), (dk, sk) = _docs(e.params[0], qp, tables), _docs(e.params[0], kp, tables)
+        return (dq == dk) & evaluate(e.args[0], qp - sq, kp - sk, leaf, tables)
     if leaf is not None:
         got = leaf(e, qp, kp)
         if got is not None:
-            return got.expand(shape)
+            return got if got.shape == shape else got.expand(shape)
     if op == "full":
-        m = torch.ones(shape, dtype=torch.bool, device=qp.device)
+        m = (qp == qp) | (kp == kp)
     elif op == "causal":
         m = kp <= qp
     elif op == "inverse-causal":
@@ -452,12 +499,15 @@ def evaluate(e: Expr, qp: torch.Tensor, kp: torch.Tensor, leaf: Leaf | None = No
     elif op == "prefix":
         m = kp < e.param("length")
     elif op == "document":
-        starts = e.param("starts")
-        m = doc_ids(starts, qp) == doc_ids(starts, kp)
+        m = _docs(e.params[0], qp, tables)[0] == _docs(e.params[0], kp, tables)[0]
+    elif tables is not None:  # blocks, from the flattened table
+        size, _ = e.params
+        table, nq, nk = tables.blocks[e.params]
+        m = table[(qp // size).clamp(max=nq) * (nk + 1) + (kp // size).clamp(max=nk)]
     else:  # blocks
         size, pairs = e.params
         m = _block_table(size, pairs, qp // size, kp // size)
-    return m.expand(shape)
+    return m if m.shape == shape else m.expand(shape)
 
 
 def allowed(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:

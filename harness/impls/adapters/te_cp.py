@@ -9,11 +9,29 @@ tests: `index_select(seq, [rank, 2W-1-rank])`), i.e. our "zigzag", so chunks mus
 total length divisible by 2W. TE's window (left, right) is relative to the bottom-right-aligned
 diagonal; our window mask is `attn_mask_type="causal"`, `window_size=(w, 0)`. TE's own tests skip
 sliding windows with p2p; a2a needs head counts divisible by W. Output is (batch, seq, heads*dim).
+
+THD (`te-cp-p2p-thd`): packed documents, the format Megatron trains with. `qkv_format="thd"`, tokens
+(t, heads, dim) with `cu_seqlens_q/kv` (real lengths) and `cu_seqlens_q/kv_padded` (each sequence padded to
+a multiple of 2W, TE's CP requirement), `attn_mask_type="padding[_causal]"`, and the CP ranks hold TE's own
+per-sequence dual-chunk partition, `tex.thd_get_partitioned_indices(cu_seqlens_padded, t, W, rank)`
+(chunks r and 2W-1-r of every padded sequence: TE's tests/pytorch/attention/run_attention_with_cp.py and
+test_cp_utils.py, read at NVIDIA/TransformerEngine d0067d0). Our documents (and the batch: batch row b's
+documents are sequences too) become the sequences; since that partition is not one of our layouts, the
+adapter reshards: it all-gathers our shards, packs and pads them, keeps TE's rows for this rank, and after
+TE all-gathers the outputs back to our positions (`thd_run`; gradients flow back through the same
+gathers). Padding between sequences (a document length not a multiple of 2W) is passed to TE as
+`cu_seqlens_padded` != `cu_seqlens`, which TE serves with cuDNN's fused attention or FA3. The resharding
+runs on CPU gloo ranks in tests/impls/test_te_thd.py with a stand-in for TE's kernel; TE itself has not been
+run here (no GPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from harness.context import Capabilities, Impl, RunContext
 from harness.errors import ImplError
@@ -24,13 +42,14 @@ from harness.impls.adapters._common import (
     require_supported,
     variant,
 )
+from ring_impl.masks import MaskSpec
 
 EXTRA = "te"
 
 
-def _caps(masks: set[str]) -> Capabilities:
+def _caps(masks: set[str], layouts: frozenset[str] = frozenset({"zigzag"})) -> Capabilities:
     return Capabilities(
-        layouts=frozenset({"zigzag"}),
+        layouts=layouts,
         masks=frozenset(masks),
         dtypes=frozenset({"fp16", "bf16"}),
         gqa=True,
@@ -43,16 +62,23 @@ def _caps(masks: set[str]) -> Capabilities:
     )
 
 
-# option: TE's cp_comm_type
+# option: TE's cp_comm_type, and ":thd" for packed documents (every layout: the adapter reshards)
+THD_CAPS = _caps({"none", "causal", "document"}, frozenset({"contiguous", "zigzag", "striped"}))
 VARIANTS = {
     "te-cp-p2p": Variant(_caps({"none", "causal"}), option="p2p"),
     "te-cp-a2a": Variant(_caps({"none", "causal", "window"}), option="a2a"),
     "te-cp-all-gather": Variant(_caps({"none", "causal", "window"}), option="all_gather"),
+    "te-cp-p2p-thd": Variant(THD_CAPS, option="p2p:thd"),
 }
 
 
-def mask_args(ctx: RunContext) -> dict:
-    """TE's attn_mask_type and window_size for our mask."""
+def mask_args(ctx: RunContext, thd: bool = False) -> dict:
+    """TE's attn_mask_type and window_size for our mask (THD: padding masks; documents are its sequences)."""
+    if thd:
+        if ctx.mask.kind not in ("none", "causal", "document"):
+            raise ImplError(f"te-cp: mask {ctx.mask.kind} has no TE THD equivalent here")
+        causal = ctx.mask.is_causal
+        return {"attn_mask_type": "padding_causal" if causal else "padding", "window_size": (-1, 0 if causal else -1)}
     if ctx.mask.kind == "none":
         return {"attn_mask_type": "no_mask", "window_size": (-1, -1)}
     if ctx.mask.kind == "causal":
@@ -60,6 +86,97 @@ def mask_args(ctx: RunContext) -> dict:
     if ctx.mask.kind == "window":
         return {"attn_mask_type": "causal", "window_size": (int(ctx.mask.window), 0)}
     raise ImplError(f"te-cp: mask {ctx.mask.kind} has no TE equivalent here")
+
+
+@dataclass(frozen=True)
+class Thd:
+    """A case's batch packed as TE's THD sequences: batch row b's documents, in order, each padded to a
+    multiple of 2W. `rows[b * total + p]` is the packed row of global token p of batch row b."""
+
+    cu_seqlens: torch.Tensor  # int32 (sequences + 1,): real lengths
+    cu_seqlens_padded: torch.Tensor  # int32: padded lengths; the same object as cu_seqlens when no padding
+    rows: torch.Tensor  # int64 (batch * total,)
+    causal: bool
+
+    @property
+    def total_padded(self) -> int:
+        return int(self.cu_seqlens_padded[-1])
+
+
+def thd_packing(mask: MaskSpec, total: int, batch: int, world_size: int, device: torch.device) -> Thd:
+    """The THD packing of a case: its documents (one sequence for no mask or causal) for every batch row."""
+    starts = tuple(mask.doc_starts) if mask.kind == "document" else (0,)
+    lengths = [b - a for a, b in zip(starts, (*starts[1:], total), strict=True)] * batch
+    unit = 2 * world_size
+    padded = [(n + unit - 1) // unit * unit for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    first = cu_padded[:-1].long().repeat_interleave(torch.tensor(lengths))  # each token's sequence start
+    within = torch.cat([torch.arange(n) for n in lengths])
+    rows = (first + within).to(device)
+    cu, cu_padded = cu.to(device), cu_padded.to(device)
+    return Thd(cu, cu if padded == lengths else cu_padded, rows, causal=mask.is_causal)
+
+
+def dual_chunk_rows(cu_seqlens_padded: torch.Tensor, total_padded: int, world_size: int, rank: int) -> torch.Tensor:
+    """Packed rows a rank holds in TE's THD partition: chunks rank and 2W-1-rank of every padded sequence,
+    ascending (what `tex.thd_get_partitioned_indices` returns, its test's expected values; our reading, for
+    the CPU test of the resharding)."""
+    out = []
+    bounds = cu_seqlens_padded.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        c = (b - a) // (2 * world_size)
+        for chunk in (rank, 2 * world_size - 1 - rank):
+            out.append(torch.arange(a + chunk * c, a + (chunk + 1) * c))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's equal-sized piece of x (dim 0), concatenated in group-rank order. Backward: the gradient
+    summed over the ranks (each rank's use of the whole), this rank's piece of it."""
+
+    @staticmethod
+    def forward(fctx, x, group):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        fctx.group, fctx.rank, fctx.n = group, dist.get_rank(group), x.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(fctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=fctx.group)
+        return grad[fctx.rank * fctx.n : (fctx.rank + 1) * fctx.n], None
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Thd, list[torch.Tensor]], torch.Tensor]
+Partition = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+
+
+def thd_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext, attend: Attend,
+            partition: Partition) -> torch.Tensor:
+    """Out (batch, local seq, heads, dim) at our positions, computed by `attend` on TE's THD partition.
+
+    Our shards are all-gathered, put in global order, packed (`thd_packing`) and cut to this rank's rows of
+    `partition` (TE's `thd_get_partitioned_indices`); `attend(q, k, v, packing, rows of every rank)` returns
+    this rank's out (rows, heads_q * dim); the outputs are all-gathered and read back at our positions."""
+    batch, _, heads_q, dim = q.shape
+    w, rank = ctx.world_size, ctx.rank
+    pack = thd_packing(ctx.mask, ctx.total_len, batch, w, q.device)
+    rows = [partition(pack.cu_seqlens_padded, pack.total_padded, w, r).long().to(q.device) for r in range(w)]
+    order = torch.argsort(torch.cat(list(ctx.all_positions)).to(q.device))  # global position -> gathered row
+
+    def own_rows(x: torch.Tensor) -> torch.Tensor:
+        whole = _Gather.apply(x.transpose(0, 1).contiguous(), ctx.group).index_select(0, order)
+        flat = whole.transpose(0, 1).reshape(batch * ctx.total_len, *x.shape[2:])
+        packed = flat.new_zeros(pack.total_padded, *x.shape[2:]).index_copy(0, pack.rows, flat)
+        return packed.index_select(0, rows[rank])
+
+    out = attend(own_rows(q), own_rows(k), own_rows(v), pack, rows)
+    gathered = _Gather.apply(out.reshape(out.shape[0], heads_q * dim), ctx.group)
+    packed = gathered.new_zeros(pack.total_padded, heads_q * dim).index_copy(0, torch.cat(rows), gathered)
+    whole = packed.index_select(0, pack.rows).view(batch, ctx.total_len, heads_q, dim)
+    return whole.index_select(1, ctx.positions.to(q.device))
 
 
 def check_shapes(name: str, ctx: RunContext, heads_q: int, heads_kv: int) -> None:
@@ -80,7 +197,8 @@ def make(name: str) -> Impl:
     declared = variant(VARIANTS, name)
     from transformer_engine.pytorch import DotProductAttention
 
-    comm, caps = declared.option, declared.capabilities
+    comm, _, fmt = declared.option.partition(":")
+    thd, caps = fmt == "thd", declared.capabilities
     modules: dict[tuple, torch.nn.Module] = {}
 
     def module_for(ctx: RunContext, q: torch.Tensor, k: torch.Tensor) -> torch.nn.Module:
@@ -91,7 +209,7 @@ def make(name: str) -> Impl:
             k.shape[2],
             q.shape[3],
             ctx.softmax_scale,
-            ctx.mask.to_dict().__repr__(),
+            repr(mask_args(ctx, thd)),
         )
         if key not in modules:
             m = DotProductAttention(
@@ -99,9 +217,9 @@ def make(name: str) -> Impl:
                 q.shape[3],
                 num_gqa_groups=k.shape[2],
                 attention_dropout=0.0,
-                qkv_format="bshd",
+                qkv_format="thd" if thd else "bshd",
                 softmax_scale=ctx.softmax_scale,
-                **mask_args(ctx),
+                **mask_args(ctx, thd),
             )
             m.set_context_parallel_group(ctx.group, list(ctx.global_ranks), torch.cuda.Stream(), comm)
             modules[key] = m.to(ctx.device)
@@ -109,6 +227,15 @@ def make(name: str) -> Impl:
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
+        if thd:
+            import transformer_engine_torch as tex
+
+            def attend(qt, kt, vt, pack: Thd, rows) -> torch.Tensor:
+                cu, cu_padded = pack.cu_seqlens, pack.cu_seqlens_padded
+                return module_for(ctx, q, k)(qt, kt, vt, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+
+            return thd_run(q, k, v, ctx, attend, tex.thd_get_partitioned_indices)
         check_shapes(name, ctx, q.shape[2], k.shape[2])
         out = module_for(ctx, q, k)(q, k, v)
         return out.view(q.shape)

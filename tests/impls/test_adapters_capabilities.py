@@ -94,6 +94,7 @@ def test_specific_claims():
     assert caps_of("yunchang-ulysses").masks == {"none", "causal", "window", "expr", "and", "full", "window-right"}
     assert "window" not in caps_of("te-cp-p2p").masks
     assert "window" in caps_of("te-cp-a2a").masks and "window" in caps_of("te-cp-all-gather").masks
+    assert "window-right" in caps_of("te-cp-a2a").masks and "document" not in caps_of("te-cp-all-gather").masks
     assert all(caps_of(n).layouts == {"zigzag"} for n in te_cp.VARIANTS if not n.endswith("-thd"))
     assert caps_of("te-cp-p2p-thd").layouts == set(LAYOUTS)  # it reshards to TE's THD partition itself
     assert caps_of("yunchang-usp").layouts == {"contiguous"} and caps_of("yunchang-usp").world_sizes[0] == 4
@@ -262,11 +263,52 @@ def test_te_mask_arguments_and_preconditions():
     }
     with pytest.raises(ImplError):
         te_cp.mask_args(make_ctx(mask=MaskSpec("document", doc_starts=(0, 4))))
+    from ring_impl.masks import and_, prim
+
+    assert te_cp.mask_args(make_ctx(mask=MaskSpec.of(prim("window", 3, 2)))) == {
+        "attn_mask_type": "no_mask", "window_size": (3, 2)}
+    assert te_cp.mask_args(make_ctx(mask=MaskSpec.of(and_(prim("window", 3, 2), prim("causal"))))) == {
+        "attn_mask_type": "causal", "window_size": (3, 0)}
+    assert te_cp.mask_args(make_ctx(mask=MaskSpec("document", doc_starts=(0, 4), causal=False)), thd=True) == {
+        "attn_mask_type": "padding", "window_size": (-1, -1)}
+    assert te_cp.mask_args(make_ctx(mask=MaskSpec("causal")), thd=True)["attn_mask_type"] == "padding_causal"
     with pytest.raises(ImplError, match="not divisible by 2\\*W"):
         te_cp.check_shapes("te-cp-p2p", make_ctx(lengths=(5, 5)), 4, 4)
     with pytest.raises(ImplError, match="a2a needs head counts divisible"):
         te_cp.check_shapes("te-cp-a2a", make_ctx(lengths=(4, 4, 4)), 4, 4)
     te_cp.check_shapes("te-cp-p2p", make_ctx(lengths=(4, 4, 4)), 4, 4)
+
+
+def _te_visible(args: dict, total: int) -> torch.Tensor:
+    """TE's visibility for self-attention (equal lengths: its bottom-right diagonal is ours): causal cuts
+    j > i; window_size (left, right) keeps i - left <= j <= i + right, -1 unlimited."""
+    i, j = torch.arange(total).view(-1, 1), torch.arange(total).view(1, -1)
+    left, right = args["window_size"]
+    seen = torch.ones(total, total, dtype=torch.bool)
+    if args["attn_mask_type"] == "causal":
+        seen &= j <= i
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.data())
+def test_te_window_arguments_are_the_mask_for_everything_declared(data):
+    """Every mask drawn from what te-cp-a2a / -all-gather declare (none, causal, one- and two-sided windows,
+    their conjunctions) maps to TE arguments whose visibility is the mask, position by position."""
+    from harness.search.strategies import masks
+    from ring_impl.masks import allowed
+
+    total = data.draw(st.integers(1, 40))
+    spec = data.draw(masks(total, tuple(sorted(caps_of("te-cp-a2a").masks)), boundaries=(0, total // 2)))
+    args = te_cp.mask_args(make_ctx(mask=spec, lengths=(total,)))
+    pos = torch.arange(total)
+    want = allowed(spec, pos, pos)
+    want = torch.ones(total, total, dtype=torch.bool) if want is None else want
+    assert torch.equal(_te_visible(args, total), want), (spec.describe(), args)
 
 
 def test_yunchang_ring_types_cover_declared_layouts():

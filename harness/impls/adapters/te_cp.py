@@ -7,8 +7,9 @@ qkv_format="bshd", attn_mask_type=, window_size=, softmax_scale=)` then
 dual-chunk swap: the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r (TE's
 tests: `index_select(seq, [rank, 2W-1-rank])`), i.e. our "zigzag", so chunks must be equal: the
 total length divisible by 2W. TE's window (left, right) is relative to the bottom-right-aligned
-diagonal; our window mask is `attn_mask_type="causal"`, `window_size=(w, 0)`. TE's own tests skip
-sliding windows with p2p; a2a needs head counts divisible by W. Output is (batch, seq, heads*dim).
+diagonal, the same as ours for self-attention: `flash_mask` gives a mask's (causal, window) and TE takes
+`attn_mask_type="causal"` with `window_size=(left, 0)` or `"no_mask"` with `(left, right)` (-1: unlimited).
+TE's own tests skip sliding windows with p2p; a2a needs head counts divisible by W. Output is (batch, seq, heads*dim).
 
 THD (`te-cp-p2p-thd`): packed documents, the format Megatron trains with. `qkv_format="thd"`, tokens
 (t, heads, dim) with `cu_seqlens_q/kv` (real lengths) and `cu_seqlens_q/kv_padded` (each sequence padded to
@@ -38,11 +39,12 @@ from harness.errors import ImplError
 from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
     Variant,
+    flash_mask,
     installed_version,
     require_supported,
     variant,
 )
-from ring_impl.masks import MaskSpec
+from ring_impl.masks import EXPR, WINDOW_RIGHT, MaskSpec
 
 EXTRA = "te"
 
@@ -62,12 +64,15 @@ def _caps(masks: set[str], layouts: frozenset[str] = frozenset({"zigzag"})) -> C
     )
 
 
+# sliding windows, one- or two-sided, with or without causal (TE's tests run (512, 0) causal and (512, 512)
+# no_mask with a2a and all_gather; they skip windows with p2p): what `flash_mask` maps without documents
+WINDOWS = {"none", "causal", "window", EXPR, "and", "full", WINDOW_RIGHT}
 # option: TE's cp_comm_type, and ":thd" for packed documents (every layout: the adapter reshards)
 THD_CAPS = _caps({"none", "causal", "document"}, frozenset({"contiguous", "zigzag", "striped"}))
 VARIANTS = {
     "te-cp-p2p": Variant(_caps({"none", "causal"}), option="p2p"),
-    "te-cp-a2a": Variant(_caps({"none", "causal", "window"}), option="a2a"),
-    "te-cp-all-gather": Variant(_caps({"none", "causal", "window"}), option="all_gather"),
+    "te-cp-a2a": Variant(_caps(WINDOWS), option="a2a"),
+    "te-cp-all-gather": Variant(_caps(WINDOWS), option="all_gather"),
     "te-cp-p2p-thd": Variant(THD_CAPS, option="p2p:thd"),
 }
 
@@ -79,13 +84,12 @@ def mask_args(ctx: RunContext, thd: bool = False) -> dict:
             raise ImplError(f"te-cp: mask {ctx.mask.kind} has no TE THD equivalent here")
         causal = ctx.mask.is_causal
         return {"attn_mask_type": "padding_causal" if causal else "padding", "window_size": (-1, 0 if causal else -1)}
-    if ctx.mask.kind == "none":
-        return {"attn_mask_type": "no_mask", "window_size": (-1, -1)}
-    if ctx.mask.kind == "causal":
-        return {"attn_mask_type": "causal", "window_size": (-1, 0)}
-    if ctx.mask.kind == "window":
-        return {"attn_mask_type": "causal", "window_size": (int(ctx.mask.window), 0)}
-    raise ImplError(f"te-cp: mask {ctx.mask.kind} has no TE equivalent here")
+    fm = flash_mask(ctx.mask, ctx.total_len)
+    if fm is None or fm.doc_starts != (0,):
+        raise ImplError(f"te-cp: the mask {ctx.mask.describe()} has no TE equivalent here")
+    if fm.causal:
+        return {"attn_mask_type": "causal", "window_size": (fm.window[0], 0)}
+    return {"attn_mask_type": "no_mask", "window_size": fm.window}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +115,14 @@ def require_supported(
     why = unsupported_reasons(ctx, caps, q, k, lets_run)
     if why:
         raise ImplError(f"{name}: unsupported here: {'; '.join(why)}")
+
+
+def require_torch_api(name: str, api: Callable[[], object]) -> None:
+    """ImplError naming this torch's version when `api()` (an import of torch's experimental symbols) fails."""
+    try:
+        api()
+    except ImportError as e:
+        raise ImplError(f"{name}: unsupported torch version {torch.__version__} ({e})") from None
 
 
 def require_whole_world(name: str, ctx: RunContext) -> None:

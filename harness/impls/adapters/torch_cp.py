@@ -47,6 +47,7 @@ from harness.impls.adapters._common import (
     Variant,
     installed_version,
     require_supported,
+    require_torch_api,
     to_bhsd,
     variant,
 )
@@ -135,10 +136,7 @@ class _TorchCP(torch.autograd.Function):
 def make(name: str) -> Impl:
     """torch's public CP with the variant's rotation; ImplError when this torch lacks the API."""
     declared = variant(VARIANTS, name)
-    try:
-        _api()
-    except ImportError as e:
-        raise ImplError(f"{name}: unsupported torch version {torch.__version__} ({e})") from None
+    require_torch_api(name, _api)
     rotate, caps = declared.option, declared.capabilities
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:

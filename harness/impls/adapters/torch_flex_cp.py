@@ -44,8 +44,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from harness.context import Capabilities, Impl, RunContext
-from harness.errors import ImplError
-from harness.impls.adapters._common import Variant, installed_version, require_supported, to_bhsd, variant
+from harness.impls.adapters._common import (
+    Variant,
+    installed_version,
+    require_supported,
+    require_torch_api,
+    to_bhsd,
+    variant,
+)
 from ring_impl.masks import MASK_FEATURES, MaskSpec, evaluate, lookups
 
 EXTRA = None  # torch itself (CUDA build for the backward)
@@ -173,10 +179,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext, 
 def make(name: str) -> Impl:
     """torch's flex CP, eager or compiled; ImplError when this torch lacks the API."""
     declared = variant(VARIANTS, name)
-    try:
-        _api()
-    except ImportError as e:
-        raise ImplError(f"{name}: unsupported torch version {torch.__version__} ({e})") from None
+    require_torch_api(name, _api)
     compiled, caps = declared.option == "compiled", declared.capabilities
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext):

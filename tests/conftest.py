@@ -8,6 +8,10 @@
   dirs (TMPDIR, inherited by xdist workers and every subprocess), and hypothesis's storage
   (instead of `.hypothesis/` in the repository). It is removed when the session ends; what was
   still in it (a pool a test failed to close) is reported.
+- Test processes run torch with one thread: two xdist workers and their rank pools share the cores, and a
+  process with more torch threads than free cores spin-waits at every parallel op
+  (`harness.runner.oracle_threads`). Measured in the default suite before this: in-process oracle tests
+  25-50x slower than alone (test_correct_fp16_results_are_not_on_the_bf16_grid 1.15 s alone, 28.7 s there).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ def _is_controller(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    torch.set_num_threads(1)
     if _is_controller(config) and SESSION_ENV not in os.environ:
         base = Path(tempfile.mkdtemp(prefix="rh-tests-"))  # short: rank socket paths must fit in 107 bytes
         for sub in ("pools", "tmp", "hypothesis"):

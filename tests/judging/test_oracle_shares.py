@@ -157,7 +157,7 @@ def test_a_share_never_holds_more_than_one_block_of_other_positions(monkeypatch,
     it returns has the share's size (plus B x Hq statistics per token), so a share's memory falls ~1/W."""
     from harness import inputs
 
-    case = make_case(world_size=4, total_len=203, layout=layout, mask={"kind": "causal"}, heads_q=4, heads_kv=2,
+    case = make_case(world_size=4, total_len=103, layout=layout, mask={"kind": "causal"}, heads_q=4, heads_kv=2,
                      head_dim=8, dtype="bf16", seed=11)
     monkeypatch.setattr(reference, "block", lambda c: 16)
     monkeypatch.setattr(reference, "WHOLE_INPUTS_BYTES", 0)
@@ -191,7 +191,7 @@ def test_a_share_never_holds_more_than_one_block_of_other_positions(monkeypatch,
             assert part.dk.shape[1] == part.dv.shape[1] == own
     for st in stats:  # the only whole-sequence tensors: B x Hq per token
         whole = [t for t in (st.mx, st.total, st.delta, st.amp) if t is not None]
-        assert all(t.shape == (1, 4, 203) for t in whole)
+        assert all(t.shape == (1, 4, case.total_len) for t in whole)
 
 
 def test_a_small_case_makes_each_input_once_per_pass(monkeypatch):

@@ -113,6 +113,7 @@ def test_plain_progress_lines_when_not_a_terminal(tmp_path):
     assert any("[shrink]" in ln and "failing" in ln and "cases/s" in ln for ln in lines)
 
 
+@pytest.mark.slow  # 75 s alone, 158 s in the default suite (search, shrink, localise on real ranks): the slow tier
 def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
     """On real ranks: the planted late-diagonal ring is found, shrunk to W=3, and passes on the reference."""
     from harness.ranks.pool import RankPool

@@ -48,6 +48,7 @@ from harness.ranks.protocol import (
 __all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
 
 START_TIMEOUT_S = 120.0
+REAP_TIMEOUT_S = 5.0  # a SIGKILLed worker is reaped within this, or directly (`_reap`)
 MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
 STACK_GRACE_S = 1.0
 TMPDIR_ENV = "RING_HARNESS_TMPDIR"  # where the pool's ring-harness-* dir goes (default: tempfile.gettempdir())
@@ -422,5 +423,19 @@ def _kill_groups(procs: list[subprocess.Popen]) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            p.wait()
+            _reap(p)
+
+
+def _reap(p: subprocess.Popen) -> None:
+    """Wait for a SIGKILLed worker, with a deadline. A SIGTERM the CLI raises as an exception can land inside one
+    of Popen's own calls and leave its waitpid lock held; an unbounded `p.wait()` then blocks forever (seen: a
+    check interrupted under load hung in close for 34 min, its other pool's workers alive). Past the deadline the
+    worker (dead: SIGKILL) is reaped with os.waitpid directly, without that lock."""
+    try:
+        p.wait(timeout=REAP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.waitpid(p.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
 

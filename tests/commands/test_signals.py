@@ -12,6 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,7 +31,12 @@ def test_sigterm_mid_check_leaves_no_temp_dir_and_a_partial_json(tmp_path):
             if line.lstrip().startswith("5/"):
                 break
         p.send_signal(signal.SIGTERM)
-        rest, _ = p.communicate(timeout=60)
+        try:
+            rest, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # kill it (its workers follow their parent), then fail
+            p.kill()
+            rest = p.communicate()[0]
+            pytest.fail(f"the check did not exit within 60 s of SIGTERM: {''.join(seen)[-1500:]}{rest[-1500:]}")
         assert p.returncode == 143, "".join(seen) + rest
         assert "terminated (SIGTERM)" in rest
         assert os.listdir(pools) == []  # every pool dir (and the standby workers') removed

@@ -243,3 +243,29 @@ def test_a_spare_pool_restarts_on_its_standby_workers():
         assert p.pids() == standby  # the standby set became the pool
         left = p.pids() + [q.pid for q in p._standby.procs]
     assert _wait_dead(left) == []
+
+
+def test_killing_workers_never_blocks_on_a_popen_lock_left_held():
+    """A SIGTERM raised as an exception inside one of Popen's calls can leave its waitpid lock held; the pool's
+    kill path must still end (bounded) with the worker dead, not block forever in `p.wait()`."""
+    import threading
+    from pathlib import Path
+
+    from harness.ranks.pool import REAP_TIMEOUT_S, _kill_groups
+
+    p = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "time.sleep(120)"], start_new_session=True)
+    try:
+        time.sleep(0.5)  # SIGTERM ignored: the kill path reaches SIGKILL
+        assert p._waitpid_lock.acquire(False)  # what an interrupted Popen call leaves behind
+        done = threading.Thread(target=_kill_groups, args=([p],), daemon=True)
+        done.start()
+        done.join(timeout=2.0 + REAP_TIMEOUT_S + 10)
+        assert not done.is_alive(), "_kill_groups blocked on the held lock"
+        stat = Path(f"/proc/{p.pid}/stat")
+        assert not stat.exists() or stat.read_text().split()[2] == "Z"  # reaped, or dead and not yet reaped
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -254,6 +254,6 @@ def make(name: str) -> Impl:
 
 
 def dual_chunk_positions(total: int, world_size: int, rank: int) -> torch.Tensor:
-    """Global positions TE's dual-chunk-swap sharding gives `rank` (its tests' index_select)."""
-    pos = torch.arange(total).view(2 * world_size, total // (2 * world_size))
-    return pos.index_select(0, torch.tensor([rank, 2 * world_size - rank - 1])).reshape(-1)
+    """Global positions TE's dual-chunk-swap sharding gives `rank` (its tests' index_select): the THD partition
+    of one sequence."""
+    return dual_chunk_rows(torch.tensor([0, total]), total, world_size, rank)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from harness.dtypes import DTYPES, TORCH_DTYPES  # noqa: F401 - re-exported (`from harness.context import DTYPES`)
+from harness.errors import ImplError
 from ring_impl.layouts import LAYOUTS
 from ring_impl.masks import MASK_KINDS, MaskSpec
 
@@ -51,6 +52,9 @@ class RunContext:
         return sum(self.lengths)
 
 
+DEFAULT_TILES = (64, 128)  # flash-attention's common block sizes (query and key tiles of 64 or 128 tokens)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an implementation declares it supports; property-based runs draw only from this."""
@@ -69,6 +73,16 @@ class Capabilities:
     zigzag_odd: bool = True  # False: in the zigzag layout every local length must be even (two equal chunks per rank)
     heads_divisible_by_world: bool = False  # True: heads_q and heads_kv must be multiples of W (Ulysses head split)
     idle_ranks: bool = False  # True: a rank may hold no token at all (seq_lens with zeros, not all)
+    tiles: tuple[int, ...] = DEFAULT_TILES  # the kernel's tile sizes in tokens: the scale stage aims at their edges
+
+    def __post_init__(self) -> None:
+        tiles = (self.tiles,) if isinstance(self.tiles, int) else self.tiles
+        ok = isinstance(tiles, (tuple, list, set, frozenset)) and len(tiles) > 0 and all(
+            isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= 1 << 16 for t in tiles)
+        if not ok:
+            raise ImplError(f"Capabilities.tiles: expected tile sizes in tokens (integers 1..65536), e.g. (64, 128); "
+                            f"got {self.tiles!r}")
+        object.__setattr__(self, "tiles", tuple(sorted(set(tiles))))
 
     def to_dict(self) -> dict:
         return {
@@ -86,6 +100,7 @@ class Capabilities:
             "zigzag_odd": self.zigzag_odd,
             "heads_divisible_by_world": self.heads_divisible_by_world,
             "idle_ranks": self.idle_ranks,
+            "tiles": list(self.tiles),
         }
 
 

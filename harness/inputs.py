@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from harness.case import Case
-from harness.dtypes import TORCH_DTYPES
+from harness.dtypes import EXACT_INTEGERS, TORCH_DTYPES
 
 TOKEN_BLOCK = 64
 NAMES = ("q", "k", "v", "dout")
@@ -60,7 +60,9 @@ def make_global(case: Case) -> dict[str, torch.Tensor]:
 
 
 def leak_queries(case: Case) -> torch.Tensor:
-    """Query positions S for the causality-leak check: one or two short random runs of tokens.
+    """Query positions S for the causality-leak check: one or two short random runs of tokens, and a third
+    beyond the dtype's exact integers when the sequence passes them (where a position computed in the input
+    dtype rounds: a query there that sees a future key leaks).
 
     Short runs make most keys invisible under causal/window/document masks, so a leak shows.
     """
@@ -71,4 +73,8 @@ def leak_queries(case: Case) -> torch.Tensor:
         start = int(torch.randint(0, n, (1,), generator=gen))
         length = int(torch.randint(1, 4, (1,), generator=gen))
         picks.append(torch.arange(start, min(n, start + length)))
+    exact = EXACT_INTEGERS[case.dtype]
+    if n > exact + 4:  # drawn after the runs above, so cases within the exact integers keep theirs
+        start = int(torch.randint(exact, n - 3, (1,), generator=gen))
+        picks.append(torch.arange(start, start + 3))
     return torch.unique(torch.cat(picks))

@@ -1,7 +1,7 @@
 """pytest plugin (entry point `pytest11`): validate a ring attention implementation inside any
 project's test suite.
 
-Options: --ring-impl, --ring-world-size, --ring-max-examples, --ring-faults, --ring-cases DIR.
+Options: --ring-impl, --ring-world-size, --ring-max-examples, --ring-faults, --ring-shape, --ring-cases DIR.
 Fixtures: `ring_pool` (one rank pool per pytest process, so each xdist worker has its own pool and
 FileStore) and `ring_check` (run cases against the configured implementation and assert).
 Marker: `@pytest.mark.ring_impl("name")` overrides the implementation for one test.
@@ -24,6 +24,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--ring-faults", default=None,
                 help="benign fault kinds ring_check.battery() also runs as its fault stage, on every rank and op: "
                      "comma list of early-read, send-reuse, delay, straggler")
+    g.addoption("--ring-shape", default=None, metavar="SPEC",
+                help="your training shape, e.g. b1,hq32,hkv8,d128,L8192,W8: ring_check.battery() runs the layout x "
+                     "mask x dtype basics and the growth check at exactly that shape (refused up front when it cannot "
+                     "fit)")
     g.addoption("--ring-cases", action="append", default=[], metavar="DIR",
                 help="directory of case YAML files to replay as tests (repeatable)")
     parser.addini("ring_cases", "directories of case YAML files to replay as tests", type="paths", default=[])
@@ -46,13 +50,14 @@ class RingChecker:
     to the nearest declared features, the property-based run draws only from them."""
 
     def __init__(self, pool, impl: str, world_size: int, max_examples: int | None, faults: str | None,
-                 save_dir: str = "ring-harness-failures") -> None:
+                 save_dir: str = "ring-harness-failures", shape: str | None = None) -> None:
         self.pool = pool
         self.impl = impl
         self.world_size = world_size
         self.max_examples = max_examples
         self.faults = faults  # benign fault kinds for battery()'s fault stage (--ring-faults)
         self.save_dir = save_dir
+        self.shape = shape  # --ring-shape: battery() runs at this shape
 
     def _allow_import(self, name: str) -> bool:
         from harness.impls import registry
@@ -102,12 +107,42 @@ class RingChecker:
                         f"(saved {out.shrunk_path or out.found_path})", pytrace=False)
         return out
 
+    def at_shape(self, shape: str | None = None, dtype: str | None = None, budget_s: float = 3600.0):
+        """The layout x mask x dtype basics and the growth check at exactly `shape` (default --ring-shape), after
+        the estimate (a shape that cannot fit, or exceeds `budget_s`, fails the test with the estimate); fail
+        listing every failing case."""
+        import io
+
+        from harness.checks.check import run_check
+        from harness.checks.options import CheckOptions
+        from harness.checks.report import Reporter
+        from harness.errors import HarnessError
+
+        opts = CheckOptions(impl=self.impl, shape=shape or self.shape, dtype=dtype, shape_budget=budget_s,
+                            save_dir=self.save_dir).validate()
+        log = io.StringIO()
+        try:
+            res = run_check(self.pool, opts, reporter=Reporter(log))
+        except HarnessError as e:
+            pytest.fail(str(e), pytrace=False)
+        if not res.passed:
+            bad = [f.result for f in res.failures if f.stage != "growth"]
+            growth = [f.growth.detail for f in res.failures if f.growth is not None]
+            if bad:
+                self._fail(bad)
+            pytest.fail("growth check at your shape: " + "; ".join(growth), pytrace=False)
+        return res
+
     def battery(self, dtype: str | None = None):
         """Run the default fixed battery adapted to the declared capabilities (and, with --ring-faults,
-        the fault stage with those benign kinds); fail listing every failing case."""
+        the fault stage with those benign kinds); fail listing every failing case. With --ring-shape: the
+        basics and the growth check at that shape instead (`at_shape`)."""
         from harness.checks.check import battery_plan, fault_stage_cases
         from harness.checks.options import FAULT_STAGE_KINDS, CheckOptions, parse_kinds
         from harness.judging.verdicts import fault_ok
+
+        if self.shape:
+            return self.at_shape(dtype=dtype)
 
         caps = self._caps()
         cases, _ = battery_plan(CheckOptions(impl=self.impl, world_size=self.world_size, dtype=dtype), caps)
@@ -131,7 +166,8 @@ def ring_check(request: pytest.FixtureRequest, ring_pool) -> RingChecker:
     marker = request.node.get_closest_marker("ring_impl")
     impl = marker.args[0] if marker and marker.args else request.config.getoption("--ring-impl") or "reference"
     return RingChecker(ring_pool, impl, request.config.getoption("--ring-world-size"),
-                       request.config.getoption("--ring-max-examples"), request.config.getoption("--ring-faults"))
+                       request.config.getoption("--ring-max-examples"), request.config.getoption("--ring-faults"),
+                       shape=request.config.getoption("--ring-shape"))
 
 
 # -- case files as test items -----------------------------------------------------------------

@@ -91,6 +91,11 @@ def cast_grad(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return grad.to(dtype)
 
 
+def exact_positions(pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Global positions stay integers whatever the input dtype (exact at every length)."""
+    return pos
+
+
 def whole_ring(world: int) -> int:
     """Ring steps (blocks per rank) and dk/dv hops: W, i.e. K/V make W - 1 hops and dk/dv W."""
     return world
@@ -100,7 +105,8 @@ def whole_ring(world: int) -> int:
 class RingParts:
     """The replaceable pieces of the ring, each a plain function (or class, for `comm`).
 
-    positions: every rank's global positions; kv_lengths: tokens of each rank's K/V that ride the
+    positions: every rank's global positions; position_values: those positions as the ring computes with them,
+    given the input dtype; kv_lengths: tokens of each rank's K/V that ride the
     ring; skip_block/block_mask: which blocks to compute and their masks; kv_heads: GQA head map;
     scale: softmax scale; block_forward/block_backward: the kernel; merge: combine partials;
     acc_dtype: dtype of the out/lse accumulators; peers: neighbours' global ranks; comm: the P2P
@@ -110,6 +116,7 @@ class RingParts:
     """
 
     positions: Callable[[str, Sequence[int]], list[torch.Tensor]] = layouts.all_positions
+    position_values: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = exact_positions
     kv_lengths: Callable[[Sequence[int]], list[int]] = list
     skip_block: Callable[[MaskSpec, torch.Tensor, torch.Tensor, BlockAt], bool] = skip_empty_block
     block_mask: Callable[[MaskSpec, torch.Tensor, torch.Tensor, BlockAt], torch.Tensor | None] = position_mask
@@ -340,7 +347,7 @@ def make_ring_attention(parts: RingParts = REFERENCE_PARTS) -> Callable[..., Any
             raise ValueError(f"lengths names {len(lengths)} ranks but the group has {world}")
         if lengths[rank] != q.shape[1]:
             raise ValueError(f"rank {rank} holds {q.shape[1]} tokens but lengths says {lengths[rank]}")
-        pos = [p.to(q.device) for p in parts.positions(layout, lengths)]
+        pos = [parts.position_values(p.to(q.device), q.dtype) for p in parts.positions(layout, lengths)]
         kv_len = parts.kv_lengths(lengths)
         if kv_len[rank] != k.shape[1]:
             k, v = k[:, : kv_len[rank]], v[:, : kv_len[rank]]

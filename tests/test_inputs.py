@@ -40,3 +40,18 @@ def test_leak_queries_are_short_runs_inside_the_sequence():
     c = make_case(world_size=2, total_len=30, mask={"kind": "causal"}, seed=3)
     s = inputs.leak_queries(c)
     assert 1 <= s.numel() <= 6 and int(s.max()) < 30
+
+
+def test_leak_queries_add_a_run_past_the_dtypes_exact_integers_and_keep_the_others():
+    """Past 256 (bf16) / 2048 (fp16) a position computed in the input dtype rounds: one run of queries is there,
+    drawn after the first two, so a case that stays within the exact integers keeps its queries."""
+    short = make_case(world_size=2, total_len=250, mask={"kind": "causal"}, dtype="bf16", seed=3)
+    long = short.replace(seq_lens=(300, 300))
+    a, b = inputs.leak_queries(short).tolist(), inputs.leak_queries(long).tolist()
+    assert len(a) <= 6 and max(a) < 250
+    past = [q for q in b if q not in a]
+    assert len(past) >= 1 and all(256 <= q < 600 for q in past)
+    for dtype, limit in (("fp16", 2048), ("fp32", 1 << 24)):
+        c = long.replace(dtype=dtype, seq_lens=(1100, 1100))
+        extra = inputs.leak_queries(c).tolist()
+        assert (max(extra) >= limit) == (c.total_len > limit + 4)

@@ -8,4 +8,5 @@ FIGURES = {
     "speed": "harness.bench.speed",
     "oracle_growth": "harness.bench.oracle_growth",
     "oracle_split": "harness.bench.oracle_split",
+    "check_cost": "harness.bench.check_cost",
 }

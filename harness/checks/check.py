@@ -3,10 +3,10 @@
 Stages, in order: the growth check (harness.checks.growth: the same global case at W = 1, 2, 4, 8,
 whose error must not grow with W; first because it is cheap, ~16 small runs, and a per-step precision
 loss passes every single case, so after the battery it was found only after ~100 runs), the fixed
-battery (then probes of undeclared features and the capability matrix), the buffer-discipline fault
-stage, and the property-based run. `stop_at_first_failure` ends the
-check at the first failing case that `accept` takes (selftest accepts only failures that reproduce
-bit for bit); a failure it refuses is recorded and the check goes on.
+battery (then probes of undeclared features and the capability matrix), the scale stage (seven cases
+at training sizes: harness.search.scale), the buffer-discipline fault stage, and the property-based run.
+`stop_at_first_failure` ends the check at the first failing case that `accept` takes (selftest accepts only
+failures that reproduce bit for bit); a failure it refuses is recorded and the check goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from harness.runner import oracle_mode, run_case
 from harness.search import history
 from harness.search.battery import battery_pool_size, default_battery
 from harness.search.fuzz import FuzzOutcome
+from harness.search.scale import scale_cases
 from ring_impl.masks import MaskSpec
 
 # (world size, tokens, layout, mask) of the fault stage: W = 2 for the dk/dv ring, W >= 3 for a forward
@@ -48,7 +49,7 @@ FAULT_STAGE_SHAPES = (
 class Failure:
     """One failing case of a check: its stage, how many cases had run and how long it took to find it."""
 
-    stage: str  # "battery", "faults", "growth" or "property"
+    stage: str  # "growth", "battery", "scale", "faults", "property" or "shape"
     cases: int  # cases run by the check up to and including this one
     seconds: float  # since the check started
     result: CaseResult
@@ -63,6 +64,9 @@ class CheckOutcome:
 
     impl: str
     results: list[CaseResult] = field(default_factory=list)  # the fixed battery
+    scale_results: list[CaseResult] = field(default_factory=list)  # the scale stage
+    shape_results: list[CaseResult] = field(default_factory=list)  # --shape: the basics at the user's shape
+    shape: str = ""  # --shape: the shape, as b1,hq32,hkv8,d128,L8192,W8
     probe_results: list[CaseResult] = field(default_factory=list)
     fault_results: list[CaseResult] = field(default_factory=list)
     growth: growth_stage.GrowthOutcome | None = None
@@ -76,6 +80,7 @@ class CheckOutcome:
     histories: dict = field(default_factory=dict)  # failure signature -> its fresh-rank confirmation (HistoryFinding)
     hangs: int = 0  # failing cases that hung (the check stops at CheckOptions.max_hangs)
     finding_files: dict = field(default_factory=dict)  # probe finding signature -> [saved path, findings]
+    stage_seconds: dict = field(default_factory=dict)  # stage -> its wall time (growth, battery, scale, faults, ...)
 
     @property
     def findings(self) -> list[CaseResult]:
@@ -86,7 +91,8 @@ class CheckOutcome:
     def passed(self) -> bool:
         if self.follower:
             return True
-        return (all(r.passed for r in self.results) and all(fault_ok(r) for r in self.fault_results)
+        return (all(r.passed for r in self.results + self.scale_results + self.shape_results)
+                and all(fault_ok(r) for r in self.fault_results)
                 and (self.growth is None or self.growth.passed)
                 and (self.prop is None or self.prop.passed) and not self.findings)
 
@@ -222,19 +228,33 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         res.stopped, res.seconds = why, time.perf_counter() - start
         return res
 
-    too_big = [c for c in cases if c.pool_size > pool.size]
-    if too_big:
-        out(f"skipping {len(too_big)} case(s) that need more than the {pool.size} ranks started")
-        cases = [c for c in cases if c.pool_size <= pool.size]
     resolved = registry.resolve(impl, allow_import=allow_import)
     if not resolved.declared:
         out(f"note: {impl} is a bare function, so it declares every feature (every layout, mask and dtype, GQA, "
             "uneven splits, W 1-8, subgroups) and every case runs as supported; to declare what it supports, "
             "wrap it: harness.Impl(name, run, capabilities=harness.Capabilities(...)) (README: 'Validating your "
             "own implementation')")
+    if opts.shape is not None:
+        out(f"ring-harness check --shape: impl {impl}, {pool.backend} ranks ({opts.launcher}, {pool.size} ranks)")
+        _shape_run(pool, opts, caps, res, out, failed, save)
+        return finish()
+    too_big = [c for c in cases if c.pool_size > pool.size]
+    if too_big:
+        out(f"skipping {len(too_big)} case(s) that need more than the {pool.size} ranks started")
+        cases = [c for c in cases if c.pool_size <= pool.size]
     out(f"ring-harness check: {len(cases)} cases, impl {impl}, {pool.backend} ranks "
         f"({opts.launcher}, {pool.size} ranks)")
-    if _growth_stage(pool, opts, caps, res, out, failed):
+    mark = [time.perf_counter()]
+
+    def lap(stage: str) -> None:
+        """Close the stage that just ran: its wall time into res.stage_seconds."""
+        now = time.perf_counter()
+        res.stage_seconds[stage] = res.stage_seconds.get(stage, 0.0) + now - mark[0]
+        mark[0] = now
+
+    stopped_growth = _growth_stage(pool, opts, caps, res, out, failed)
+    lap("growth")
+    if stopped_growth:
         return finish(f"stopped at the growth check ({len(res.failures)} failing)")
     out(report.header())
     for i, c in enumerate(cases, 1):
@@ -265,10 +285,18 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
                      f"{r.detail}", features=feats)
     for line in format_matrix(matrix(caps, res.results, res.probe_results)):
         out(line)
-    if _fault_stage(pool, opts, caps, res, out, failed, save):
+    lap("battery")
+    stopped_scale = _scale_stage(pool, opts, caps, res, out, failed, save)
+    lap("scale")
+    if stopped_scale:
+        return finish(f"stopped at scale stage case {len(res.scale_results)} ({len(res.failures)} failing)")
+    stopped_faults = _fault_stage(pool, opts, caps, res, out, failed, save)
+    lap("faults")
+    if stopped_faults:
         return finish(f"stopped at fault stage case {len(res.fault_results)} ({len(res.failures)} failing)")
     before, t_prop = res.cases, elapsed()
     res.prop = prop_stage.run_property(opts, pool, [r for r in res.results if not r.passed], reporter=out)
+    lap("property")
     res.cases += res.prop.examples
     p = res.prop
     if p.found is not None:
@@ -276,6 +304,99 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         f = res.failures[-1]
         f.cases, f.seconds = before + (p.first_failure_example or 0), t_prop + (p.first_failure_s or 0.0)
     return finish()
+
+
+def shape_plan(opts: CheckOptions, caps: Capabilities, pool_size: int | None = None):
+    """(the user's shape plan with its runs' deadlines, its estimate), refused in one line when it cannot fit
+    or exceeds --shape-budget (harness.checks.shape)."""
+    from harness.checks import shape as shape_mod
+
+    p = shape_mod.plan(shape_mod.parse_shape(opts.shape), caps, opts.impl, opts.dtype, pool_size)
+    if not opts.growth:
+        p.growth = []
+    rates = shape_mod.Rates.measure()
+    est = shape_mod.estimate(p, rates)
+    shape_mod.refuse_or_accept(p, est, opts.shape_budget, opts.dtype)
+
+    def timed(c: Case) -> Case:
+        return c.replace(deadline_s=opts.deadline or shape_mod.deadline(c, rates))
+
+    p.basics = [timed(c) for c in p.basics]
+    p.growth = [{w: timed(c) for w, c in g.items()} for g in p.growth]
+    return p, est
+
+
+def _shape_run(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome, out: Reporter,
+               failed: Callable[..., bool], save: Callable[[CaseResult], None]) -> None:
+    """`--shape`: the growth check, then the basics, at exactly the user's shape (each basic run once, with the
+    leak run); the estimate first."""
+    from harness.judging import oracle
+
+    p, est = shape_plan(opts, caps, None if hasattr(pool, "ensure") else pool.size)  # a local pool grows to W
+    res.shape = p.shape.spec()
+    out(f"shape {p.shape.spec()}: {len(p.basics)} basics (layout x mask x dtype) + "
+        f"{sum(len(g) for g in p.growth)} growth-check runs (W {', '.join(map(str, p.growth_worlds))}); estimate "
+        f"here: {est.words()}")
+    for line in p.left_out:
+        out(f"    not declared, left out: {line}")
+    t0 = time.perf_counter()
+    if p.growth:
+        res.growth = g = growth_stage.growth_check(pool, opts, caps, out, planned=(p.growth_worlds, p.growth))
+        res.cases += sum(len(c.results) for c in g.cases)
+        for gc in g.failures:
+            out(f"        -> {gc.detail}")
+            if failed("growth", gc.results[gc.worst[0]], grown=gc):
+                return
+    res.stage_seconds["growth"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out(report.header())
+    for i, c in enumerate(p.basics, 1):
+        r = run_case(c, pool, opts.impl, allow_import=opts.allow_import)
+        oracle.forget(c)  # judged: its references are not needed again
+        res.shape_results.append(r)
+        res.cases += 1
+        out(report.row(i, len(p.basics), r))
+        for line in report.details(r):
+            out(line)
+        if not r.passed:
+            save(r)
+            if failed("shape", r):
+                return
+    res.stage_seconds["shape basics"] = time.perf_counter() - t0
+
+
+def scale_plan(opts: CheckOptions, caps: Capabilities) -> list[Case]:
+    """The scale stage's cases for `opts` (none with --no-scale)."""
+    if not opts.scale:
+        return []
+    return scale_cases(caps, opts.impl, opts.dtype, opts.deadline)
+
+
+def _scale_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome, out: Reporter,
+                 failed: Callable[[str, CaseResult], bool], save: Callable[[CaseResult], None]) -> bool:
+    """Run the scale stage into `res`; True when the check should stop at one of its failures. Each case runs
+    once (no repeat: the battery's repeat check covers state carried between calls), with the leak run."""
+    cases = scale_plan(opts, caps)
+    if not cases:
+        return False
+    impl, allow_import = opts.impl, opts.allow_import
+    fit = [c for c in cases if c.pool_size <= pool.size]
+    if len(fit) < len(cases):
+        out(f"scale stage: skipping {len(cases) - len(fit)} case(s) that need more than the {pool.size} ranks started")
+    out(f"scale stage: {len(fit)} cases at training sizes (kernel tiles {', '.join(map(str, caps.tiles))}: local "
+        "lengths past 1, 2 and 4 tiles; positions past bf16's 256 and fp16's 2048; head_dim 64-128, GQA, batch)")
+    for i, c in enumerate(fit, 1):
+        r = run_case(c, pool, impl, allow_import=allow_import)
+        res.scale_results.append(r)
+        res.cases += 1
+        out(report.row(i, len(fit), r))
+        for line in report.details(r):
+            out(line)
+        if not r.passed:
+            save(r)
+            if failed("scale", r):
+                return True
+    return False
 
 
 def _fault_stage(pool, opts: CheckOptions, caps: Capabilities, res: CheckOutcome, out: Reporter,
@@ -337,6 +458,9 @@ def outcome_json(res: CheckOutcome) -> dict:
     """Machine-readable results of a check (for --json)."""
     return {"impl": res.impl, "seconds": res.seconds, "passed": res.passed, "stopped": res.stopped,
             "results": [r.to_dict() for r in res.results],
+            "scale": [r.to_dict() for r in res.scale_results],
+            "shape": [r.to_dict() for r in res.shape_results],
+            "stage_seconds": dict(res.stage_seconds),
             "probes": [r.to_dict() for r in res.probe_results],
             "faults": [r.to_dict() for r in res.fault_results],
             "growth": None if res.growth is None else res.growth.to_dict(),
@@ -352,8 +476,11 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     opts = (opts or CheckOptions()).validate()
     out = reporter or report.out
     caps = registry.resolve(opts.impl, allow_import=opts.allow_import).capabilities
-    cases, probes = battery_plan(opts, caps)
-    size = max(battery_pool_size(cases + probes), growth_pool_size(opts, caps))
+    if opts.shape is not None:  # the estimate (or the refusal) before any rank starts
+        size = shape_plan(opts, caps)[0].shape.world_size
+    else:
+        cases, probes = battery_plan(opts, caps)
+        size = max(battery_pool_size(cases + probes + scale_plan(opts, caps)), growth_pool_size(opts, caps))
     with open_pool(opts.launcher, opts.backend, size) as pool:
         if pool is None:  # a torchrun follower rank: rank 0 reports
             return CheckOutcome(impl=opts.impl, follower=True)
@@ -361,6 +488,10 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
             raise HarnessError(f"--world-size {opts.world_size} needs {opts.world_size} ranks but {opts.launcher} "
                                f"started {pool.size}: pass --world-size {pool.size} or start more processes")
         res = CheckOutcome(impl=opts.impl)
+        t0 = time.perf_counter()
+        if hasattr(pool, "ensure"):  # start the local pool's ranks now, so their start is not a stage's time
+            pool.ensure(pool.size)
+        res.stage_seconds["ranks start"] = time.perf_counter() - t0
         try:
             with oracle_mode(opts.oracle):
                 run_check(pool, opts, reporter=out, outcome=res)
@@ -370,7 +501,8 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
                 report.write_json(opts.json, {"command": "check", "interrupted": True, **outcome_json(res)})
                 out(f"interrupted: what finished is in {opts.json}")
             raise
-    out(report.summary(res.results + res.fault_results, res.seconds))
+    out(report.summary(res.results + res.scale_results + res.shape_results + res.fault_results, res.seconds))
+    out("stages (wall s): " + ", ".join(f"{k} {v:.1f}" for k, v in res.stage_seconds.items()))
     out(verdict_line(res))
     if opts.json:
         report.write_json(opts.json, {"command": "check", **outcome_json(res)})
@@ -380,19 +512,31 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
 def verdict_line(res: CheckOutcome) -> str:
     """The last line of a check: what its exit status means, which stage failed, how many distinct
     failures (one saved file each)."""
+    if res.passed and res.shape:
+        g = res.growth
+        n_growth = sum(len(c.results) for c in g.cases) if g else 0
+        return (f"check PASSED (exit 0): {len(res.shape_results)} basics and {n_growth} growth-check runs at shape "
+                f"{res.shape} of {res.impl}")
     if res.passed:
         n_prop = res.prop.examples if res.prop else 0
         g = res.growth
         n_growth = sum(len(c.results) for c in g.cases) if g else 0
         worst = max((c.worst for c in g.cases if c.worst), key=lambda x: x[2], default=None) if g else None
         grew = f" (worst x{worst[2]:.2f}, {worst[1]} at W{worst[0]})" if worst else ""
-        return (f"check PASSED (exit 0): {len(res.results)} battery, {len(res.fault_results)} fault-stage, "
-                f"{n_growth} growth-check{grew} and {n_prop} property-based cases of {res.impl}")
+        return (f"check PASSED (exit 0): {len(res.results)} battery, {len(res.scale_results)} scale, "
+                f"{len(res.fault_results)} fault-stage, {n_growth} growth-check{grew} and {n_prop} property-based "
+                f"cases of {res.impl}")
     stages = []
     bad_battery = sum(not r.passed for r in res.results)
+    bad_scale = sum(not r.passed for r in res.scale_results)
+    bad_shape = sum(not r.passed for r in res.shape_results)
+    if bad_shape:
+        stages.append(f"at your shape {bad_shape}/{len(res.shape_results)} basics")
     bad_faults = sum(not fault_ok(r) for r in res.fault_results)
     if bad_battery:
         stages.append(f"battery {bad_battery}/{len(res.results)} cases")
+    if bad_scale:
+        stages.append(f"scale stage {bad_scale}/{len(res.scale_results)} cases")
     if bad_faults:
         stages.append(f"fault stage {bad_faults}/{len(res.fault_results)} cases")
     if res.growth is not None and not res.growth.passed:

@@ -198,11 +198,13 @@ def _line(gc: GrowthCase, worlds: tuple[int, ...]) -> str:
     return f"    {gc.label:<34} " + "  ".join(cells) + f"  {status}"
 
 
-def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> GrowthOutcome:
-    """Run the growth check of `opts.impl` on `pool` (see the module docstring); lines go to `reporter`."""
+def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter,
+                 planned: tuple[tuple[int, ...], list[dict[int, Case]]] | None = None) -> GrowthOutcome:
+    """Run the growth check of `opts.impl` on `pool` (see the module docstring); lines go to `reporter`.
+    `planned`: (ring sizes, [{W: case}]) to run instead of `plan`'s (the user's shape: harness.checks.shape)."""
     start = time.perf_counter()
     res = GrowthOutcome(impl=opts.impl)
-    worlds, plans = plan(caps, pool.size, opts.dtype, opts.impl)
+    worlds, plans = planned if planned is not None else plan(caps, pool.size, opts.dtype, opts.impl)
     res.world_sizes = worlds
     if not plans:
         res.skipped = ("needs fp16 or bf16 (rounding to fp32 is exact)" if len(worlds) >= 2
@@ -217,7 +219,7 @@ def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter) -> Grow
         gc = GrowthCase(label=f"{c0.dtype} {c0.layout} {c0.mask.kind} h{c0.heads_q} d{c0.head_dim} L{c0.total_len}",
                         cases=cases)
         for w, c in cases.items():
-            if opts.deadline is not None:  # --deadline holds for every stage's runs
+            if opts.deadline is not None and planned is None:  # --deadline holds for every stage's runs
                 c = cases[w] = c.replace(deadline_s=opts.deadline)
             r = run_case(c, pool, opts.impl, allow_import=opts.allow_import, leak=False, keep_shards=True)
             e = rms_errors(r)

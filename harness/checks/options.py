@@ -93,6 +93,9 @@ class CheckOptions:
     max_hangs: int = 3  # stop after this many hanging cases (each waits out its deadline); 0: no limit
     repeat: bool = True  # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
     growth: bool = True  # the growth check: the same global case at W = 1, 2, 4, 8; error must not grow with W
+    scale: bool = True  # the scale stage, and property-based sizes at scale (False: toy sizes only, as before #29)
+    shape: str | None = None  # e.g. "b1,hq32,hkv8,d128,L8192,W8": the basics and the growth check at that shape only
+    shape_budget: float = 3600.0  # seconds: a --shape plan estimated to take longer is refused up front
     oracle: str = "ranks"  # ranks: each rank computes its query rows' share after its run; local: this process
 
     @property
@@ -122,6 +125,12 @@ class CheckOptions:
             raise HarnessError(f"--maxfail must be at least 1, got {self.maxfail}")
         if self.max_hangs < 0:
             raise HarnessError(f"--max-hangs must be >= 0 (0: no limit), got {self.max_hangs}")
+        if self.shape is not None:
+            from harness.checks.shape import parse_shape
+
+            parse_shape(self.shape)
+        if not self.shape_budget > 0:
+            raise HarnessError(f"--shape-budget must be > 0 seconds, got {self.shape_budget:g}")
         if self.plot:
             from harness.diagnose.plot import _pyplot
 

@@ -58,7 +58,7 @@ class FuzzProgress:
         fails = f", {out.failures} failing" if out.failures else ", no failure"
         return (f"property-based [{phase}]: {out.examples}/{self.max_examples} examples{fails}, "
                 f"{out.runs} runs in {out.seconds:.1f} s ({_rate(out.runs, out.seconds):.1f} cases/s, "
-                f"budget {self.budget_s:g} s)")
+                + (f"budget {self.budget_s:g} s)" if self.budget_s != float("inf") else "no time budget)"))
 
     def __call__(self, out, phase: str) -> None:
         if self._bar is not None:

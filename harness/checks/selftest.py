@@ -313,7 +313,8 @@ def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = No
     stage = ",".join(parse_kinds(copts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT))
     out(f"ring-harness selftest: {sum(n != REFERENCE for n in names)} mutant(s){ref} through the default check "
         f"(battery W{copts.world_size}, fault stage {stage}, property-based {prof.name}: {prof.max_examples} "
-        f"examples / {prof.time_budget_s:g} s), {os.cpu_count()} cores; logs in {work / 'logs'}")
+        f"examples{'' if prof.time_budget_s == float('inf') else f' / {prof.time_budget_s:g} s'}), {os.cpu_count()} "
+        f"cores; logs in {work / 'logs'}")
     out(km.COLS)
     pids: set[int] = set()
     start = time.perf_counter()

@@ -45,6 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-growth", dest="growth", action="store_false", default=S,
                    help="skip the growth check (the same global case at W = 1, 2, 4, 8: the error must not grow "
                         "with the ring size)")
+    p.add_argument("--no-scale", dest="scale", action="store_false", default=S,
+                   help="skip the scale stage and draw property-based cases at toy sizes (<= 64 tokens, head_dim "
+                        "<= 32), as the check did before the scale stage")
+    p.add_argument("--shape", metavar="SPEC", default=S,
+                   help="your training shape, e.g. b1,hq32,hkv8,d128,L8192,W8 (batch, query heads, kv heads, "
+                        "head_dim, tokens, ranks): run the layout x mask x dtype basics and the growth check at "
+                        "exactly that shape, after an estimate of their time and memory here (refused when it cannot "
+                        "fit)")
+    p.add_argument("--shape-budget", type=float, default=S, metavar="SECONDS",
+                   help="refuse a --shape whose estimated time exceeds this" + hint(C, "shape_budget"))
     g = p.add_argument_group("property-based stage")
     g.add_argument("--profile", choices=("ci", "nightly"), default=S,
                    help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, large budget"

@@ -142,6 +142,11 @@ def store(case: Case, refs: tuple[Reference, Reference]) -> None:
     _CACHE[_key(case)] = refs
 
 
+def forget(case: Case) -> None:
+    """Drop a case's cached references (a large case's are gigabytes once judged)."""
+    _CACHE.pop(_key(case), None)
+
+
 def references(case: Case) -> tuple[Reference, Reference]:
     """(float64 reference, same-dtype base) for a case: the ranks' assembled shares when `store`d,
     else computed here (`local`); cached because shrinking and replays re-run the same inputs under

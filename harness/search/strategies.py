@@ -10,15 +10,21 @@ the seed inside the ranks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hypothesis import strategies as st
 
 from harness.case import Case, make_case
 from harness.context import Capabilities
+from harness.dtypes import EXACT_INTEGERS
 from harness.impls.capabilities import divisible_heads, odd_lengths
 from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
 from ring_impl.masks import COMBINATORS, EXPR, MASK_KINDS, WINDOW_RIGHT, Expr, MaskSpec, prim
 
 DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
+FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)  # the head dims flash kernels are compiled for
+EXACT_LIMITS = tuple(sorted(n for n in EXACT_INTEGERS.values() if n < 1 << 16))  # bf16's and fp16's: beyond
+#                             them a position computed in the input dtype rounds
 VALUE_KINDS = ("normal", "large", "near-tie")
 MAX_DOCS = 6
 SMALL_WINDOW = 3
@@ -56,6 +62,87 @@ def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True, i
     if not any(lens):  # idle ranks, but not all of them
         lens[-1] = 1
     return tuple(lens)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How large a drawn case may be (`cases(sizes=...)`; the profiles' are `SIZES`). Local lengths are drawn
+    log-uniformly up to `max_local` (and `max_total` in all), or on a kernel tile edge (k * tile +- 1), or so
+    that the last positions pass a dtype's exact integers (EXACT_LIMITS) where `max_total` reaches them; head
+    dims from 1-32 or the flash set; `max_work` caps batch x heads_q x max(head_dim, WORK_DIM) x total^2 (what a
+    case costs the ring and the oracle): batch, then heads, then head_dim give way, never the lengths."""
+
+    max_local: int
+    max_total: int
+    max_head_dim: int = 128
+    max_heads: int = 32
+    max_batch: int = 4
+    max_work: int = 1 << 25
+
+
+WORK_DIM = 32  # a score entry costs about as much as 32 multiply-adds of q.k (exp, mask, softmax, backward)
+SIZES = {
+    # hundreds of tokens a rank (1-4 tiles of 64), totals past bf16's 256; fp16's 2048 is the scale stage's
+    "ci": Sizes(max_local=320, max_total=1100),
+    "nightly": Sizes(max_local=4096, max_total=32768, max_head_dim=256, max_work=1 << 31),
+}
+
+
+def _log_int(draw, cap: int) -> int:
+    """1..cap, log-uniform; shrinks towards 1 through every integer on the way (steps < 1 token below ~150)."""
+    e = draw(st.integers(0, 1000))
+    return max(1, min(cap, round(cap ** (e / 1000))))
+
+
+@st.composite
+def scaled_lens(draw, world_size: int, sizes: Sizes, tiles: tuple[int, ...] = (64, 128), uneven: bool = True,
+                idle: bool = False) -> tuple[int, ...]:
+    """Per-rank lengths at scale: a local length drawn log-uniformly (up to sizes.max_local), on a tile edge
+    (k * tile +- 1: a rank's last tile holds one token, or is one short of full) or so that the sequence
+    ends just past a dtype's exact integers; then an even split of W x that length or an uneven one around
+    it (idle ranks where declared). The local length is drawn independently of W, so shrinking the world
+    size keeps it, and it shrinks to the smallest failing one: log-uniform draws reach every integer."""
+    w = world_size
+    cap = max(1, min(sizes.max_local, sizes.max_total // w))
+    mode = draw(st.sampled_from(("log", "tile-edge", "exact-limit")))
+    total = None
+    if mode == "log":
+        local = _log_int(draw, cap)
+    elif mode == "tile-edge":
+        t = draw(st.sampled_from([t for t in tiles if t < cap] or [min(tiles)]))
+        k = draw(st.integers(1, max(1, (cap - 1) // t)))
+        local = max(1, min(cap, k * t + draw(st.sampled_from((1, -1)))))
+    else:
+        lim = draw(st.sampled_from([x for x in EXACT_LIMITS if x + 1 < w * cap] or [EXACT_LIMITS[0]]))
+        total = lim + draw(st.integers(1, 2 * w + 3))  # the last positions: lim + 1, ... (odd ones round)
+        local = max(1, min(cap, -(-total // w)))
+        total = min(total, local * w)
+    total = max(total or local * w, w)
+    if not uneven or not draw(st.booleans()):
+        return (max(1, total // w),) * w if not uneven else tuple(split_lengths(total, w))
+    lens = [draw(st.integers(0 if idle and w > 1 else 1, max(1, min(cap, 2 * local)))) for _ in range(w)]
+    if not any(lens):  # idle ranks, but not all of them
+        lens[-1] = 1
+    return tuple(lens)
+
+
+def within_work(sizes: Sizes, total: int, batch: int, heads_q: int, heads_kv: int,
+                head_dim: int) -> tuple[int, int, int, int]:
+    """(batch, heads_q, heads_kv, head_dim) cut down until batch x heads_q x max(head_dim, WORK_DIM) x total^2 <=
+    sizes.max_work: batch to 1, then the heads halved (the GQA ratio kept while it can be), then head_dim halved
+    (to WORK_DIM at least: below it a case costs no less)."""
+    def work() -> int:
+        return batch * heads_q * max(head_dim, WORK_DIM) * total * total
+
+    if work() > sizes.max_work:
+        batch = 1
+    while work() > sizes.max_work and heads_q > 1:
+        heads_q, heads_kv = max(1, heads_q // 2), max(1, heads_kv // 2)
+        if heads_q % heads_kv:
+            heads_kv = 1
+    while work() > sizes.max_work and head_dim > WORK_DIM:
+        head_dim = max(WORK_DIM, head_dim // 2)
+    return batch, heads_q, heads_kv, head_dim
 
 
 def _even_within_budget(lens: tuple[int, ...]) -> tuple[int, ...]:
@@ -191,11 +278,15 @@ def heads(draw, gqa: bool = True, max_heads: int = 6) -> tuple[int, int]:
     return kv * groups, kv
 
 
-def _head_dims(caps: Capabilities, max_head_dim: int) -> st.SearchStrategy[int]:
+def _head_dims(caps: Capabilities, max_head_dim: int, flash: bool = False) -> st.SearchStrategy[int]:
+    """A declared head dim, else 1..32 and (with `flash`) the flash set up to `max_head_dim`."""
     if caps.head_dims:
         dims = sorted(d for d in caps.head_dims if d <= max_head_dim) or [min(caps.head_dims)]
         return st.sampled_from(dims)
-    return st.integers(1, max_head_dim)
+    small = st.integers(1, min(32, max_head_dim))
+    if not flash:
+        return st.integers(1, max_head_dim)
+    return st.one_of(small, st.sampled_from([d for d in FLASH_HEAD_DIMS if d <= max_head_dim] or [max_head_dim]))
 
 
 @st.composite
@@ -212,8 +303,12 @@ def cases(
     max_heads: int = 6,
     subgroups: bool = True,
     deadline_s: float = 60.0,
+    sizes: Sizes | None = None,
 ) -> Case:
-    """A whole Case the implementation declares it supports, small enough to run in ~0.1 s.
+    """A whole Case the implementation declares it supports. Without `sizes`: small enough to run in ~0.1 s
+    (`max_tokens` in all, `max_head_dim`, `max_batch`, `max_heads`); with `sizes` (e.g. SIZES["ci"], what the
+    default check draws): at scale, aimed at the implementation's kernel tiles (`Capabilities.tiles`) and the
+    dtypes' exact integers.
 
     `pool_size` bounds world_size + group_offset (a ring inside a subgroup of the pool). Where the
     capabilities say so, zigzag cases get even local lengths (`zigzag_odd=False`: an odd length is made
@@ -229,17 +324,28 @@ def cases(
     # always one draw (a skipped draw would make large rings look "simpler" to the shrinker)
     inside = subgroups and getattr(caps, "subgroups", True)  # False: the ring must be global ranks 0..W-1
     offset = draw(st.integers(0, max(0, pool_size - lo))) % (pool_size - w + 1) if inside else 0
-    lens = draw(seq_lens(w, max(max_tokens, w), caps.uneven, getattr(caps, "idle_ranks", False)))
+    idle = getattr(caps, "idle_ranks", False)
+    if sizes is None:
+        lens = draw(seq_lens(w, max(max_tokens, w), caps.uneven, idle))
+    else:
+        lens = draw(scaled_lens(w, sizes, caps.tiles, caps.uneven, idle))
+        max_heads, max_head_dim, max_batch = sizes.max_heads, sizes.max_head_dim, sizes.max_batch
     hq, hkv = draw(heads(caps.gqa, max_heads))
+    head_dim = draw(_head_dims(caps, max_head_dim, flash=sizes is not None))
+    batch = draw(st.integers(1, max_batch))
+    if sizes is not None:
+        batch, hq, hkv, d = within_work(sizes, sum(lens), batch, hq, hkv, head_dim)
+        head_dim = d if not caps.head_dims else head_dim  # a declared head dim stays (heads and batch gave way)
     if caps.heads_divisible_by_world:
         hq, hkv = divisible_heads(hq, hkv, w)
-    head_dim = draw(_head_dims(caps, max_head_dim))
-    batch = draw(st.integers(1, max_batch))
     layout = draw(st.sampled_from(_ordered(caps.layouts, LAYOUTS, "layout")))
     if layout == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
         lens = _even_within_budget(lens)
     total = sum(lens)
-    mask = draw(masks(total, tuple(sorted(caps.masks)), tuple(boundary_positions(layout, lens))))
+    edges = boundary_positions(layout, lens)
+    if sizes is not None:  # mask edges also just past the dtypes' exact integers
+        edges = sorted({*edges, *(x + 1 for x in EXACT_LIMITS if x + 1 < total)})
+    mask = draw(masks(total, tuple(sorted(caps.masks)), tuple(edges)))
     dtype = draw(st.sampled_from(_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))
     values = draw(st.sampled_from(VALUE_KINDS))
     scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0, allow_nan=False, allow_infinity=False)))
@@ -249,4 +355,5 @@ def cases(
                      seed=seed, impl=impl, deadline_s=deadline_s)
 
 
-__all__ = ["boundary_positions", "cases", "expressions", "heads", "masks", "primitives", "seq_lens"]
+__all__ = ["SIZES", "Sizes", "boundary_positions", "cases", "expressions", "heads", "masks", "primitives",
+           "scaled_lens", "seq_lens"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ring_impl.mutants import comm, grads, history, mask_language, masks, merges, precision, shapes
+from ring_impl.mutants import comm, grads, history, mask_language, masks, merges, precision, scale, shapes
 
 _ALL = [
     merges.naive_merge_sum,
@@ -43,6 +43,9 @@ _ALL = [
     mask_language.prefix_off_by_one,
     mask_language.nan_on_empty_row,
     mask_language.idle_rank_output_uninitialised,
+    scale.tile_tail_dropped,
+    scale.positions_in_input_dtype,
+    scale.head_dim_dispatch_slip,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

@@ -430,7 +430,7 @@ def test_heads_key_and_words():
 
 def test_the_new_fields_are_in_the_dict_form():
     d = Capabilities().to_dict()
-    assert d["zigzag_odd"] is True and d["heads_divisible_by_world"] is False
+    assert d["zigzag_odd"] is True and d["heads_divisible_by_world"] is False and d["tiles"] == [64, 128]
     d = ODD_HEADS.to_dict()
     assert d["zigzag_odd"] is False and d["heads_divisible_by_world"] is True
 
@@ -559,3 +559,13 @@ def test_adapt_of_any_drawn_case_is_supported():
                 assert a.mask.doc_starts[0] == 0 and max(a.mask.doc_starts) < a.total_len
 
     check()
+
+
+def test_kernel_tiles_take_any_integers_and_refuse_the_rest_in_one_line():
+    from harness.errors import ImplError
+
+    assert Capabilities(tiles=[128, 64, 64]).tiles == (64, 128) and Capabilities(tiles=96).tiles == (96,)
+    for bad in ((), ("64",), (0,), (True,), "64", 1.5):
+        with pytest.raises(ImplError, match=r"^Capabilities.tiles: expected tile sizes in tokens") as e:
+            Capabilities(tiles=bad)
+        assert "\n" not in str(e.value)

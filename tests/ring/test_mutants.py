@@ -15,7 +15,8 @@ from ring_impl.mutants import MUTANTS
 
 # the public projects the zoo's reports come from, or an explicit statement that there is no single one
 SOURCES = ("ring-flash-attention", "ring-attention-pytorch", "long-context-attention", "yunchang", "EasyContext",
-           "diffusers", "Striped Attention", "flash-attn", "MagiAttention", "Megatron-LM", "no single public report")
+           "diffusers", "Striped Attention", "flash-attn", "MagiAttention", "Megatron-LM", "pytorch/pytorch",
+           "GPT-NeoX", "TransformerEngine", "no single public report")
 
 
 def test_importing_the_reference_does_not_import_the_mutants():
@@ -110,3 +111,35 @@ def test_per_step_rounding_mutants_are_the_reference_on_one_rank_and_for_fp32(na
             out.backward(do)
             outs.append([out, lse, qq.grad, kk.grad, vv.grad])
         assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def _run(fn, length, head_dim, dtype, mask):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(1, length, 2, head_dim, generator=g).to(dtype) for _ in range(4))
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = fn(qq, kk, vv, mask=mask, return_lse=True)
+    out.backward(do)
+    return [out, lse, qq.grad, kk.grad, vv.grad]
+
+
+@pytest.mark.parametrize("name, at_edge, past_edge", [
+    ("tile-tail-dropped", (64, 32, "fp32"), (65, 32, "fp32")),  # one 64-key tile, then one key more
+    ("positions-in-input-dtype", (257, 16, "bf16"), (260, 16, "bf16")),  # 0..256 exact; 259 rounds to 260
+    ("head-dim-dispatch-slip", (9, 64, "fp32"), (9, 80, "fp32")),  # the 64 kernel's head dims, then 80
+])
+def test_scale_mutants_are_the_reference_up_to_their_edge_and_wrong_past_it(name, at_edge, past_edge):
+    """Why the toy check cannot see them: bit-identical to the reference while a rank holds <= 64 tokens, every
+    position is an exact bf16 integer and head_dim <= 64 (the battery, growth check and toy property sizes stay
+    inside; tests/checks/test_scale_stage.py runs them), different one step past."""
+    import torch
+
+    from harness.dtypes import TORCH_DTYPES
+    from ring_impl import ring_attention
+    from ring_impl.masks import MaskSpec
+
+    for (length, d, dt), same in ((at_edge, True), (past_edge, False)):
+        ref, mut = (_run(fn, length, d, TORCH_DTYPES[dt], MaskSpec("causal")) for fn in (ring_attention, MUTANTS[name]))
+        identical = all(torch.equal(a, b) for a, b in zip(ref, mut, strict=True))
+        assert identical == same, (name, length, d, dt)

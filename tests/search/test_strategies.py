@@ -50,7 +50,7 @@ def test_never_draws_odd_zigzag_lengths_or_indivisible_heads_where_undeclared(c,
             assert all(n % 2 == 0 for n in case.seq_lens)
         assert case.heads_q % case.world_size == 0 and case.heads_kv % case.world_size == 0
         assert case.heads_q % case.heads_kv == 0
-        assert case.total_len <= 64  # odd lengths are made even within the budget
+        assert case.total_len <= 64 + case.world_size  # odd lengths made even: one less, a 1-token shard one more
         if case.mask.kind == "document":
             assert case.mask.doc_starts[0] == 0 and case.mask.doc_starts[-1] < case.total_len
     assert len(set(narrow.seq_lens)) == 1 and narrow.heads_q == narrow.heads_kv
@@ -156,3 +156,64 @@ def test_refuses_capabilities_it_cannot_satisfy():
     caps = Capabilities(world_sizes=(16, 32))
     with pytest.raises(ValueError, match="world sizes"):
         find(strategies.cases(caps), lambda c: True, settings=SHRINK)
+
+
+# -- sizes at scale (the default check's property-based stage: strategies.SIZES) -----------------------------
+
+CI = strategies.SIZES["ci"]
+SCALE = {
+    "a rank past one 64-token tile, not a multiple": lambda c: any(n > 64 and n % 64 for n in c.seq_lens),
+    "a rank past two 128-token tiles": lambda c: any(n > 256 and n % 128 for n in c.seq_lens),
+    "one token past a tile": lambda c: any(n % 64 == 1 and n > 64 for n in c.seq_lens),
+    "one token short of a tile": lambda c: any(n % 64 == 63 for n in c.seq_lens),
+    "bf16 positions past 256": lambda c: c.dtype == "bf16" and c.total_len > 256,
+    "bf16 document starting past 256": lambda c: c.dtype == "bf16" and c.mask.kind == "document"
+    and max(c.mask.doc_starts) > 256,
+    "head_dim 64": lambda c: c.head_dim == 64,
+    "head_dim 128": lambda c: c.head_dim == 128,
+    "head_dim 80 or 96": lambda c: c.head_dim in (80, 96),
+    "16+ query heads, GQA": lambda c: c.heads_q >= 16 and c.heads_kv > 1 and c.heads_q > c.heads_kv,
+    "batch 3-4": lambda c: c.batch >= 3,
+    "W=8 past a tile each": lambda c: c.world_size == 8 and min(c.seq_lens) > 64,
+}
+
+
+@pytest.mark.parametrize("what", sorted(SCALE))
+def test_sizes_at_scale_reach(what):
+    find(strategies.cases(sizes=CI), SCALE[what], settings=SEARCH)
+
+
+@FAST
+@given(strategies.cases(sizes=CI))
+def test_sizes_at_scale_stay_within_their_caps(c):
+    assert max(c.seq_lens) <= CI.max_local and c.total_len <= CI.max_total
+    assert c.head_dim <= CI.max_head_dim and c.heads_q <= CI.max_heads and c.batch <= CI.max_batch
+    work = c.batch * c.heads_q * max(c.head_dim, strategies.WORK_DIM) * c.total_len ** 2
+    assert work <= max(CI.max_work, strategies.WORK_DIM * c.total_len ** 2)  # batch, heads, head_dim give way
+
+
+@FAST
+@given(strategies.cases(Capabilities(tiles=(48,), head_dims=(64, 128)), sizes=CI))
+def test_declared_head_dims_are_kept_and_tiles_aimed_at(c):
+    assert c.head_dim in (64, 128)
+
+
+def test_declared_tiles_are_aimed_at():
+    find(strategies.cases(Capabilities(tiles=(48,)), sizes=CI), lambda c: any(n % 48 in (1, 47) and n > 48
+                                                                                for n in c.seq_lens), settings=SEARCH)
+
+
+def test_a_tile_tail_failure_shrinks_to_one_token_past_the_tile():
+    c = find(strategies.cases(sizes=CI), lambda c: any(n > 64 and n % 64 for n in c.seq_lens), settings=SHRINK)
+    assert (c.world_size, c.seq_lens, c.heads_q, c.head_dim, c.batch) == (1, (65,), 1, 1, 1)
+
+
+def test_a_dtype_limit_failure_shrinks_to_the_first_inexact_position():
+    c = find(strategies.cases(sizes=CI), lambda c: c.dtype == "bf16" and c.mask.is_causal and c.total_len > 256,
+             settings=SHRINK)
+    assert (c.world_size, c.total_len, c.mask.kind, c.dtype) == (1, 257, "causal", "bf16")
+
+
+def test_a_head_dim_failure_shrinks_to_the_smallest_failing_head_dim():
+    c = find(strategies.cases(sizes=CI), lambda c: c.head_dim > 64, settings=SHRINK)
+    assert (c.world_size, c.seq_lens, c.head_dim) == (1, (1,), 80)

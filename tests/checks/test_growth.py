@@ -100,7 +100,7 @@ def test_the_default_check_runs_the_growth_stage(pool, tmp_path):
     from harness.checks.report import ListReporter
 
     opts = CheckOptions(impl="mutant:out-merge-in-input-dtype", dtype="bf16", max_examples=0, fault_stage=(),
-                        repeat=False, save_dir=str(tmp_path))
+                        repeat=False, scale=False, save_dir=str(tmp_path))
     rep = ListReporter()
     res = run_check(pool, opts, reporter=rep)
     assert all(r.passed for r in res.results)  # no single case shows it

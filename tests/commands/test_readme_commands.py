@@ -52,6 +52,8 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
         ("skip: two GPU nodes", None, None),
     "ring-harness check --impl mypkg.attn:my_ring": ("slow", 0, None),  # mypkg/attn.py written into the cwd
     "ring-harness impls": ("fast", 0, None),
+    "ring-harness check --shape b1,hq32,hkv8,d128,L8192,W8": ("fast", 2, None),  # refused up front, one line
+    "ring-harness check --shape b1,hq8,hkv2,d128,L520,W4 --dtype bf16": ("slow", 0, None),
     "ring-harness selftest": ("slow", 0, None),
     "ring-harness selftest --only gqa-repeat,reference --json selftest.json": ("slow", 0, None),
     "ring-harness selftest --only reference --false-alarm-cases 2000":

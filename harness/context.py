@@ -7,7 +7,7 @@ autograd with the local dout and reads q/k/v `.grad`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 from harness.dtypes import DTYPES, TORCH_DTYPES  # noqa: F401 - re-exported (`from harness.context import DTYPES`)
 from harness.errors import ImplError
 from ring_impl.layouts import LAYOUTS
-from ring_impl.masks import MASK_KINDS, MaskSpec
+from ring_impl.masks import MASK_FEATURES, MASK_KINDS, MaskSpec
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,24 @@ class Capabilities:
     tiles: tuple[int, ...] = DEFAULT_TILES  # the kernel's tile sizes in tokens: the scale stage aims at their edges
 
     def __post_init__(self) -> None:
-        tiles = (self.tiles,) if isinstance(self.tiles, int) else self.tiles
-        ok = isinstance(tiles, (tuple, list, set, frozenset)) and len(tiles) > 0 and all(
-            isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= 1 << 16 for t in tiles)
-        if not ok:
-            raise ImplError(f"Capabilities.tiles: expected tile sizes in tokens (integers 1..65536), e.g. (64, 128); "
-                            f"got {self.tiles!r}")
-        object.__setattr__(self, "tiles", tuple(sorted(set(tiles))))
+        """Check every field and normalise it (any iterable of names -> frozenset; head_dims and tiles -> sorted
+        tuples); a wrong one raises ImplError naming the field, so a declaration mistake is exit 2, never a run."""
+        for name, known in (("layouts", LAYOUTS), ("masks", MASK_FEATURES), ("dtypes", DTYPES),
+                            ("backends", BACKENDS)):
+            object.__setattr__(self, name, _names(name, getattr(self, name), known))
+        for name in ("gqa", "uneven", "backward", "returns_lse", "subgroups", "zigzag_odd",
+                     "heads_divisible_by_world", "idle_ranks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ImplError(f"Capabilities.{name}: expected True or False, got {getattr(self, name)!r}")
+        ws = self.world_sizes
+        if not (isinstance(ws, (tuple, list)) and len(ws) == 2 and all(_is_int(w) for w in ws)
+                and 1 <= ws[0] <= ws[1]):
+            raise ImplError(f"Capabilities.world_sizes: expected an inclusive range (lo, hi) of ring sizes with "
+                            f"1 <= lo <= hi, e.g. (1, 8); got {ws!r}")
+        object.__setattr__(self, "world_sizes", (int(ws[0]), int(ws[1])))
+        if self.head_dims is not None:
+            object.__setattr__(self, "head_dims", _ints("head_dims", self.head_dims, "e.g. (64, 128)", 1 << 16))
+        object.__setattr__(self, "tiles", _ints("tiles", self.tiles, "tile sizes in tokens, e.g. (64, 128)", 1 << 16))
 
     def to_dict(self) -> dict:
         return {
@@ -104,6 +115,35 @@ class Capabilities:
         }
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _names(field_name: str, value: Any, known: tuple[str, ...]) -> frozenset[str]:
+    """An iterable of known names (a set, tuple, list, ...) as a frozenset; one ImplError line otherwise."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ImplError(f"Capabilities.{field_name}: expected a collection of names, e.g. {{{known[0]!r}}}; "
+                        f"got {value!r}")
+    names = list(value)
+    bad = [n for n in names if not isinstance(n, str) or n not in known]
+    if bad:
+        raise ImplError(f"Capabilities.{field_name}: unknown {field_name[:-1]} {bad[0]!r}; expected some of "
+                        f"{', '.join(known)}")
+    return frozenset(names)
+
+
+def _ints(field_name: str, value: Any, example: str, hi: int) -> tuple[int, ...]:
+    """Positive integers (one, or any collection of them) as a sorted tuple; one ImplError line otherwise."""
+    items = (value,) if _is_int(value) else value
+    items = None if isinstance(items, str) or not isinstance(items, Iterable) else list(items)
+    if not items or not all(_is_int(x) and 1 <= x <= hi for x in items):
+        raise ImplError(f"Capabilities.{field_name}: expected integers 1..{hi}, {example}; got {value!r}")
+    return tuple(sorted(set(items)))
+
+
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RunContext], Any]
 
 
@@ -121,3 +161,15 @@ class Impl:
     version: str = "unknown"
     deterministic: bool = True
     declared: bool = True  # False: a bare function; its capabilities are the defaults, not a declaration
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ImplError(f"Impl.name: expected a non-empty string, got {self.name!r}")
+        if not callable(self.run):
+            raise ImplError(f"Impl {self.name!r}: run must be a callable run(q, k, v, ctx), got {self.run!r}")
+        if not isinstance(self.capabilities, Capabilities):
+            raise ImplError(f"Impl {self.name!r}: capabilities must be a harness.Capabilities(...), got "
+                            f"{type(self.capabilities).__name__}")
+        for name in ("deterministic", "declared"):
+            if not isinstance(getattr(self, name), bool):
+                raise ImplError(f"Impl {self.name!r}: {name} must be True or False, got {getattr(self, name)!r}")

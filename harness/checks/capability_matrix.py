@@ -22,8 +22,9 @@ class MatrixRow:
     probes: dict[str, int] = field(default_factory=dict)  # verdict -> count, for undeclared probes
 
 
-def matrix(caps: Capabilities, results: list, probe_results: list) -> list[MatrixRow]:
-    """Aggregate case results by feature; probe results are cases using undeclared features."""
+def matrix(caps: Capabilities, results: list, probe_results: list, not_probed: list[str] = ()) -> list[MatrixRow]:
+    """Aggregate case results by feature; probe results are cases using exactly one undeclared feature;
+    `not_probed`: undeclared features the battery uses that no case isolates."""
     rows: dict[str, MatrixRow] = {}
     probed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in results:
@@ -39,6 +40,8 @@ def matrix(caps: Capabilities, results: list, probe_results: list) -> list[Matri
             probed[f][r.verdict] += 1
     for f, counts in probed.items():
         rows[f].probes = dict(counts)
+    for f in not_probed:
+        rows.setdefault(f, MatrixRow(f, False)).probes = {"not probed": 0}
     return [rows[k] for k in sorted(rows, key=lambda k: (k.split(":")[0], k))]
 
 
@@ -47,6 +50,8 @@ def format_matrix(rows: list[MatrixRow]) -> list[str]:
     lines = [f"{'feature':<20} {'declared':<9} {'passed':>6} {'failed':>6}  probe of an undeclared feature"]
     for row in rows:
         probe = ", ".join(f"{n} x {PROBE_OUTCOMES.get(v, v)}" for v, n in sorted(row.probes.items()))
+        if "not probed" in row.probes:
+            probe = "not probed: no battery case changes this feature alone"
         lines.append(f"{row.feature:<20} {'yes' if row.declared else 'no':<9} {row.passed:>6} {row.failed:>6}  "
                      f"{probe or '-'}")
     return lines

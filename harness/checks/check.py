@@ -26,7 +26,7 @@ from harness.context import Capabilities
 from harness.errors import HarnessError
 from harness.faults.schema import make_fault
 from harness.impls import registry
-from harness.impls.capabilities import adapt, unsupported
+from harness.impls.capabilities import adapt, isolated_probe, unsupported
 from harness.judging.verdicts import failure_signature, fault_ok, probe_acceptable
 from harness.result import CaseResult, Verdict, failure_path, save_result
 from harness.runner import oracle_mode, run_case
@@ -138,14 +138,25 @@ def battery_plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], li
 
 
 def _probes(caps: Capabilities, cases: list[Case]) -> list[Case]:
-    """One probe case per undeclared feature the battery exercises (the first case using it)."""
+    """One probe case per undeclared feature the battery exercises: the first case using it, with every other
+    undeclared feature adapted away, so the probe changes exactly that one feature (a feature no case isolates
+    is not probed: `unprobed`)."""
     seen, out = set(), []
     for c in cases:
-        missing = tuple(unsupported(caps, c))
-        if missing and not set(missing) <= seen:
-            seen.update(missing)
-            out.append(c.replace(deadline_s=min(c.deadline_s, 30.0)))
+        for f in unsupported(caps, c):
+            probe = None if f in seen else isolated_probe(caps, c, f)
+            if probe is not None:
+                seen.add(f)
+                out.append(probe.replace(deadline_s=min(c.deadline_s, 30.0)))
     return out
+
+
+def unprobed(caps: Capabilities, opts: CheckOptions) -> list[str]:
+    """Undeclared features the battery exercises that no probe isolates (the matrix says 'not probed')."""
+    cases = default_battery(opts.world_size, opts.dtype, impl=opts.impl)
+    used = {f for c in cases for f in unsupported(caps, c)}
+    probed = {f for p in _probes(caps, cases) for f in unsupported(caps, p)}
+    return sorted(used - probed)
 
 
 def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
@@ -283,7 +294,7 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
                 feats = tuple(unsupported(caps, c))
                 save(r, note=f"undeclared feature probe: {', '.join(feats)}\n{r.verdict}: {r.case.summary()}\n"
                      f"{r.detail}", features=feats)
-    for line in format_matrix(matrix(caps, res.results, res.probe_results)):
+    for line in format_matrix(matrix(caps, res.results, res.probe_results, unprobed(caps, opts))):
         out(line)
     lap("battery")
     stopped_scale = _scale_stage(pool, opts, caps, res, out, failed, save)

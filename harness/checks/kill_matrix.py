@@ -91,9 +91,9 @@ def kill_times(runs: list[MutantRun]) -> tuple[float | None, float | None, str]:
 
 
 def worst_ratios(res: CheckOutcome) -> dict[str, dict[str, float]]:
-    """dtype -> tensor -> worst error ratio over every passing case of a check (all three stages)."""
+    """dtype -> tensor -> worst error ratio over every passing case of a check (every stage's cases)."""
     out: dict[str, dict[str, float]] = {}
-    for r in res.results + res.fault_results:
+    for r in res.results + res.scale_results + res.fault_results:
         if r.passed:
             per = out.setdefault(r.case.dtype, {})
             for t in TENSORS:
@@ -139,8 +139,10 @@ def false_alarm_lines(r: MutantRun) -> list[str]:
     """The reference's side: cases run, failures, worst passing ratio per dtype and tensor."""
     res = r.check
     n_prop = res.prop.examples if res.prop else 0
-    lines = [f"reference (false alarms): {res.cases} cases ({len(res.results)} battery, {len(res.fault_results)} "
-             f"fault stage, {n_prop} property-based) in {r.total_s:.0f} s: "
+    n_growth = sum(len(c.results) for c in res.growth.cases) if res.growth else 0
+    lines = [f"reference (false alarms): {res.cases} cases ({n_growth} growth check, {len(res.results)} battery, "
+             f"{len(res.scale_results)} scale, {len(res.fault_results)} fault stage, {n_prop} property-based) in "
+             f"{r.total_s:.0f} s: "
              f"{'0 failures' if r.status == 'pass' else 'FAILED: ' + r.verdict + ' ' + ', '.join(r.killed_by)}"]
     for dt, per in sorted(worst_ratios(res).items()):
         cells = "  ".join(f"{t} {per[t]:.3f}" for t in TENSORS if t in per)

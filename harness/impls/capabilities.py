@@ -168,6 +168,42 @@ def unsupported(caps: Capabilities, c: Case, backend: str | None = None) -> list
     )
 
 
+def declare(caps: Capabilities, feature: str) -> Capabilities:
+    """`caps` with one more feature declared (a key of `missing_features`): what a probe of that feature adapts
+    the rest of its case to."""
+    import dataclasses
+
+    kind, _, value = feature.partition(":")
+    r = dataclasses.replace
+    if kind == "layout":
+        return r(caps, layouts=caps.layouts | {value})
+    if kind == "mask":
+        return r(caps, masks=caps.masks | {value})
+    if kind == "dtype":
+        return r(caps, dtypes=caps.dtypes | {value})
+    if kind == "world":
+        lo, hi = caps.world_sizes
+        return r(caps, world_sizes=(min(lo, int(value)), max(hi, int(value))))
+    if kind == "head_dim":
+        return r(caps, head_dims=(*(caps.head_dims or ()), int(value)))
+    if kind == "backend":
+        return r(caps, backends=caps.backends | {value})
+    flags = {"gqa": ("gqa", True), "mqa": ("gqa", True), "heads": ("heads_divisible_by_world", False),
+             "uneven": ("uneven", True), "idle": ("idle_ranks", True), "zigzag-odd": ("zigzag_odd", True),
+             "subgroup": ("subgroups", True)}
+    if kind not in flags:
+        raise ValueError(f"unknown feature {feature!r}")
+    name, value_ = flags[kind]
+    return r(caps, **{name: value_})
+
+
+def isolated_probe(caps: Capabilities, c: Case, feature: str) -> Case | None:
+    """`c` with every undeclared feature but `feature` adapted away, so that a run of it probes exactly that one
+    feature; None when no such case exists (e.g. idle ranks without uneven splits)."""
+    probe = adapt(declare(caps, feature), c)
+    return probe if probe is not None and unsupported(caps, probe) == [feature] else None
+
+
 # Nearest declared substitutes, best first: a case that uses an undeclared feature is adapted to the
 # first of these the implementation declares, keeping its world size, split and values where it can.
 LAYOUT_FALLBACK = {"zigzag": ("contiguous", "striped"), "striped": ("contiguous", "zigzag"),

@@ -146,7 +146,13 @@ def _as_impl(obj: Any, name: str) -> Impl:
         except (TypeError, ValueError):
             required = [None] * 4
         if not required:
-            made = obj()
+            try:
+                made = obj()
+            except ImplError as e:
+                raise ImplError(f"implementation {name!r}: {e}") from None
+            except Exception as e:
+                raise ImplError(f"implementation {name!r}: its factory raised {type(e).__name__}: "
+                                f"{_one_line(e)}") from None
             if isinstance(made, Impl):
                 return made
             raise ImplError(f"implementation {name!r}: factory returned {type(made).__name__}, not an Impl")
@@ -207,6 +213,11 @@ def _resolve_module_attr(name: str) -> Impl:
         raise ImplError(f"cannot import {mod_name!r} for implementation {name!r}: {_one_line(e)}") from None
     except AttributeError:
         raise ImplError(f"module {mod_name!r} has no attribute {attr!r} (implementation {name!r})") from None
+    except ImplError as e:  # a declaration mistake (Capabilities, Impl) made at import time
+        raise ImplError(f"implementation {name!r}: {e}") from None
+    except Exception as e:  # the user's module raised while it was imported: their code, not a ring's run
+        raise ImplError(f"importing {mod_name!r} for implementation {name!r} raised {type(e).__name__}: "
+                        f"{_one_line(e)}") from None
     return _as_impl(obj, name)
 
 

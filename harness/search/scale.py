@@ -44,15 +44,16 @@ def scale_plan(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> l
     """The stage's cases before adaptation (the reference runs them as they are)."""
     edges = edge_lengths(tiles)
     plan = [
-        # every tile edge on one ring, bf16 positions up to ~1k under causal, MQA, head_dim 64
+        # every tile edge on one ring, bf16 positions up to ~1k under causal, MQA, batch 3, head_dim 64
         dict(world_size=min(8, max(2, len(edges))), seq_lens=tuple((edges * 8)[:min(8, max(2, len(edges)))]),
-             layout="contiguous", mask=MaskSpec("causal"), dtype="bf16", heads_q=4, heads_kv=1, head_dim=64),
+             layout="contiguous", mask=MaskSpec("causal"), dtype="bf16", heads_q=2, heads_kv=1, head_dim=64,
+             batch=3),
         # the issue's shape: bf16 window crossing a tile, GQA 16/4, head_dim 128
         dict(world_size=4, seq_lens=(149, 153, 151, 157), layout="zigzag", mask=MaskSpec("window", window=100),
              dtype="bf16", heads_q=16, heads_kv=4, head_dim=128),
-        # bf16 documents starting past 256, 32/4 heads (8:1), batch 3, head_dim 80
+        # bf16 documents starting past 256, 32/4 heads (8:1), head_dim 80
         dict(world_size=4, seq_lens=(75, 73, 77, 71), layout="striped", mask=_docs(296, 67, 131, 257, 263, 281),
-             dtype="bf16", heads_q=32, heads_kv=4, head_dim=80, batch=3),
+             dtype="bf16", heads_q=32, heads_kv=4, head_dim=80),
         # fp16 causal past 2048 on 8 ranks of more than 4 tiles each
         dict(world_size=8, seq_lens=(261, 263, 265, 259, 267, 257, 269, 263), layout="contiguous",
              mask=MaskSpec("causal"), dtype="fp16", heads_q=2, heads_kv=1, head_dim=64),

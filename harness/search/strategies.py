@@ -83,7 +83,7 @@ class Sizes:
 WORK_DIM = 32  # a score entry costs about as much as 32 multiply-adds of q.k (exp, mask, softmax, backward)
 SIZES = {
     # hundreds of tokens a rank (1-4 tiles of 64), totals past bf16's 256; fp16's 2048 is the scale stage's
-    "ci": Sizes(max_local=320, max_total=1100),
+    "ci": Sizes(max_local=320, max_total=800, max_work=1 << 24),
     "nightly": Sizes(max_local=4096, max_total=32768, max_head_dim=256, max_work=1 << 31),
 }
 

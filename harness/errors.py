@@ -6,7 +6,8 @@
     │       └── MissingDependency         a built-in adapter's third-party library is not installed
     ├── PoolError (RuntimeError)          the ranks could not start
     ├── CommError (RuntimeError)          a communication op failed or timed out inside a rank
-    └── ShapeError (RuntimeError)         an implementation returned a tensor of the wrong shape
+    ├── ShapeError (RuntimeError)         an implementation returned a tensor of the wrong shape
+    └── Interrupted                       SIGINT or SIGTERM asked to stop (raised at a safe point, harness.interrupt)
 
 `except RingHarnessError` catches all of them; the built-in bases are kept so that code catching
 `ValueError` (bad input) or `RuntimeError` (a run went wrong) keeps working. Errors from the
@@ -19,6 +20,7 @@ __all__ = [
     "CommError",
     "HarnessError",
     "ImplError",
+    "Interrupted",
     "MissingDependency",
     "PoolError",
     "RingHarnessError",
@@ -57,3 +59,12 @@ class CommError(RingHarnessError, RuntimeError):
 
 class ShapeError(RingHarnessError, RuntimeError):
     """An implementation returned an output or gradient of the wrong shape (verdict: diverged)."""
+
+
+class Interrupted(RingHarnessError):
+    """SIGINT or SIGTERM asked to stop; raised at a safe point (a wait of the rank pool), never from inside a
+    signal handler (harness.interrupt). `signal` names it; the command line exits 128 + its number."""
+
+    def __init__(self, signal: str, where: str = "") -> None:
+        super().__init__(f"interrupted by {signal}" + (f" ({where})" if where else ""))
+        self.signal = signal

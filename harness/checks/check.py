@@ -23,11 +23,11 @@ from harness.checks.capability_matrix import format_matrix, matrix
 from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, CheckOptions, parse_kinds
 from harness.checks.report import Reporter
 from harness.context import Capabilities
-from harness.errors import HarnessError
+from harness.errors import HarnessError, Interrupted
 from harness.faults.schema import make_fault
 from harness.impls import registry
 from harness.impls.capabilities import adapt, isolated_probe, unsupported
-from harness.judging.verdicts import failure_signature, fault_ok, probe_acceptable
+from harness.judging.verdicts import adapter_error, failure_signature, fault_ok, probe_acceptable
 from harness.result import CaseResult, Verdict, failure_path, save_result
 from harness.runner import oracle_mode, run_case
 from harness.search import history
@@ -81,6 +81,7 @@ class CheckOutcome:
     hangs: int = 0  # failing cases that hung (the check stops at CheckOptions.max_hangs)
     finding_files: dict = field(default_factory=dict)  # probe finding signature -> [saved path, findings]
     stage_seconds: dict = field(default_factory=dict)  # stage -> its wall time (growth, battery, scale, faults, ...)
+    interrupted: str | None = None  # the signal that stopped the check (SIGINT, SIGTERM), if one did
 
     @property
     def findings(self) -> list[CaseResult]:
@@ -91,6 +92,8 @@ class CheckOutcome:
     def passed(self) -> bool:
         if self.follower:
             return True
+        if self.interrupted:
+            return False
         return (all(r.passed for r in self.results + self.scale_results + self.shape_results)
                 and all(fault_ok(r) for r in self.fault_results)
                 and (self.growth is None or self.growth.passed)
@@ -245,6 +248,7 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             "uneven splits, W 1-8, subgroups) and every case runs as supported; to declare what it supports, "
             "wrap it: harness.Impl(name, run, capabilities=harness.Capabilities(...)) (README: 'Validating your "
             "own implementation')")
+    preflight(pool, opts, caps)
     if opts.shape is not None:
         out(f"ring-harness check --shape: impl {impl}, {pool.backend} ranks ({opts.launcher}, {pool.size} ranks)")
         _shape_run(pool, opts, caps, res, out, failed, save)
@@ -315,6 +319,23 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         f = res.failures[-1]
         f.cases, f.seconds = before + (p.first_failure_example or 0), t_prop + (p.first_failure_s or 0.0)
     return finish()
+
+
+PREFLIGHT = dict(world_size=2, total_len=8, layout="contiguous", mask=MaskSpec("causal"), heads_q=2, heads_kv=2,
+                 head_dim=16, dtype="fp32", seed=1)
+
+
+def preflight(pool, opts: CheckOptions, caps: Capabilities) -> None:
+    """One small declared case before any stage: an implementation whose adapter is broken (it raises on every
+    rank before communicating, or returns the wrong shape) is bad input, one line and exit 2, not a ring that
+    fails every case (harness.judging.verdicts.adapter_error)."""
+    c = adapt(caps, make_case(impl=opts.impl, **PREFLIGHT))
+    if c is None or c.pool_size > pool.size:
+        return
+    r = run_case(c, pool, opts.impl, allow_import=opts.allow_import, leak=False)
+    line = adapter_error(r)
+    if line is not None:
+        raise HarnessError(f"{opts.impl}: {line} (a {c.summary()} case; fix the adapter, then run the check again)")
 
 
 def shape_plan(opts: CheckOptions, caps: Capabilities, pool_size: int | None = None):
@@ -500,13 +521,16 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
                                f"started {pool.size}: pass --world-size {pool.size} or start more processes")
         res = CheckOutcome(impl=opts.impl)
         t0 = time.perf_counter()
-        if hasattr(pool, "ensure"):  # start the local pool's ranks now, so their start is not a stage's time
-            pool.ensure(pool.size)
-        res.stage_seconds["ranks start"] = time.perf_counter() - t0
         try:
+            if hasattr(pool, "ensure"):  # start the local pool's ranks now, so their start is not a stage's time
+                pool.ensure(pool.size)
+            res.stage_seconds["ranks start"] = time.perf_counter() - t0
             with oracle_mode(opts.oracle):
                 run_check(pool, opts, reporter=out, outcome=res)
-        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM (the CLI turns it into SystemExit)
+        except Interrupted as e:  # SIGINT/SIGTERM under harness.interrupt.handlers(): stop here, report what ran
+            res.interrupted, res.stopped = e.signal, f"interrupted by {e.signal}"
+            res.seconds = res.seconds or time.perf_counter() - t0
+        except (KeyboardInterrupt, SystemExit):  # a library caller without the handlers: Ctrl-C as usual
             res.stopped = "interrupted"
             if opts.json:
                 report.write_json(opts.json, {"command": "check", "interrupted": True, **outcome_json(res)})
@@ -516,13 +540,20 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     out("stages (wall s): " + ", ".join(f"{k} {v:.1f}" for k, v in res.stage_seconds.items()))
     out(verdict_line(res))
     if opts.json:
-        report.write_json(opts.json, {"command": "check", **outcome_json(res)})
+        report.write_json(opts.json, {"command": "check", "interrupted": bool(res.interrupted), **outcome_json(res)})
+        if res.interrupted:
+            out(f"interrupted: what finished is in {opts.json}")
     return res
 
 
 def verdict_line(res: CheckOutcome) -> str:
     """The last line of a check: what its exit status means, which stage failed, how many distinct
     failures (one saved file each)."""
+    if res.interrupted:
+        from harness.interrupt import EXIT_CODES
+
+        return (f"check INTERRUPTED by {res.interrupted} (exit {EXIT_CODES.get(res.interrupted, 1)}): stopped after "
+                f"{res.cases} cases; nothing more was run")
     if res.passed and res.shape:
         g = res.growth
         n_growth = sum(len(c.results) for c in g.cases) if g else 0

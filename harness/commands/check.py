@@ -95,4 +95,9 @@ def run(args: argparse.Namespace) -> int:
         from harness.checks.options import FAULT_STAGE_DEFAULT, parse_kinds
 
         args.fault_stage = parse_kinds(args.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
-    return 0 if check(build(CheckOptions, args)).passed else 1
+    from harness.interrupt import EXIT_CODES
+
+    res = check(build(CheckOptions, args))
+    if res.interrupted:
+        return EXIT_CODES.get(res.interrupted, 1)
+    return 0 if res.passed else 1

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
+import os
 import sys
 
-from harness.errors import HarnessError
+from harness import interrupt
+from harness.errors import HarnessError, Interrupted
 
 COMMANDS = {
     "check": ("harness.commands.check", "run the default battery against an implementation"),
@@ -37,30 +38,37 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    previous = signal.signal(signal.SIGTERM, _terminated)  # CI cancellation and `timeout` send SIGTERM
-    try:
-        return int(importlib.import_module(args._module).run(args))
-    except _Terminated:
-        print("ring-harness: terminated (SIGTERM)", file=sys.stderr)
-        return 143
-    except HarnessError as e:
-        print(f"ring-harness: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("ring-harness: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # SIGINT and SIGTERM (CI cancellation, `timeout`) only set a flag (harness.interrupt): the command stops at its
+    # next safe point, writes what finished and closes its ranks; a second one of the same kind ends it at once
+    with interrupt.handlers():
+        try:
+            code = int(importlib.import_module(args._module).run(args))
+        except Interrupted as e:
+            code = interrupt.EXIT_CODES.get(e.signal, 1)
+        except HarnessError as e:
+            print(f"ring-harness: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("ring-harness: interrupted", file=sys.stderr)
+            return 130
+        stopped = interrupt.requested()
+    if stopped is not None:
+        print(f"ring-harness: interrupted ({stopped}); exit {interrupt.EXIT_CODES[stopped]}", file=sys.stderr)
+        return interrupt.EXIT_CODES[stopped]
+    return code
 
 
-class _Terminated(SystemExit):
-    """SIGTERM as an exception: context managers close the rank pool (and remove its temp dir) and
-    the checks write what finished (`--json`) on the way out."""
-
-
-def _terminated(signum, frame) -> None:
-    raise _Terminated(143)
+def entry() -> None:
+    """The `ring-harness` console script and `python -m harness`: `main`, then exit. A command stopped by a signal
+    has closed its ranks and written what finished; it exits at once, without the interpreter's slow teardown
+    (torch's takes seconds on a loaded machine, and whoever sent SIGTERM is waiting)."""
+    code = main()
+    if code in interrupt.EXIT_CODES.values():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

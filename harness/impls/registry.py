@@ -122,6 +122,20 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _did_you_mean(e: BaseException) -> str:
+    """For a misspelled keyword of Capabilities or Impl: ' (did you mean 'layouts'?)'; else ''."""
+    import dataclasses
+    import difflib
+    import re
+
+    m = re.search(r"(Capabilities|Impl)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(e))
+    if not m:
+        return ""
+    fields = [f.name for f in dataclasses.fields(Capabilities if m.group(1) == "Capabilities" else Impl)]
+    close = difflib.get_close_matches(m.group(2), fields, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (its fields: {', '.join(fields)})"
+
+
 def _import_target(target: str) -> Any:
     """Import `module:attr` (attr may be dotted) and return the object; ImportError propagates."""
     mod_name, _, attr = target.partition(":")
@@ -152,7 +166,7 @@ def _as_impl(obj: Any, name: str) -> Impl:
                 raise ImplError(f"implementation {name!r}: {e}") from None
             except Exception as e:
                 raise ImplError(f"implementation {name!r}: its factory raised {type(e).__name__}: "
-                                f"{_one_line(e)}") from None
+                                f"{_one_line(e)}{_did_you_mean(e)}") from None
             if isinstance(made, Impl):
                 return made
             raise ImplError(f"implementation {name!r}: factory returned {type(made).__name__}, not an Impl")
@@ -217,7 +231,7 @@ def _resolve_module_attr(name: str) -> Impl:
         raise ImplError(f"implementation {name!r}: {e}") from None
     except Exception as e:  # the user's module raised while it was imported: their code, not a ring's run
         raise ImplError(f"importing {mod_name!r} for implementation {name!r} raised {type(e).__name__}: "
-                        f"{_one_line(e)}") from None
+                        f"{_one_line(e)}{_did_you_mean(e)}") from None
     return _as_impl(obj, name)
 
 

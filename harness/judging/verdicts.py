@@ -150,6 +150,8 @@ def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool
         elif rep.get("error"):
             res.errors[g] = rep["error"]
             when[g] = float(rep.get("error_time", 0.0))
+            if rep.get("where"):
+                res.extra.setdefault("where", {})[g] = rep["where"]
         for k in ("comm", "faults"):
             if k in rep:
                 res.extra.setdefault(k, {})[g] = rep[k]
@@ -189,6 +191,23 @@ def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool
             parts.append(f"leak: {lk['tensor']} nonzero at hidden key {lk['token']} on rank {lk['rank']}")
         res.detail = "; ".join(parts)
     return res
+
+
+def adapter_error(r: CaseResult) -> str | None:
+    """One line when a run failed in the implementation's adapter rather than in its ring: every ring rank raised
+    before any communication op, or every rank returned an output or gradient of the wrong shape or type. None
+    otherwise (a ring that raises, dies or hangs mid-ring is a fail-stop or a hang: a finding)."""
+    w = r.case.world_size
+    if r.dead or r.hung or len(r.errors) < w:
+        return None
+    comm = r.extra.get("comm", {})
+    if r.verdict == Verdict.DIVERGED and all(r.errors[g].startswith("ShapeError") for g in range(w)):
+        return f"run(q, k, v, ctx) returned a wrong result on every rank: {r.errors[0].split(' (at ')[0]}"
+    if r.verdict == Verdict.FAIL_STOP and all(not comm.get(g) for g in range(w)):
+        where = r.extra.get("where", {}).get(0, "")
+        return (f"run(q, k, v, ctx) raised on every rank before any communication: {r.errors[0]}"
+                + (f" [your code: {where}]" if where and where not in r.errors[0] else ""))
+    return None
 
 
 def _fail_stop_story(res: CaseResult, when: dict[int, float]) -> tuple[str, list[int]]:

@@ -28,6 +28,7 @@ from multiprocessing.connection import Client, Connection, wait
 from pathlib import Path
 
 from harness import case as case_mod
+from harness import interrupt
 from harness.errors import PoolError
 from harness.ranks import oom, wire
 from harness.ranks.protocol import (
@@ -48,6 +49,7 @@ from harness.ranks.protocol import (
 __all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
 
 START_TIMEOUT_S = 120.0
+TERM_GRACE_S = 2.0  # a worker's time to exit after SIGTERM before SIGKILL
 REAP_TIMEOUT_S = 5.0  # a SIGKILLed worker is reaped within this, or directly (`_reap`)
 MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
 STACK_GRACE_S = 1.0
@@ -137,7 +139,10 @@ class RankPool:
             for r in range(self.size):
                 self.conns.append(self._connect(r, sb.authkey, deadline))
             for r, c in enumerate(self.conns):
-                if not c.poll(max(0.0, deadline - time.monotonic())):
+                while not c.poll(max(0.0, min(interrupt.POLL_S, deadline - time.monotonic()))):
+                    if time.monotonic() < deadline:
+                        interrupt.check("starting the ranks")
+                        continue
                     raise PoolError(f"rank {r} did not finish rendezvous within {START_TIMEOUT_S:.0f} s: "
                                     f"{self._log_tail(r)}")
                 try:
@@ -194,11 +199,14 @@ class RankPool:
                     pass
             if time.monotonic() > deadline:
                 raise PoolError(f"rank {r} did not start within {START_TIMEOUT_S:.0f} s: {self._log_tail(r)}")
+            interrupt.check("starting the ranks")
             time.sleep(0.02)
 
     def close(self) -> None:
         """Stop every worker, the standby set's too (politely, then SIGTERM, then SIGKILL), and remove
         the temp dirs."""
+        if self._standby is not None:  # its exit starts now, beside the current set's: both end together
+            _signal_groups(self._standby.procs, signal.SIGTERM)
         self._release()
         if self._standby is not None:
             self._standby.finalizer()
@@ -251,7 +259,9 @@ class RankPool:
 
     def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
                leak: bool = True, whole_world: bool = False) -> LocalTicket:
-        """Send a case to every rank (restarting the pool if needed); the deadline starts now."""
+        """Send a case to every rank (restarting the pool if needed); the deadline starts now. A stop request
+        (harness.interrupt) raises Interrupted here, between cases."""
+        interrupt.check("before the next case")
         restarted = self.ensure(case.pool_size, exact=whole_world)
         self.history.append(Ran(case, impl or case.impl, leak, allow_import, whole_world))
         self._case_id += 1
@@ -275,9 +285,15 @@ class RankPool:
         pending: dict[Connection, int] = ticket["pending"]
         deadline = ticket["start"] + ticket["deadline_s"]
         while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            ready = wait(list(pending), timeout=max(0.0, min(left, interrupt.POLL_S)))
             if not ready:
-                break
+                if left <= interrupt.POLL_S:
+                    break
+                if interrupt.requested():  # stop waiting; the ranks are mid-case: restart before any other case
+                    self.broken = True
+                    interrupt.check(f"waiting for {len(pending)} rank(s)")
+                continue
             for c in ready:
                 r = pending.pop(c)
                 try:
@@ -320,7 +336,13 @@ class RankPool:
         parts: dict[int, tuple] = {}
         end = time.monotonic() + timeout_s
         while pending:
-            ready = wait(list(pending), timeout=max(0.0, end - time.monotonic()))
+            left = end - time.monotonic()
+            ready = wait(list(pending), timeout=max(0.0, min(left, interrupt.POLL_S)))
+            if not ready and left > interrupt.POLL_S:
+                if interrupt.requested():
+                    self.broken = True
+                    interrupt.check(f"waiting for {what}")
+                continue
             if not ready:
                 self.broken = True
                 raise PoolError(f"{what}: rank(s) {sorted(pending.values())} passed its deadline of {timeout_s:.0f} s")
@@ -404,14 +426,20 @@ def _kill_all(procs: list[subprocess.Popen], workdir: str | None) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _kill_groups(procs: list[subprocess.Popen]) -> None:
+def _signal_groups(procs: list[subprocess.Popen], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
-    end = time.monotonic() + 2.0
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM, a grace of TERM_GRACE_S (less when a stop was requested: nobody waits for their results), then
+    SIGKILL what is left."""
+    _signal_groups(procs, signal.SIGTERM)
+    end = time.monotonic() + (TERM_GRACE_S if interrupt.requested() is None else 0.5)
     for p in procs:
         try:
             p.wait(timeout=max(0.01, end - time.monotonic()))

@@ -88,6 +88,21 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}{where}"
 
 
+def _callers_frame(e: BaseException) -> str:
+    """'file:line in function' of the innermost frame outside the harness, torch and the standard library: the
+    implementation's own call that raised ('' when every frame is the harness's)."""
+    import sysconfig
+
+    skip = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__),
+            sysconfig.get_paths()["stdlib"])
+    for fr in reversed(traceback.extract_tb(e.__traceback__)):
+        path = os.path.abspath(fr.filename)
+        if not path.startswith(skip):
+            return f"{os.path.relpath(path) if not os.path.relpath(path).startswith('..') else path}:{fr.lineno} " \
+                   f"in {fr.name}"
+    return ""
+
+
 class Groups:
     """Process groups for ring subsets, cached by (offset, size, timeout) and created identically on
     every rank (new_group is collective over the whole pool)."""
@@ -132,7 +147,7 @@ def pg_timeout(case: case_mod.Case) -> float:
 def _split(res):
     if isinstance(res, (tuple, list)):
         if len(res) != 2:
-            raise TypeError(f"implementation returned {len(res)} values; expected out or (out, lse)")
+            raise ShapeError(f"implementation returned {len(res)} values; expected out or (out, lse)")
         return res[0], res[1]
     return res, None
 
@@ -159,7 +174,7 @@ def _forward_backward(impl, q, k, v, dout, ctx, phase=_no_phase):
     grads = []
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.grad is None:
-            raise RuntimeError(f"implementation produced no gradient for {name}")
+            raise ShapeError(f"implementation produced no gradient for {name}")
         if tuple(t.grad.shape) != tuple(t.shape):
             raise ShapeError(f"d{name} shape {tuple(t.grad.shape)} != expected {tuple(t.shape)}")
         grads.append(t.grad)
@@ -292,7 +307,7 @@ def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device
         reply.update(status=DIVERGED, error=_error_text(e), error_time=time.time())
         _close_peers(case, rank, groups)
     except Exception as e:  # the implementation's error is a result, not a worker crash
-        reply.update(status=ERROR, error=_error_text(e), error_time=time.time(),
+        reply.update(status=ERROR, error=_error_text(e), error_time=time.time(), where=_callers_frame(e),
                      traceback=traceback.format_exc()[-4000:])
         _close_peers(case, rank, groups)
     reply.update(comm=ip.compact_log(), faults=ip.report())

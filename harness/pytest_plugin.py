@@ -87,7 +87,18 @@ class RingChecker:
         pytest.fail("\n".join(lines), pytrace=False)
 
     def __call__(self, case, impl: str | None = None):
-        """Run one case and fail the test unless its verdict is `pass` (the failing case is saved)."""
+        """Run one case and fail the test unless its verdict is `pass` (the failing case is saved). A case with
+        a feature the implementation does not declare is skipped, naming the feature."""
+        from harness.impls import registry
+        from harness.impls.capabilities import feature_words, unsupported
+
+        name = impl or self.impl
+        caps = registry.resolve(name, allow_import=self._allow_import(name)).capabilities
+        missing = unsupported(caps, case)
+        if missing:
+            words = "; ".join(feature_words(f, caps, heads_q=case.heads_q, heads_kv=case.heads_kv,
+                                            lengths=case.seq_lens) for f in missing)
+            pytest.skip(f"{name} does not declare {words}: {case.summary()}")
         r = self.run(case, impl)
         if not r.passed:
             self._fail([r])
@@ -191,26 +202,35 @@ class CaseFile(pytest.File):
 
 
 class CaseItem(pytest.Item):
-    """Replays one saved case by its `expect` field (harness.case.EXPECT): a saved failure must pass
-    once its bug is fixed (the default); a `reproduce` case (the mutant corpus, a library's known bug)
-    must reproduce its recorded verdict. A module-path implementation or a missing extra: skipped
-    with one line."""
+    """Replays one saved case on --ring-impl (or on the implementation the case names, a built-in), by its
+    `expect` field (harness.case.EXPECT): a saved failure must pass once its bug is fixed (the default); a
+    `reproduce` case (the mutant corpus, a library's known bug) must reproduce its recorded verdict; under
+    --ring-impl every case must pass. A case that cannot run here fails with the reason: never a skip."""
 
     def runtest(self) -> None:
         from harness import case as case_mod
         from harness.checks.replay import replay_expectations
         from harness.impls import registry
+        from harness.impls.capabilities import feature_words, unsupported
 
         case, _ = case_mod.load(self.path)
-        allow_import = registry.is_module_path(case.impl) and case.impl == self.config.getoption("--ring-impl")
-        if registry.is_module_path(case.impl) and not allow_import:
-            pytest.skip(f"{self.path.name} names implementation {case.impl!r}, a module path: a case file never "
-                        f"imports code; run with --ring-impl {case.impl} to replay it")
+        given = self.config.getoption("--ring-impl")
+        impl = given or case.impl
+        if registry.is_module_path(impl) and not given:
+            raise CaseReplayFailed(f"cannot run: it names implementation {impl!r}, a module path, and a case file "
+                                   f"never imports code; pass --ring-impl {impl} (or your fixed ring)")
+        allow_import = registry.is_module_path(impl)
         try:
-            registry.resolve(case.impl, allow_import=allow_import)
-        except registry.ImplError as e:  # a missing optional extra, an unknown name: one line
-            pytest.skip(str(e))
-        problems = replay_expectations(self.path, _session_pool(self.session), allow_import=allow_import)
+            caps = registry.resolve(impl, allow_import=allow_import).capabilities
+        except registry.ImplError as e:  # a missing optional extra, an unknown name
+            raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
+        missing = unsupported(caps, case) if impl != case.impl else []  # its own: as recorded (probe findings too)
+        if missing:
+            words = "; ".join(feature_words(f, caps, heads_q=case.heads_q, heads_kv=case.heads_kv,
+                                            lengths=case.seq_lens) for f in missing)
+            raise CaseReplayFailed(f"cannot run on {impl}: it does not declare {words}")
+        problems = replay_expectations(self.path, _session_pool(self.session), impl=given,
+                                       allow_import=allow_import)
         if problems:
             raise CaseReplayFailed("\n".join(problems))
 

@@ -2,6 +2,7 @@
 
     from harness import assert_ring_close
     assert_ring_close("mypkg.attn:my_ring")                       # the fixed battery, adapted
+    assert_ring_close(my_ring)                                    # the same, given the Impl (or run function)
     assert_ring_close("mypkg.attn:my_ring", "cases/my-bug.yaml")   # one saved case
     assert_ring_close("mypkg.attn:my_ring", make_case(world_size=4, total_len=29, mask={"kind": "causal"}))
 
@@ -55,20 +56,20 @@ def failure_message(results: list[CaseResult], pool, impl: str, saved: dict[int,
     return "\n".join(lines)
 
 
-def assert_ring_close(impl: str, case: Case | str | os.PathLike | None = None, *, pool=None,
+def assert_ring_close(impl, case: Case | str | os.PathLike | None = None, *, pool=None,
                       world_size: int = 4, dtype: str | None = None, save_dir: str | None = None
                       ) -> list[CaseResult]:
-    """Assert that `impl` (a built-in name or "package.module:attr", importable by the ranks) matches
-    float64 attention on `case` (a Case, a case file, or None: the default battery); see the module
-    docstring. Raises AssertionError with the localised report, HarnessError on bad input."""
+    """Assert that `impl` (a built-in name, "package.module:attr", or an Impl or run function defined at the top
+    level of an importable module: the ranks import it) matches float64 attention on `case` (a Case, a case file,
+    or None: the default battery); see the module docstring. Raises AssertionError with the localised report,
+    HarnessError on bad input."""
     from harness.impls import registry
     from harness.ranks.pool import RankPool
     from harness.result import save_result
     from harness.runner import run_case
 
-    if not isinstance(impl, str):
-        raise HarnessError("assert_ring_close: give the implementation by name ('package.module:attr'), so the "
-                           f"rank processes can import it; got {type(impl).__name__}")
+    if not isinstance(impl, str):  # an Impl or a run function: by its module-level name, which the ranks import
+        impl = registry.module_path_of(impl)
     allow_import = registry.is_module_path(impl)
     registry.resolve(impl, allow_import=allow_import)  # unknown name, missing extra: one clear error
     cases = _cases(impl, case, world_size, dtype, allow_import)

@@ -91,20 +91,27 @@ def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, a
     return out
 
 
-def replay_expectations(path: str | os.PathLike, pool: Pool, *, allow_import: bool = False) -> list[str]:
+def replay_expectations(path: str | os.PathLike, pool: Pool, *, impl: str | None = None,
+                        allow_import: bool = False) -> list[str]:
     """Problems with a saved case (empty list = fine), by its `expect` field (harness.case.EXPECT):
     `reproduce`: the recorded verdict must reproduce, with identical hashes on the same torch, and the
     case must pass on the reference; `pass` (a user's saved failure as a regression test): it must
-    pass now, and when it does not, the recorded verdict is shown as history."""
+    pass now, and when it does not, the recorded verdict is shown as history. Under another implementation
+    (`impl`, e.g. the fixed ring) every case must pass: the corpus is a regression suite for any ring."""
     loaded, data = case_mod.load(path)
-    rp = replay_on(pool, path, loaded.impl if allow_import else None, allow_import=allow_import)
+    other = impl is not None and impl != loaded.impl
+    name = impl if other else (loaded.impl if allow_import else None)
+    rp = replay_on(pool, path, name, allow_import=allow_import)
     problems = []
     case, r = rp.result.case, rp.result
-    if data.get("expect", "pass") == "pass":
+    who = impl if other else case.impl
+    if other or data.get("expect", "pass") == "pass":
         if not r.passed:
-            was = f" (recorded: {rp.recorded_verdict}; the bug this case was saved for is still there)" \
-                if rp.recorded_verdict not in (None, "pass") else ""
-            problems.append(f"{case.impl}: expected pass, got {r.verdict}{was}: {r.detail}")
+            recorded = case_mod.recorded_result(data).get("verdict") if other else rp.recorded_verdict
+            was = f" (recorded on {loaded.impl}: {recorded})" if other and recorded else (
+                f" (recorded: {recorded}; the bug this case was saved for is still there)"
+                if recorded not in (None, "pass") else "")
+            problems.append(f"{who}: expected pass, got {r.verdict}{was}: {r.detail}")
         return problems
     if not rp.verdict_reproduced:
         problems.append(f"{case.impl}: recorded verdict {rp.recorded_verdict}, got {r.verdict} ({r.detail})")

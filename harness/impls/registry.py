@@ -21,6 +21,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -233,6 +234,30 @@ def _resolve_module_attr(name: str) -> Impl:
         raise ImplError(f"importing {mod_name!r} for implementation {name!r} raised {type(e).__name__}: "
                         f"{_one_line(e)}{_did_you_mean(e)}") from None
     return _as_impl(obj, name)
+
+
+def module_path_of(obj: Any) -> str:
+    """`package.module:attr` of an Impl or a run(q, k, v, ctx) function defined at the top level of an importable
+    module, so that the rank processes (other interpreters) can import it; the module's import root is put on
+    PYTHONPATH for the ranks started from now on. One HarnessError line when it has no such name."""
+    if isinstance(obj, str):
+        return obj
+    fn = obj.run if isinstance(obj, Impl) else obj
+    mod = sys.modules.get(getattr(fn, "__module__", "") or "")
+    what = f"{type(obj).__name__} {getattr(obj, 'name', getattr(obj, '__name__', ''))!r}"
+    if mod is None or mod.__name__ == "__main__" or not getattr(mod, "__file__", None):
+        raise ImplError(f"{what}: the ranks import the implementation, so define it at the top level of an "
+                        "importable module (not __main__), or give its name as 'package.module:attr'")
+    attr = next((k for k, v in vars(mod).items() if v is obj), None)
+    if attr is None:
+        raise ImplError(f"{what}: not found as a top-level name of {mod.__name__}; the ranks import the "
+                        f"implementation, so bind it to a module-level name (or give 'package.module:attr')")
+    depth = mod.__name__.count(".") + (2 if os.path.basename(mod.__file__) == "__init__.py" else 1)
+    root = str(Path(mod.__file__).resolve().parents[depth - 1])
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, *paths]))
+    return f"{mod.__name__}:{attr}"
 
 
 def is_module_path(name: str) -> bool:

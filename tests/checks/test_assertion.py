@@ -30,7 +30,17 @@ def test_a_failing_case_raises_with_the_localised_report(tmp_path):
 def test_the_battery_by_default_and_bad_input(tmp_path):
     results = assert_ring_close("reference", world_size=2, dtype="fp32")
     assert len(results) > 20 and all(r.passed for r in results)
-    with pytest.raises(HarnessError, match="by name"):
+    with pytest.raises(HarnessError, match="bind it to a module-level name"):
         assert_ring_close(lambda q, k, v, ctx: q)
     with pytest.raises(HarnessError):
         assert_ring_close("no-such-ring")
+
+
+def test_an_impl_object_or_a_run_function_is_taken_by_its_module_level_name():
+    """As torch.testing users pass objects: the ranks import it by the name it has in its module."""
+    from tests.helpers import impls
+
+    c = make_case(world_size=2, total_len=8, mask={"kind": "causal"})
+    assert assert_ring_close(impls.reference, c)[0].impl == "tests.helpers.impls:reference"
+    with pytest.raises(AssertionError, match="silent-corruption"):
+        assert_ring_close(impls.leaky, c)

@@ -61,11 +61,31 @@ def test_bad_expect_is_one_error_line(tmp_path):
         case_mod.load(p)
 
 
-def test_module_path_and_missing_extra_cases_are_skipped_with_one_line(pytester):
+def test_a_case_that_cannot_run_fails_with_its_reason_never_a_skip(pytester):
     pytester.makefile(".yaml", modpath=case_mod.dumps(make_case(world_size=1, total_len=2, impl="pkg.mod:ring")))
     pytester.makefile(".yaml", extra=case_mod.dumps(make_case(world_size=2, total_len=4, impl="te-cp-p2p")))
-    res = pytester.runpytest("-p", "no:randomly", "--ring-cases", str(pytester.path), "-rs", "-p", "no:cacheprovider")
-    res.assert_outcomes(skipped=2)
+    res = pytester.runpytest("-p", "no:randomly", "--ring-cases", str(pytester.path), "-p", "no:cacheprovider")
+    res.assert_outcomes(failed=2)
     out = res.stdout.str()
-    assert "a case file never imports code; run with --ring-impl pkg.mod:ring" in out
-    assert "te-cp-p2p" in out and "Traceback" not in out
+    assert "a case file never imports code; pass --ring-impl pkg.mod:ring" in out
+    assert "cannot run on te-cp-p2p" in out and "Traceback" not in out
+
+
+def test_cases_saved_against_a_buggy_ring_run_on_the_fixed_one_given_by_ring_impl(pytester, pool):
+    """`pytest --ring-cases DIR --ring-impl mypkg:fixed` runs (and passes) what was saved against mypkg:buggy; on
+    the buggy ring the same cases fail; a case the given ring does not declare fails, naming the feature."""
+    for i, layout in enumerate(("contiguous", "zigzag")):
+        c = make_case(world_size=2, total_len=8, layout=layout, mask={"kind": "causal"}, impl=BUGGY, seed=i)
+        r = run_case(c, pool, BUGGY, allow_import=True)
+        assert r.verdict == "silent-corruption"
+        case_mod.save(c, pytester.path / f"saved{i}.yaml", result=result_record(r))
+    args = ["-p", "no:randomly", "--ring-cases", str(pytester.path), "-p", "no:cacheprovider", "--ring-impl"]
+    pytester.runpytest(*args, "tests.helpers.impls:reference").assert_outcomes(passed=2)
+    bad = pytester.runpytest(*args, BUGGY)
+    bad.assert_outcomes(failed=2)
+    assert "expected pass, got silent-corruption" in bad.stdout.str()
+    striped = make_case(world_size=2, total_len=8, layout="striped", mask={"kind": "causal"}, impl=BUGGY)
+    case_mod.save(striped, pytester.path / "striped.yaml")
+    narrow = pytester.runpytest(*args, "torch-ring")  # declares contiguous and zigzag, not striped
+    narrow.assert_outcomes(passed=2, failed=1)
+    assert "striped.yaml: cannot run on torch-ring: it does not declare layout striped" in narrow.stdout.str()

@@ -167,8 +167,10 @@ def failure_path(directory: str | os.PathLike, r: CaseResult, name: str | None =
 
 
 def save_result(r: CaseResult, directory: str | os.PathLike, *, name: str | None = None, note: str | None = None,
-                impl_version: str = "unknown", backend: str = "gloo") -> Path:
-    """Write the case and its recorded result atomically; returns the path."""
+                impl_version: str = "unknown", backend: str = "gloo", extra: dict | None = None) -> Path:
+    """Write the case and its recorded result (plus `extra` keys, e.g. its localisation) atomically; returns the
+    path."""
     text_note = note or f"{r.verdict}: {r.case.summary()}\n{r.detail}"
-    return case_mod.save(r.case, failure_path(directory, r, name),
-                         result=result_record(r, impl_version, backend), note=text_note)
+    rec = result_record(r, impl_version, backend)
+    rec.update(extra or {})
+    return case_mod.save(r.case, failure_path(directory, r, name), result=rec, note=text_note)

@@ -23,6 +23,7 @@ from harness.checks.capability_matrix import format_matrix, matrix
 from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, CheckOptions, parse_kinds
 from harness.checks.report import Reporter
 from harness.context import Capabilities
+from harness.diagnose import localise
 from harness.errors import HarnessError, Interrupted
 from harness.faults.schema import make_fault
 from harness.impls import registry
@@ -228,9 +229,14 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
                                          backend=pool.backend, note=note or "")
         else:
             rec = found.reproducer  # the fresh run when it confirmed the failure
+            loc = localise.localise(rec, pool)  # where the errors are, as a property-based failure's
+            for line in localise.lines(loc):
+                out(line)
             text = note or f"{rec.verdict}: {rec.case.summary()}\n{rec.detail}"
             text += f"\n{found.evidence()}" + (f"; NOT A REPRODUCER: {found.note}" if found.history_dependent else "")
-            path = save_result(rec, opts.save_dir, backend=pool.backend, note=text)
+            text += "".join(f"\nwhere: {f}" for f in loc.findings)
+            path = save_result(rec, opts.save_dir, backend=pool.backend, note=text,
+                               extra={"localisation": localise.summary(loc), "signature": " ".join(sig)})
         paused[0] += time.perf_counter() - t0  # the confirmation is not the check's own time
         table[sig] = [path, 1]
         out(f"        {'finding ' if features else ''}saved {path}")
@@ -492,7 +498,8 @@ def outcome_json(res: CheckOutcome) -> dict:
             "results": [r.to_dict() for r in res.results],
             "scale": [r.to_dict() for r in res.scale_results],
             "shape": [r.to_dict() for r in res.shape_results],
-            "stage_seconds": dict(res.stage_seconds),
+            "stage_seconds": dict(res.stage_seconds), "cases_by_stage": dict(stage_counts(res)),
+            "distinct_failures": 0 if res.passed else distinct_failures(res),
             "probes": [r.to_dict() for r in res.probe_results],
             "faults": [r.to_dict() for r in res.fault_results],
             "growth": None if res.growth is None else res.growth.to_dict(),
@@ -536,7 +543,7 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
                 report.write_json(opts.json, {"command": "check", "interrupted": True, **outcome_json(res)})
                 out(f"interrupted: what finished is in {opts.json}")
             raise
-    out(report.summary(res.results + res.scale_results + res.shape_results + res.fault_results, res.seconds))
+    out(counts_line(res))
     out("stages (wall s): " + ", ".join(f"{k} {v:.1f}" for k, v in res.stage_seconds.items()))
     out(verdict_line(res))
     if opts.json:
@@ -544,6 +551,48 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
         if res.interrupted:
             out(f"interrupted: what finished is in {opts.json}")
     return res
+
+
+def stage_counts(res: CheckOutcome) -> list[tuple[str, int]]:
+    """What ran, by stage, in run order: (stage, cases); the one count the summary, the verdict line and the JSON
+    use. A growth-check case is one run at one ring size; a property-based case is one generated example."""
+    g = res.growth
+    rows = [("growth check", sum(len(c.results) for c in g.cases) if g else 0), ("battery", len(res.results)),
+            ("probes", len(res.probe_results)), ("scale", len(res.scale_results)),
+            ("at your shape", len(res.shape_results)), ("fault stage", len(res.fault_results)),
+            ("property-based", res.prop.examples if res.prop else 0)]
+    return [(k, n) for k, n in rows if n]
+
+
+def counts_line(res: CheckOutcome) -> str:
+    """'386 cases in 84 s: growth check 16, battery 54, scale 7, fault stage 9, property-based 300'."""
+    rows = stage_counts(res)
+    return (f"{sum(n for _, n in rows)} cases in {res.seconds:.0f} s: "
+            + (", ".join(f"{k} {n}" for k, n in rows) or "none"))
+
+
+def _related(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Two failure signatures of one bug as far as counting goes: the same verdict and faults, and what failed in
+    one is part of what failed in the other (a shrunk case often fails on fewer tensors than the case it came from)."""
+    def split(sig):
+        faults = tuple(x for x in sig if x.startswith("faults="))
+        return sig[:1], faults, set(sig[1:]) - set(faults)
+
+    (va, fa, wa), (vb, fb, wb) = split(a), split(b)
+    return va == vb and fa == fb and (wa <= wb or wb <= wa)
+
+
+def distinct_failures(res: CheckOutcome) -> int:
+    """Distinct failures: one per saved file of the battery, scale and fault stages, the growth check's, and the
+    property-based run's unless one of those is the same bug (`_related`)."""
+    sigs = [tuple(k) for k in res.distinct]
+    if res.growth is not None and not res.growth.passed:
+        sigs.append(("growth",))
+    if res.prop is not None and not res.prop.passed:
+        found = [failure_signature(r) for r in (res.prop.found, res.prop.shrunk) if r is not None]
+        if not any(_related(f, s) for f in found for s in sigs):
+            sigs.append(found[0])
+    return len(sigs)
 
 
 def verdict_line(res: CheckOutcome) -> str:
@@ -554,20 +603,12 @@ def verdict_line(res: CheckOutcome) -> str:
 
         return (f"check INTERRUPTED by {res.interrupted} (exit {EXIT_CODES.get(res.interrupted, 1)}): stopped after "
                 f"{res.cases} cases; nothing more was run")
-    if res.passed and res.shape:
-        g = res.growth
-        n_growth = sum(len(c.results) for c in g.cases) if g else 0
-        return (f"check PASSED (exit 0): {len(res.shape_results)} basics and {n_growth} growth-check runs at shape "
-                f"{res.shape} of {res.impl}")
     if res.passed:
-        n_prop = res.prop.examples if res.prop else 0
         g = res.growth
-        n_growth = sum(len(c.results) for c in g.cases) if g else 0
         worst = max((c.worst for c in g.cases if c.worst), key=lambda x: x[2], default=None) if g else None
-        grew = f" (worst x{worst[2]:.2f}, {worst[1]} at W{worst[0]})" if worst else ""
-        return (f"check PASSED (exit 0): {len(res.results)} battery, {len(res.scale_results)} scale, "
-                f"{len(res.fault_results)} fault-stage, {n_growth} growth-check{grew} and {n_prop} property-based "
-                f"cases of {res.impl}")
+        grew = f"; the growth check's worst x{worst[2]:.2f} ({worst[1]} at W{worst[0]})" if worst else ""
+        where = f" at shape {res.shape}" if res.shape else ""
+        return f"check PASSED (exit 0): every case of {res.impl}{where} passed ({counts_line(res)}{grew})"
     stages = []
     bad_battery = sum(not r.passed for r in res.results)
     bad_scale = sum(not r.passed for r in res.scale_results)
@@ -588,10 +629,8 @@ def verdict_line(res: CheckOutcome) -> str:
         stages.append(f"property-based ({res.prop.found.verdict}: {res.prop.found.case.summary()})")
     if res.findings:
         stages.append(f"{len(res.findings)} undeclared-feature finding(s)")
-    distinct = (len(res.distinct) + (1 if res.prop is not None and not res.prop.passed else 0)
-                + (1 if res.growth is not None and not res.growth.passed else 0))
     why = f"; {res.stopped}" if res.stopped else ""
-    return f"check FAILED (exit 1): {'; '.join(stages)}; {distinct} distinct failure(s){why}"
+    return f"check FAILED (exit 1): {'; '.join(stages)}; {distinct_failures(res)} distinct failure(s){why}"
 
 
 def repeat_check(first: CaseResult, again: CaseResult) -> None:

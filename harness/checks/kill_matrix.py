@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.checks.check import CheckOutcome
+from harness.checks.check import CheckOutcome, stage_counts
 from harness.impls.adapters.reference import MUTANT_PREFIX
 from harness.result import TENSORS, CaseResult
 
@@ -138,11 +138,8 @@ def notes(r: MutantRun) -> list[str]:
 def false_alarm_lines(r: MutantRun) -> list[str]:
     """The reference's side: cases run, failures, worst passing ratio per dtype and tensor."""
     res = r.check
-    n_prop = res.prop.examples if res.prop else 0
-    n_growth = sum(len(c.results) for c in res.growth.cases) if res.growth else 0
-    lines = [f"reference (false alarms): {res.cases} cases ({n_growth} growth check, {len(res.results)} battery, "
-             f"{len(res.scale_results)} scale, {len(res.fault_results)} fault stage, {n_prop} property-based) in "
-             f"{r.total_s:.0f} s: "
+    counts = ", ".join(f"{k} {n}" for k, n in stage_counts(res))
+    lines = [f"reference (false alarms): {res.cases} cases ({counts}) in {r.total_s:.0f} s: "
              f"{'0 failures' if r.status == 'pass' else 'FAILED: ' + r.verdict + ' ' + ', '.join(r.killed_by)}"]
     for dt, per in sorted(worst_ratios(res).items()):
         cells = "  ".join(f"{t} {per[t]:.3f}" for t in TENSORS if t in per)

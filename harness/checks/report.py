@@ -48,7 +48,7 @@ def details(r: CaseResult) -> list[str]:
     lines = [f"        -> {r.detail}"] if r.detail else []
     for c in sorted(r.failed_checks(), key=lambda c: -c.ratio)[:6]:
         p = c.position
-        where = f"at batch {p.get('batch')} token {p.get('token')} head {p.get('head')}"
+        where = f"at batch {p.get('batch')}, global position {p.get('token')}, head {p.get('head')}"
         if c.nonfinite:
             lines.append(f"        {c.tensor:>3} rank {c.rank}: {c.nonfinite} non-finite value(s) "
                          f"({c.nonfinite_kinds or 'NaN/inf'}), first {where}")

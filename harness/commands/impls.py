@@ -25,7 +25,8 @@ def _caps(c: dict | None) -> str:
     parts += [p for p, ok in (("gqa", c["gqa"]), ("uneven", c["uneven"]), ("backward", c["backward"]),
                               ("lse", c.get("returns_lse")), ("subgroups", c.get("subgroups", True)),
                               ("even-zigzag-chunks", not c.get("zigzag_odd", True)),
-                              ("heads%W", c.get("heads_divisible_by_world", False))) if ok]
+                              ("heads%W", c.get("heads_divisible_by_world", False)),
+                              ("idle-ranks", c.get("idle_ranks", False))) if ok]
     if c.get("head_dims"):
         parts.append("d" + "/".join(map(str, c["head_dims"])) if len(c["head_dims"]) <= 4
                      else f"d{min(c['head_dims'])}-{max(c['head_dims'])}")
@@ -49,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report.out(json.dumps(rows + [{**m, "source": "mutant"} for m in mutants], indent=1))
         return 0
-    width = max(len(r["name"]) for r in rows)
-    vw = max(len(str(r["version"])) for r in rows)
+    width = max(len(r["name"]) for r in [*rows, {"name": "implementation"}])
+    vw = max(len(str(r["version"])) for r in [*rows, {"version": "version"}])
+    report.out(f"{'implementation':<{width}}  {'here':<11}  {'version':<{vw}}  declared capabilities [backends]")
     for r in rows:
         state = "ready" if r["available"] else "unavailable"
         kernel = f"  kernel: {r['kernel']}" if r.get("kernel") else ""

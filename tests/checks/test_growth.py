@@ -112,7 +112,8 @@ def test_the_default_check_runs_the_growth_stage(pool, tmp_path):
 
     ok = run_check(pool, opts.with_(impl="reference"), reporter=rep)
     assert ok.passed and ok.growth is not None and len(ok.growth.cases) == 2
-    assert "16 growth-check" not in verdict_line(ok) and " 8 growth-check (worst x" in verdict_line(ok)
+    assert "growth check 16" not in verdict_line(ok) and "growth check 8," in verdict_line(ok)
+    assert "the growth check's worst x" in verdict_line(ok)
     assert not run_check(pool, opts.with_(impl="reference", growth=False), reporter=rep).growth
 
 

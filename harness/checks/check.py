@@ -142,15 +142,16 @@ def battery_plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], li
 
 
 def _probes(caps: Capabilities, cases: list[Case]) -> list[Case]:
-    """One probe case per undeclared feature the battery exercises: the first case using it, with every other
-    undeclared feature adapted away, so the probe changes exactly that one feature (a feature no case isolates
-    is not probed: `unprobed`)."""
+    """One probe case per undeclared feature the battery exercises: the first case using it, with the undeclared
+    features of every other dimension adapted away, so the probe changes exactly one thing (the mask, the split,
+    the heads, the layout, ...; impls.capabilities.isolated_probe); a feature no case isolates is not probed
+    (`unprobed`)."""
     seen, out = set(), []
     for c in cases:
         for f in unsupported(caps, c):
             probe = None if f in seen else isolated_probe(caps, c, f)
             if probe is not None:
-                seen.add(f)
+                seen.update(unsupported(caps, probe))
                 out.append(probe.replace(deadline_s=min(c.deadline_s, 30.0)))
     return out
 

@@ -197,11 +197,32 @@ def declare(caps: Capabilities, feature: str) -> Capabilities:
     return r(caps, **{name: value_})
 
 
+# What one probe may change at once: a feature's dimension. An expression mask needs several capability names
+# (mask:expr and its primitives and combinators) and an idle rank is an uneven split, so a probe changes one
+# dimension (the mask, the split, the heads) and every undeclared name it needs there.
+_DIMENSIONS = {"mask": "mask", "uneven": "split", "idle": "split", "zigzag-odd": "split", "gqa": "heads",
+               "mqa": "heads", "heads": "heads"}
+
+
+def dimension(feature: str) -> str:
+    """The dimension a feature key belongs to ('mask', 'split', 'heads'), or the key itself."""
+    return _DIMENSIONS.get(feature.partition(":")[0], feature)
+
+
 def isolated_probe(caps: Capabilities, c: Case, feature: str) -> Case | None:
-    """`c` with every undeclared feature but `feature` adapted away, so that a run of it probes exactly that one
-    feature; None when no such case exists (e.g. idle ranks without uneven splits)."""
-    probe = adapt(declare(caps, feature), c)
-    return probe if probe is not None and unsupported(caps, probe) == [feature] else None
+    """`c` with every undeclared feature outside `feature`'s dimension adapted away, so that a run of it probes
+    that one dimension (e.g. an undeclared mask expression, or an idle rank) on an otherwise declared case; None
+    when no such case exists."""
+    dim = dimension(feature)
+    wider = caps
+    for f in unsupported(caps, c):
+        if dimension(f) == dim:
+            wider = declare(wider, f)
+    probe = adapt(wider, c)
+    if probe is None:
+        return None
+    left = unsupported(caps, probe)
+    return probe if feature in left and all(dimension(f) == dim for f in left) else None
 
 
 # Nearest declared substitutes, best first: a case that uses an undeclared feature is adapted to the

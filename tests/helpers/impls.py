@@ -66,6 +66,11 @@ raise_on_rank1 = Impl("tests-raise-on-rank1", _raise_on_rank1)
 hang_on_rank1 = Impl("tests-hang-on-rank1", _hang_on_rank1)
 
 
+# Everything the reference does but idle ranks (the default is off): the idle-rank probe must be the only one,
+# and must show that the ring runs them (issue #30: a probe once also used undeclared masks and layouts).
+no_idle = Impl("tests-no-idle", _reference, capabilities=Capabilities(masks=frozenset(MASK_FEATURES)))
+
+
 # What most real rings declare: contiguous layout, masks none and causal, every dtype, GQA, uneven, W 1-8.
 narrow = Impl("tests-narrow", _reference, capabilities=Capabilities(layouts=frozenset({"contiguous"}),
                                                                      masks=frozenset({"none", "causal"})))

@@ -255,7 +255,10 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
             "uneven splits, W 1-8, subgroups) and every case runs as supported; to declare what it supports, "
             "wrap it: harness.Impl(name, run, capabilities=harness.Capabilities(...)) (README: 'Validating your "
             "own implementation')")
-    preflight(pool, opts, caps)
+    pre = preflight(pool, opts, caps)
+    if pre is not None and pre.verdict == Verdict.HANG:  # it cost its deadline: it counts toward --max-hangs
+        res.hangs += 1
+        out(f"preflight case hung: {pre.detail[:200]}")
     if opts.shape is not None:
         out(f"ring-harness check --shape: impl {impl}, {pool.backend} ranks ({opts.launcher}, {pool.size} ranks)")
         _shape_run(pool, opts, caps, res, out, failed, save)
@@ -332,17 +335,20 @@ PREFLIGHT = dict(world_size=2, total_len=8, layout="contiguous", mask=MaskSpec("
                  head_dim=16, dtype="fp32", seed=1)
 
 
-def preflight(pool, opts: CheckOptions, caps: Capabilities) -> None:
+def preflight(pool, opts: CheckOptions, caps: Capabilities) -> CaseResult | None:
     """One small declared case before any stage: an implementation whose adapter is broken (it raises on every
     rank before communicating, or returns the wrong shape) is bad input, one line and exit 2, not a ring that
     fails every case (harness.judging.verdicts.adapter_error)."""
     c = adapt(caps, make_case(impl=opts.impl, **PREFLIGHT))
     if c is None or c.pool_size > pool.size:
         return
+    if opts.deadline is not None:
+        c = c.replace(deadline_s=opts.deadline)
     r = run_case(c, pool, opts.impl, allow_import=opts.allow_import, leak=False)
     line = adapter_error(r)
     if line is not None:
         raise HarnessError(f"{opts.impl}: {line} (a {c.summary()} case; fix the adapter, then run the check again)")
+    return r
 
 
 def shape_plan(opts: CheckOptions, caps: Capabilities, pool_size: int | None = None):

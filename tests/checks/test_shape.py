@@ -91,7 +91,8 @@ def test_a_small_shape_is_judged_and_the_tile_tail_mutant_fails_there(tmp_path):
                                            save_dir=str(tmp_path), maxfail=1), reporter=Reporter(io.StringIO()))
     assert ok.passed and len(ok.shape_results) == 12 and ok.growth is not None and ok.growth.passed
     assert f"shape {spec}: 12 basics" in log.getvalue() and "estimate here: ~" in log.getvalue()
-    assert verdict_line(ok).startswith(f"check PASSED (exit 0): 12 basics and 4 growth-check runs at shape {spec}")
+    assert verdict_line(ok).startswith(f"check PASSED (exit 0): every case of reference at shape {spec} passed (16 "
+                                       "cases in ") and "growth check 4, at your shape 12" in verdict_line(ok)
     assert not bad.passed and bad.failures[0].stage == "shape" and "at your shape 1/1 basics" in verdict_line(bad)
 
 

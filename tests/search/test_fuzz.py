@@ -60,8 +60,10 @@ def test_a_kill_while_shrinking_keeps_the_found_case(tmp_path):
                 raise KeyboardInterrupt
         return _result(c, _needs_w3(c))
 
-    with pytest.raises(KeyboardInterrupt):
-        fuzz.fuzz("fake", run=run, save_dir=tmp_path)
+    from harness.search import strategies
+
+    with pytest.raises(KeyboardInterrupt):  # toy sizes: each shrink step here is a smaller case
+        fuzz.fuzz("fake", run=run, save_dir=tmp_path, strategy=strategies.cases(impl="fake"))
     found = list(tmp_path.glob("*-found.yaml"))
     shrunk = list(tmp_path.glob("*-shrunk.yaml"))
     assert len(found) == 1 and case_mod.load(found[0])[0] == fails[0]

@@ -38,7 +38,8 @@ def test_maxfail_stops_the_check(tmp_path):
 def test_a_ring_that_hangs_stops_the_check_after_max_hangs(tmp_path):
     """Each hanging case waits out its deadline and restarts the ranks; the check stops at --max-hangs and
     its last line says why (issue #17: a ring hanging on one rank must not cost the check 20 minutes). The
-    growth check, which runs first, hangs at its W=2 run: with the same --deadline, and counted."""
+    preflight case (W=2) and the growth check, which run first, hang at their W=2 runs: with the same --deadline,
+    and counted."""
     from harness.checks.check import battery_plan
     from harness.impls import registry
 
@@ -50,10 +51,10 @@ def test_a_ring_that_hangs_stops_the_check_after_max_hangs(tmp_path):
     assert [r.verdict for r in grown] == ["pass", "hang"] and grown[1].case.deadline_s == 2.0
     hung = [r for r in res.results if r.verdict == "hang"]
     planned, _ = battery_plan(opts, registry.resolve(opts.impl, allow_import=True).capabilities)
-    assert res.hangs == 2 and len(hung) == 1 and not res.passed
+    assert res.hangs == 3 and len(hung) == 1 and not res.passed  # preflight, growth, the battery's first
     assert len(res.results) < len(planned) and res.prop is None  # stopped: the rest and the property stage skipped
     assert all(r.passed for r in res.results if r.verdict != "hang")  # only the W=1 cases passed
-    assert "2 hanging case(s)" in rep.lines[-1] and "--max-hangs 2" in rep.lines[-1], rep.lines[-1]
+    assert "3 hanging case(s)" in rep.lines[-1] and "--max-hangs 2" in rep.lines[-1], rep.lines[-1]
     assert len(list(tmp_path.glob("*.yaml"))) == 1  # one hang, one file
 
 

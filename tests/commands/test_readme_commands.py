@@ -1,12 +1,13 @@
-"""Every command the README documents runs as written (issue #18).
+"""Every command and code block of the README and docs/ runs as written (issues #18, #30).
 
-The README's bash blocks are extracted (continuation lines joined, comments dropped) and each command
-must appear in COMMANDS with how it is run: in the default tier, in the slow tier (`--run-slow`, CI runs
-both), or not at all with the reason. A command added to the README without an entry fails
-`test_every_readme_command_is_classified`. Commands run in a fresh directory (so their outputs, e.g.
+The bash blocks of README.md and docs/*.md are extracted (continuation lines joined, comments dropped) and
+each command must appear in COMMANDS with how it is run: in the default tier, in the slow tier
+(`--run-slow`, CI runs both), or not at all with the reason. A command added without an entry fails
+`test_every_documented_command_is_classified`. Commands run in a fresh directory (so their outputs, e.g.
 `ring-harness-failures/`, `selftest.json`, `plots/`, never land in the repository) that links the
-repository's `cases/`; placeholders are filled in as noted. The README's Python blocks run as scripts
-and its YAML case example loads as a valid case.
+repository's `cases/` and holds the README's adapter example (`myring.py`); placeholders are filled in as
+noted. The Python blocks run as scripts, the case-file example loads as a valid case and the fault list
+as valid faults.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+DOCS = {p.relative_to(ROOT).as_posix(): p.read_text()
+        for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+ALL = "\n".join(DOCS.values())
 
-MY_RING = '''"""A user's ring, as README "Validating your own implementation" describes: the reference, wrapped."""
-from harness import Capabilities, Impl
-from harness.impls import registry
 
-_ref = registry.resolve("reference")
-my_ring = Impl("my-ring", _ref.run, capabilities=Capabilities(), version="0.1")
-'''
+def my_ring_example(text: str = README) -> str:
+    """The README's adapter example, as written (the block that starts with `# myring.py`)."""
+    block = re.search(r"```python\n(# myring\.py.*?)```", text, re.S)
+    assert block, "the README lost its adapter example"
+    return block.group(1)
 
 # command as written -> (tier, expected exit status, the command actually run or None = as written)
 #   tier: "fast" (default suite), "slow" (--run-slow), or "skip: <why it cannot run in the suite>"
@@ -39,6 +42,7 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     "pip install -r ci/requirements-cpu.txt": ("skip: CI's own set-up (ci/run-cpu.sh runs it)", None, None),
     "pip install -e '.[dev]'": ("skip: CI's own set-up (ci/run-cpu.sh runs it)", None, None),
     "ring-harness check": ("slow", 0, None),
+    "ring-harness check --impl myring:my_ring": ("slow", 0, None),  # the README's adapter example, end to end
     "python -m pytest -n 2": ("skip: it is this test suite, which CI runs with exactly this command", None, None),
     "ring-harness replay cases/mutant-causal-step-off-by-one.yaml": ("fast", 1, None),  # the mutant's failure
     "ring-harness replay CASE.yaml --impl reference --plot plots/":
@@ -50,7 +54,6 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 "
     "--rdzv-id ring-harness-1 -m harness check --launcher torchrun --world-size 16 --impl ring-flash-attn-zigzag":
         ("skip: two GPU nodes", None, None),
-    "ring-harness check --impl mypkg.attn:my_ring": ("slow", 0, None),  # mypkg/attn.py written into the cwd
     "ring-harness impls": ("fast", 0, None),
     "ring-harness check --shape b1,hq32,hkv8,d128,L8192,W8": ("fast", 2, None),  # refused up front, one line
     "ring-harness check --shape b1,hq8,hkv2,d128,L520,W4 --dtype bf16": ("slow", 0, None),
@@ -62,9 +65,9 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
 }
 
 
-def readme_commands(text: str = README) -> list[str]:
-    """The commands of the README's bash blocks: continuation lines joined, comments and blanks dropped,
-    `a && b` as two commands."""
+def readme_commands(text: str = ALL) -> list[str]:
+    """The commands of the bash blocks of README.md and docs/*.md: continuation lines joined, comments and
+    blanks dropped, `a && b` as two commands."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         joined = re.sub(r"\\\n\s*", "", block)
@@ -74,13 +77,13 @@ def readme_commands(text: str = README) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def test_every_readme_command_is_classified():
+def test_every_documented_command_is_classified():
     found = readme_commands()
     assert found, "the README lost its bash blocks"
     missing = [c for c in found if c not in COMMANDS]
     stale = [c for c in COMMANDS if c not in found]
-    assert not missing, f"README commands with no entry in COMMANDS (run them or say why not): {missing}"
-    assert not stale, f"COMMANDS entries the README no longer has: {stale}"
+    assert not missing, f"documented commands with no entry in COMMANDS (run them or say why not): {missing}"
+    assert not stale, f"COMMANDS entries README.md and docs/ no longer have: {stale}"
 
 
 def _argv(command: str) -> list[str]:
@@ -95,9 +98,7 @@ def _argv(command: str) -> list[str]:
 def _run_command(command: str, tmp_path: Path) -> None:
     tier, code, actual = COMMANDS[command]
     (tmp_path / "cases").symlink_to(ROOT / "cases")
-    (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "attn.py").write_text(MY_RING)
+    (tmp_path / "myring.py").write_text(my_ring_example())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     p = subprocess.run(_argv(actual or command), cwd=tmp_path, capture_output=True, text=True, env=env,
                        timeout=1500 if tier == "slow" else 300)
@@ -117,23 +118,36 @@ def test_readme_command_runs_as_written_slow(command, tmp_path):
     _run_command(command, tmp_path)
 
 
-def test_readme_python_blocks_run(tmp_path):
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if not b.startswith("# tests/")]
-    assert len(blocks) >= 2, "the README lost its Python examples"
+def test_documented_python_blocks_run(tmp_path):
+    """Every Python block of README.md and docs/ runs as a script (the pytest-plugin example runs under pytest:
+    tests/commands/test_readme.py); the adapter example is imported and run on two ranks."""
+    blocks = [(name, b) for name, text in DOCS.items() for b in re.findall(r"```python\n(.*?)```", text, re.S)
+              if not b.startswith("# tests/")]
+    assert len(blocks) >= 4, "the README and docs lost their Python examples"
     (tmp_path / "cases").symlink_to(ROOT / "cases")
+    (tmp_path / "myring.py").write_text(my_ring_example())
+    blocks.append(("README.md (the adapter example, run)", "from harness import assert_ring_close, make_case\n"
+                   "import myring\nassert_ring_close(myring.my_ring, make_case(world_size=2, total_len=8, "
+                   "mask={'kind': 'causal'}, dtype='bf16'))\n"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    for i, block in enumerate(blocks):
+    for i, (name, block) in enumerate(blocks):
         script = tmp_path / f"block{i}.py"
         script.write_text(block)
         p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env,
                            timeout=400)
-        assert p.returncode == 0, f"README Python block {i}:\n{block}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        assert p.returncode == 0, f"{name} Python block {i}:\n{block}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
 
 
-def test_readme_case_file_example_is_a_valid_case():
+def test_documented_case_file_example_is_a_valid_case_and_the_faults_valid_faults():
     from harness import case as case_mod
+    from harness.faults.schema import parse_faults
 
-    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", README, re.S) if b.startswith("format:")]
-    assert len(blocks) == 1, "the README lost its case-file example"
-    case, _ = case_mod.loads(blocks[0], "README.md")
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", ALL, re.S) if b.startswith("format:")]
+    assert len(blocks) == 1, "docs/cases.md lost its case-file example"
+    faults = [b for b in re.findall(r"```yaml\n(.*?)```", ALL, re.S) if b.startswith("faults:")]
+    assert len(faults) == 1, "docs/faults.md lost its fault list"
+    import yaml
+
+    assert len(parse_faults(tuple(yaml.safe_load(faults[0])["faults"]), 4)) == 7
+    case, _ = case_mod.loads(blocks[0], "docs/cases.md")
     assert case.world_size == 4 and case.layout == "zigzag"

@@ -233,3 +233,21 @@ def test_a_shrunk_failure_that_the_second_implementation_shares_is_a_harness_dis
     assert out.disagreement
     data = case_mod.load(out.shrunk_path)[1]["result"]
     assert data["harness_disagreement"] is True and "HARNESS DISAGREEMENT" in out.shrunk_path.read_text()
+
+
+def test_the_ci_profile_runs_the_same_cases_however_slow_the_machine(tmp_path, monkeypatch):
+    """Issue #30: the default check's coverage must not depend on the machine's load. On a machine so slow
+    that every run takes a minute, the ci profile still runs all its examples, the same ones: no time budget."""
+    import itertools
+
+    def drawn(clock_step: float):
+        ticks = itertools.count()
+        monkeypatch.setattr(fuzz.time, "monotonic", lambda: next(ticks) * clock_step)
+        cases = []
+        out = fuzz.fuzz("fake", run=lambda c: cases.append(c) or _result(c, False), save_dir=tmp_path)
+        return out, cases
+
+    fast, fast_cases = drawn(0.001)
+    slow, slow_cases = drawn(60.0)
+    assert fuzz.PROFILES["ci"].time_budget_s == float("inf")
+    assert fast.examples == slow.examples == fuzz.PROFILES["ci"].max_examples and fast_cases == slow_cases

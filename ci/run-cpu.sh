@@ -48,7 +48,8 @@ fi
 
 echo "== benchmark figures (quick sizes; printed, not asserted)"
 start=$(date +%s)
-python -m harness bench --quick || echo "bench: exit $? (a figure failed to run)"
+# gating: every figure must run and measure (exit 1 otherwise); its targets are printed, never asserted
+python -m harness bench --quick || { echo "bench: exit $? (a figure failed to run)"; exit 1; }
 echo "bench: $(( $(date +%s) - start )) s"
 
 echo "== nothing left behind"

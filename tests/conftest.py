@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 SESSION_ENV = "RING_HARNESS_TEST_SESSION_DIR"
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "tests.budget"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -633,7 +633,8 @@ def verdict_line(res: CheckOutcome) -> str:
         gc = res.growth.failures[0]
         stages.append(f"growth check {len(res.growth.failures)}/{len(res.growth.cases)} global cases ({gc.detail})")
     if res.prop is not None and not res.prop.passed:
-        stages.append(f"property-based ({res.prop.found.verdict}: {res.prop.found.case.summary()})")
+        shown = res.prop.shrunk or res.prop.found
+        stages.append(f"property-based ({shown.verdict}: {shown.case.summary()})")
     if res.findings:
         stages.append(f"{len(res.findings)} undeclared-feature finding(s)")
     why = f"; {res.stopped}" if res.stopped else ""

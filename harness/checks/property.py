@@ -55,9 +55,10 @@ def outcome_lines(out: fuzz.FuzzOutcome) -> list[str]:
              f"({out.rate_per_min():.0f} cases/min), {out.failures} failing runs; stop: {out.stop}"]
     if out.found is None:
         return lines
-    lines.append(f"    first failure at example {out.first_failure_example} after {out.first_failure_s:.1f} s: "
-                 f"{out.found.verdict}: {out.found.case.summary()}")
     first = out.bugs[0] if out.bugs else None
+    lines.append(f"    first failure at example {out.first_failure_example} after {out.first_failure_s:.1f} s")
+    which = f" (of {len(out.bugs)} distinct failures, the one that shrank smallest)" if len(out.bugs) > 1 else ""
+    lines.append(f"    found{which}: {out.found.verdict}: {out.found.case.summary()}")
     if first is not None and first.history is not None:  # its fresh-rank confirmation (harness.search.history)
         lines.extend(first.history.lines())
     lines.append(f"        saved {out.found_path}")

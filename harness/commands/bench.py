@@ -46,4 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(args.json, {"command": "bench", "quick": args.quick,
                                       "figures": [f.to_dict() for f in figures]})
+    broken = [f"{f.name}: {t.label}" for f in figures for t in f.targets if t.value != t.value]
+    if broken or not all(f.targets for f in figures):  # a figure that measured nothing (NaN) did not run
+        empty = [f.name for f in figures if not f.targets]
+        report.out("bench FAILED: no measurement for " + "; ".join(broken or empty))
+        return 1
     return 0

@@ -115,13 +115,16 @@ def test_plain_progress_lines_when_not_a_terminal(tmp_path):
     assert any("[shrink]" in ln and "failing" in ln and "cases/s" in ln for ln in lines)
 
 
-@pytest.mark.slow  # 75 s alone, 158 s in the default suite (search, shrink, localise on real ranks): the slow tier
+@pytest.mark.slow  # ~65 s alone (search, shrink each failure, confirm on fresh ranks, localise): the slow tier
 def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
-    """On real ranks: the planted late-diagonal ring is found, shrunk to W=3, and passes on the reference."""
+    """On real ranks: the planted late-diagonal ring is found, shrunk to W=3, and passes on the reference.
+    Shrinking is the point, not sizes: toy sizes (the check at scale runs in the next test)."""
     from harness.ranks.pool import RankPool
+    from harness.search import strategies
 
+    toy = strategies.cases(impl=PLANTED, pool_size=4, max_world=4)
     with RankPool(4) as pool:  # rings of 1-4 ranks: enough for the bug, quick to start
-        out = fuzz.fuzz(PLANTED, pool, allow_import=True, save_dir=tmp_path, max_examples=100, time_budget_s=60)
+        out = fuzz.fuzz(PLANTED, pool, allow_import=True, save_dir=tmp_path, max_examples=60, strategy=toy)
     assert out.found is not None, out.stop
     c = out.shrunk.case
     assert c.world_size == 3 and c.total_len == 3 and c.mask.kind == "causal", c.summary()
@@ -132,11 +135,13 @@ def test_finds_and_shrinks_a_bug_that_needs_three_ranks(tmp_path):
     assert data["hashes"] and data["localisation"]["findings"]
 
 
-@pytest.mark.slow  # ~90 s alone (seven distinct failures, each confirmed on fresh ranks): the slow tier, run by CI
+@pytest.mark.slow  # ~120 s alone (distinct failures, each confirmed on fresh ranks): the slow tier, run by CI
 def test_default_check_finds_shrinks_saves_and_replays(tmp_path):
-    """The full default `check` (battery + property-based) on the planted bug, then `replay`."""
+    """`check` (growth, battery, property-based; the scale and fault stages have their own tests) on the
+    planted bug, then `replay`. The headline is the failure that shrank smallest, with its plot."""
     cmd = [sys.executable, "-m", "harness"]
-    chk = subprocess.run([*cmd, "check", "--impl", PLANTED, "--save-dir", str(tmp_path), "--plot", str(tmp_path)],
+    chk = subprocess.run([*cmd, "check", "--impl", PLANTED, "--save-dir", str(tmp_path), "--plot", str(tmp_path),
+                          "--no-scale", "--fault-stage", "none", "--no-repeat"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert chk.returncode == 1, chk.stdout[-3000:] + chk.stderr[-3000:]
     # the late diagonal fails different sets of tensors on different cases: each set is its own failure,

@@ -12,7 +12,7 @@ LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: every masked case fails
 
 def test_one_saved_file_per_distinct_failure(tmp_path):
     rep = ListReporter()
-    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False,
+    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
                              save_dir=str(tmp_path)), reporter=rep)
     failing = [r for r in res.results if not r.passed]
     files = sorted(tmp_path.glob("*.yaml"))
@@ -29,7 +29,7 @@ def test_one_saved_file_per_distinct_failure(tmp_path):
 
 def test_maxfail_stops_the_check(tmp_path):
     rep = ListReporter()
-    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False,
+    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
                              save_dir=str(tmp_path), maxfail=2), reporter=rep)
     assert len(res.failures) == 2 and sum(not r.passed for r in res.results) == 2
     assert "stopped at battery case" in rep.lines[-1]
@@ -60,14 +60,14 @@ def test_a_ring_that_hangs_stops_the_check_after_max_hangs(tmp_path):
 
 def test_a_passing_check_says_so_last(tmp_path, capsys):
     assert main(["check", "--world-size", "2", "--max-examples", "0", "--fault-stage", "none", "--no-scale",
-                 "--save-dir", str(tmp_path)]) == 0
+                 "--no-growth", "--save-dir", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("check PASSED (exit 0):") and not list(tmp_path.iterdir())
 
 
 def test_x_is_maxfail_one(tmp_path, capsys):
     assert main(["check", "--impl", LEAKY, "--world-size", "2", "--max-examples", "0", "--fault-stage", "none",
-                 "--no-scale", "-x", "--save-dir", str(tmp_path)]) == 1
+                 "--no-scale", "--no-growth", "-x", "--save-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "stopped at battery case" in out.strip().splitlines()[-1] and len(list(tmp_path.iterdir())) == 1
 
@@ -94,12 +94,12 @@ def test_the_repeat_check_catches_state_carried_over_between_calls(tmp_path):
 
     rep = ListReporter()
     res = check(CheckOptions(impl="tests.helpers.impls:stale_accumulator", world_size=2, max_examples=0, scale=False,
-                             fault_stage=(), save_dir=str(tmp_path), maxfail=1), reporter=rep)
+                             growth=False, fault_stage=(), save_dir=str(tmp_path), maxfail=1), reporter=rep)
     r = res.results[0]
     assert r.verdict == "diverged" and r.extra["repeat"]["identical"] is False, r.detail
     assert "repeat" in killed_by(r) and r.detail.startswith("repeat: the same case run again")
-    ok = check(CheckOptions(world_size=2, max_examples=0, fault_stage=(), scale=False, save_dir=str(tmp_path)),
-               reporter=ListReporter())
+    ok = check(CheckOptions(world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
+                            save_dir=str(tmp_path)), reporter=ListReporter())
     assert ok.passed and all(r.extra["repeat"]["identical"] for r in ok.results)
 
 

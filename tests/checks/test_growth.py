@@ -114,7 +114,7 @@ def test_the_default_check_runs_the_growth_stage(pool, tmp_path):
     assert ok.passed and ok.growth is not None and len(ok.growth.cases) == 2
     assert "growth check 16" not in verdict_line(ok) and "growth check 8," in verdict_line(ok)
     assert "the growth check's worst x" in verdict_line(ok)
-    assert not run_check(pool, opts.with_(impl="reference", growth=False), reporter=rep).growth
+    assert not run_check(pool, opts.with_(impl="reference", growth=False, world_size=2), reporter=rep).growth
 
 
 def test_selftest_counts_a_growth_kill(pool, tmp_path):

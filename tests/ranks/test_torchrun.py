@@ -21,7 +21,8 @@ def _run(args, timeout=240, nproc=2):
 
 
 def test_check_under_torchrun_passes(tmp_path):
-    p = _run(["check", "--launcher", "torchrun", "--world-size", "2", "--no-scale", "--json", str(tmp_path / "r.json")])
+    p = _run(["check", "--launcher", "torchrun", "--world-size", "2", "--no-scale", "--max-examples", "30",
+              "--json", str(tmp_path / "r.json")])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "skipping" in p.stdout  # W=3 and W=8 cases need more than the 2 ranks started
     assert p.stdout.count(" pass ") >= 20

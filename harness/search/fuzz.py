@@ -79,11 +79,13 @@ class Profile:
     shrink_runs: int | None = None  # runs after the first failure (shrinking every failure); None: seconds only
 
 
+SHRINK_SAFETY = 5.0  # a profile with shrink_runs stops shrinking after this x shrink_budget_s all the same
+
 PROFILES = {
     # the default `check`: a fixed, reproducible search, the same 300 cases and the same shrinking (300 runs)
     # whatever the machine's load (no search time budget: a slow machine takes longer rather than testing
-    # less; 300 s of shrinking is a safety stop); about a minute on 2 cores for a passing ring
-    "ci": Profile("ci", max_examples=300, time_budget_s=math.inf, shrink_budget_s=300.0, derandomize=True,
+    # less; SHRINK_SAFETY x 60 s of shrinking is a safety stop); about a minute on 2 cores for a passing ring
+    "ci": Profile("ci", max_examples=300, time_budget_s=math.inf, shrink_budget_s=60.0, derandomize=True,
                   sizes=strategies.SIZES["ci"], shrink_runs=300),
     # long random search for scheduled runs
     "nightly": Profile("nightly", max_examples=50_000, time_budget_s=3600.0, shrink_budget_s=600.0, derandomize=False,
@@ -229,6 +231,7 @@ def fuzz(
     budget = prof.time_budget_s if time_budget_s is None else time_budget_s
     shrink_budget = prof.shrink_budget_s if shrink_budget_s is None else shrink_budget_s
     shrink_runs = prof.shrink_runs if shrink_budget_s is None else None  # seconds given: seconds rule
+    shrink_wall = shrink_budget * (SHRINK_SAFETY if shrink_runs is not None else 1.0)
     if seed is None:
         seed = 0 if prof.derandomize else random.SystemRandom().randrange(2**32)
     out = FuzzOutcome(impl=impl, profile=profile, seed=seed)
@@ -318,7 +321,7 @@ def fuzz(
             if first:
                 out.found, out.first_failure_example, out.first_failure_s = r, out.examples, out.seconds
                 out.found_path, out.shrunk_path = bug.found_path, bug.shrunk_path
-                shrink_end[0] = time.monotonic() + shrink_budget
+                shrink_end[0] = time.monotonic() + shrink_wall
                 out.found_at_run = out.runs
         elif bug.history_dependent:
             pass  # shrunk as a sequence on fresh ranks (_finish), not by hypothesis on warm ranks
@@ -334,7 +337,7 @@ def fuzz(
         if out.found is None and now - start > budget:
             raise _Stop("time budget")
         if out.found is not None and now > shrink_end[0]:
-            raise _Stop(f"shrink budget ({shrink_budget:.0f} s)")
+            raise _Stop(f"shrink budget ({shrink_wall:.0f} s)")
         if out.found is not None and shrink_runs is not None and out.runs - out.found_at_run >= shrink_runs:
             raise _Stop(f"shrink budget ({shrink_runs} runs)")
         if c.key() in raised:  # a re-run (hypothesis replays its examples): the same answer, not a new run

@@ -61,19 +61,17 @@ def _workers_of(pools: str) -> list[str]:
     return out
 
 
-# seconds after the check's first line: ranks starting, the battery's first cases, mid-battery, its end, the
-# property-based search, near the end (6 moments; 20 seeded ones cost 9 min of the slow tier and found nothing more)
-MOMENTS = (0.0, 1.3, 3.7, 6.2, 9.1, 12.8)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", MOMENTS)
-def test_sigterm_at_each_moment_stops_cleanly_within_10_s(tmp_path, delay):
-    """Guards (slow: 6 checks, ~20 s each) what no single moment does: wherever the signal lands (ranks
-    starting, a battery case, between cases, the property-based search), the check exits within 10 s with exit
-    143 and a valid partial JSON, and leaves no worker and no temp dir behind."""
+@pytest.mark.parametrize("moment", range(20))
+def test_sigterm_at_a_seeded_moment_stops_cleanly_within_10_s(tmp_path, moment):
+    """Guards (slow: 20 checks, ~15 s each alone, ~27 s in the slow tier; issue #30 asks for 20) what no single
+    moment does: wherever the signal lands (ranks starting, a battery case, between cases, the property-based
+    search), the check exits within 10 s with exit 143 and a valid partial JSON, and leaves no worker and no temp
+    dir behind."""
+    import random
     import time
 
+    delay = random.Random(2900 + moment).uniform(0.0, 14.0)  # after the check's first line: battery, property
     pools = tempfile.mkdtemp(prefix="rh-sig-")
     try:
         env = dict(os.environ, RING_HARNESS_TMPDIR=pools)

@@ -1,7 +1,8 @@
 """pytest plugin (entry point `pytest11`): validate a ring attention implementation inside any
 project's test suite.
 
-Options: --ring-impl, --ring-world-size, --ring-max-examples, --ring-faults, --ring-shape, --ring-cases DIR.
+Options: --ring-impl, --ring-world-size, --ring-max-examples, --ring-faults, --ring-shape, --ring-cases DIR,
+--ring-device (cpu or cuda: W ranks on the visible GPUs, docs/gpu.md).
 Fixtures: `ring_pool` (one rank pool per pytest process, so each xdist worker has its own pool and
 FileStore) and `ring_check` (run cases against the configured implementation and assert).
 Marker: `@pytest.mark.ring_impl("name")` overrides the implementation for one test.
@@ -30,6 +31,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "fit)")
     g.addoption("--ring-cases", action="append", default=[], metavar="DIR",
                 help="directory of case YAML files to replay as tests (repeatable)")
+    g.addoption("--ring-device", default=None, choices=("cpu", "cuda"),
+                help="where the pool's ranks compute: cpu, or cuda (W gloo ranks on the visible GPUs, P2P staged "
+                     "through pinned host memory; docs/gpu.md)")
+    g.addoption("--ring-stage-p2p", action="store_true", default=False,
+                help="stage P2P through host buffers on CPU ranks too, as --ring-device cuda does")
     parser.addini("ring_cases", "directories of case YAML files to replay as tests", type="paths", default=[])
 
 
@@ -251,9 +257,11 @@ def _session_pool(session: pytest.Session):
     """Case items share one pool per pytest process, closed when the session ends."""
     pool = getattr(session, "_ring_harness_pool", None)
     if pool is None:
+        from harness.checks.options import placement_of
         from harness.ranks.pool import RankPool
 
-        pool = RankPool(size=1)
+        opt = session.config.getoption
+        pool = RankPool(size=1, placement=placement_of(opt("--ring-device"), opt("--ring-stage-p2p")))
         session._ring_harness_pool = pool
         session.config.add_cleanup(pool.close)
     return pool

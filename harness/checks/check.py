@@ -260,7 +260,8 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         res.hangs += 1
         out(f"preflight case hung: {pre.detail[:200]}")
     if opts.shape is not None:
-        out(f"ring-harness check --shape: impl {impl}, {pool.backend} ranks ({opts.launcher}, {pool.size} ranks)")
+        out(f"ring-harness check --shape: impl {impl}, {pool.backend} ranks ({opts.launcher}, {pool.size} ranks"
+            f"{placement_text(pool)})")
         _shape_run(pool, opts, caps, res, out, failed, save)
         return finish()
     too_big = [c for c in cases if c.pool_size > pool.size]
@@ -268,7 +269,7 @@ def run_check(pool, opts: CheckOptions, *, stop_at_first_failure: bool = False,
         out(f"skipping {len(too_big)} case(s) that need more than the {pool.size} ranks started")
         cases = [c for c in cases if c.pool_size <= pool.size]
     out(f"ring-harness check: {len(cases)} cases, impl {impl}, {pool.backend} ranks "
-        f"({opts.launcher}, {pool.size} ranks)")
+        f"({opts.launcher}, {pool.size} ranks{placement_text(pool)})")
     mark = [time.perf_counter()]
 
     def lap(stage: str) -> None:
@@ -513,6 +514,12 @@ def outcome_json(res: CheckOutcome) -> dict:
             "property": None if res.prop is None else prop_stage.outcome_json(res.prop)}
 
 
+def placement_text(pool: object) -> str:
+    """', on cuda, P2P staged ...' for a local pool off the plain CPU path; '' otherwise."""
+    placement = getattr(pool, "placement", None)
+    return "" if placement is None or not placement.staged else f", {placement.describe()}"
+
+
 def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) -> CheckOutcome:
     """The default check as a library call: open the ranks (`opts.launcher`), run `run_check`, print the
     summary (and write `opts.json`). Under torchrun, non-zero ranks return an empty outcome once rank 0
@@ -527,7 +534,7 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     else:
         cases, probes = battery_plan(opts, caps)
         size = max(battery_pool_size(cases + probes + scale_plan(opts, caps)), growth_pool_size(opts, caps))
-    with open_pool(opts.launcher, opts.backend, size) as pool:
+    with open_pool(opts.launcher, opts.backend, size, opts.placement) as pool:
         if pool is None:  # a torchrun follower rank: rank 0 reports
             return CheckOutcome(impl=opts.impl, follower=True)
         if opts.world_size > pool.size:  # torchrun started fewer processes than the battery's main ring needs

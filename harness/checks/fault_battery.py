@@ -155,7 +155,7 @@ def fault_battery(opts: FaultBatteryOptions | None = None, reporter: Reporter | 
         out(f"{i:>4}/{len(cases)} {kind:<10} {summary:<52} {r.verdict:<17} "
                    f"{r.timings.get('wall_s', 0.0):5.2f}s{mark}{detail}")
 
-    pool = RankPool(max(c.pool_size for c in cases), spare=True)
+    pool = RankPool(max(c.pool_size for c in cases), spare=True, placement=opts.placement)
     straggler = None
     res = BatteryOutcome()
     try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import KINDS
+from harness.ranks.backend import DEVICES, Placement
 
 # Faults that must not change results; the default check runs the first two on every rank, both phases.
 FAULT_STAGE_KINDS = ("early-read", "send-reuse", "delay", "straggler")
@@ -65,6 +66,27 @@ def _check_common(impl: str, world_size: int, deadline: float | None, launcher: 
         raise HarnessError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 
+def placement_of(device: str | None, stage_p2p: bool) -> Placement:
+    """The local pool's device and staging: the options over the environment's defaults."""
+    env = Placement.from_env()
+    return Placement(device or env.device, stage_p2p or env.stage_p2p)
+
+
+def _check_placement(device: str | None, launcher: str) -> None:
+    if device is None:
+        return
+    if device not in DEVICES:
+        raise HarnessError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and launcher != "local":
+        raise HarnessError("--device cuda places the local pool's ranks; "
+                           "under torchrun each rank takes cuda:LOCAL_RANK")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise HarnessError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
+
+
 def _check_oracle(oracle: str) -> None:
     if oracle not in ORACLES:
         raise HarnessError(f"--oracle must be one of {', '.join(ORACLES)}, got {oracle!r}")
@@ -97,6 +119,8 @@ class CheckOptions:
     shape: str | None = None  # e.g. "b1,hq32,hkv8,d128,L8192,W8": the basics and the growth check at that shape only
     shape_budget: float = 3600.0  # seconds: a --shape plan estimated to take longer is refused up front
     oracle: str = "ranks"  # ranks: each rank computes its query rows' share after its run; local: this process
+    device: str | None = None  # local ranks on cpu, or cuda (the visible GPUs); None: $RING_HARNESS_DEVICE or cpu
+    stage_p2p: bool = False  # P2P through host buffers on CPU too, as on cuda (or $RING_HARNESS_STAGE_P2P)
 
     @property
     def allow_import(self) -> bool:
@@ -105,9 +129,14 @@ class CheckOptions:
 
         return is_module_path(self.impl)
 
+    @property
+    def placement(self) -> Placement:
+        return placement_of(self.device, self.stage_p2p)
+
     def validate(self) -> CheckOptions:
         _check_common(self.impl, self.world_size, self.deadline, self.launcher, self.backend)
         _check_oracle(self.oracle)
+        _check_placement(self.device, self.launcher)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise HarnessError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.profile not in PROFILES:
@@ -154,6 +183,8 @@ class FaultBatteryOptions:
     save_dir: str = "ring-harness-failures"
     json: str | None = None
     launcher: str = "local"  # the battery kills and restarts ranks: local pool only
+    device: str | None = None  # as CheckOptions.device
+    stage_p2p: bool = False  # as CheckOptions.stage_p2p
 
     @property
     def allow_import(self) -> bool:
@@ -161,8 +192,13 @@ class FaultBatteryOptions:
 
         return is_module_path(self.impl)
 
+    @property
+    def placement(self) -> Placement:
+        return placement_of(self.device, self.stage_p2p)
+
     def validate(self) -> FaultBatteryOptions:
         _check_common(self.impl, self.world_size, None, self.launcher, None)
+        _check_placement(self.device, self.launcher)
         if self.launcher != "local":
             raise HarnessError("--faults runs on the local pool (it kills and restarts ranks); drop --launcher")
         parse_kinds(self.kinds, KINDS, "--faults", KINDS, allow_all=True)

@@ -47,6 +47,7 @@ from harness.errors import HarnessError
 from harness.faults.schema import make_fault
 from harness.impls.adapters.reference import MUTANT_PREFIX
 from harness.judging.verdicts import failure_signature, killed_by
+from harness.ranks.backend import Placement
 from harness.result import CaseResult, result_record
 from harness.runner import run_case
 from harness.search import history
@@ -95,12 +96,12 @@ def reproduces(pool, impl: str, r: CaseResult, times: int = 1) -> bool:
     return True
 
 
-def sequence_reproduces(found: history.HistoryFinding, times: int = 1) -> bool:
+def sequence_reproduces(found: history.HistoryFinding, times: int = 1, placement: Placement | None = None) -> bool:
     """A history-dependent failure's sequence gives its recorded result bit for bit `times` more, each
     time on fresh ranks."""
     if found.sequence is None or found.seq_result is None:
         return False
-    with history.FreshRanks() as fr:
+    with history.FreshRanks(placement=placement) as fr:
         for _ in range(times):
             again = fr.run(found.sequence)
             if again is None or not history.same_run(again, found.seq_result):
@@ -182,7 +183,7 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
         on fresh ranks."""
         found = res.histories.get(failure_signature(r))
         if found is not None and found.history_dependent:
-            return sequence_reproduces(found, REPRODUCE_RUNS)
+            return sequence_reproduces(found, REPRODUCE_RUNS, opts.placement)
         return reproduces(pool, name, r, REPRODUCE_RUNS)
 
     with open(run.log, "w", encoding="utf-8") as fh:
@@ -242,10 +243,10 @@ def _shrink_and_save_sequence(name: str, run: MutantRun, kill: Failure, found: h
                               opts: CheckOptions, corpus: Path) -> None:
     """A history-dependent kill: shrink its sequence on fresh ranks, confirm it, run the same sequence on
     the reference (which must pass) and save it as the corpus's sequence case."""
-    with history.FreshRanks() as fr:
+    with history.FreshRanks(placement=opts.placement) as fr:
         history.shrink_sequence(found, fr, budget_s=PROFILES[opts.profile].shrink_budget_s)
         run.shrunk, run.shrink_tries = found.seq_result, found.shrink_tries
-        if not sequence_reproduces(found, REPRODUCE_RUNS):
+        if not sequence_reproduces(found, REPRODUCE_RUNS, opts.placement):
             run.note = "the minimal sequence did not reproduce bit for bit on fresh ranks: no regression case saved"
             return
         ref = fr.run(found.sequence, lambda s: REFERENCE if s.case.impl == name else s.case.impl)
@@ -330,7 +331,7 @@ def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = No
     from harness.context import Capabilities
 
     size = max(battery_pool_size(default_battery(copts.world_size)), growth_pool_size(copts, Capabilities()))
-    with RankPool(size, spare=True) as pool:
+    with RankPool(size, spare=True, placement=copts.placement) as pool:
         runs = run_selftest(pool, names, copts, work, corpus, false_alarm_cases=opts.false_alarm_cases, on_done=done)
         pids.update(pool.pids())
     res = SelftestOutcome(runs=runs, leftovers=leftover_workers(pids), seconds=time.perf_counter() - start)

@@ -30,3 +30,13 @@ def hint(cls: type, name: str) -> str:
     if isinstance(d, tuple):
         d = ",".join(d)
     return f" (default {d})" if d not in (None, "") else ""
+
+
+def add_placement(p: argparse.ArgumentParser) -> None:
+    """--device and --stage-p2p (check, the fault battery, selftest)."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default=argparse.SUPPRESS,
+                   help="where the local pool's ranks compute: cpu, or cuda (W gloo ranks on the visible GPUs, "
+                        "round-robin, P2P staged through pinned host memory; docs/gpu.md)")
+    p.add_argument("--stage-p2p", action="store_true", default=argparse.SUPPRESS,
+                   help="stage P2P through host buffers on CPU ranks too, as --device cuda does (NCCL's per-peer "
+                        "FIFO matching, one Work per batch_isend_irecv)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from harness.checks.options import FAULT_STAGE_KINDS, CheckOptions, FaultBatteryOptions
-from harness.commands._args import build, hint
+from harness.commands._args import add_placement, build, hint
 from harness.dtypes import DTYPES
 
 S = argparse.SUPPRESS
@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline", type=float, default=S, metavar="SECONDS", help="per-case deadline")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=S,
                    help="default: gloo for the local pool; nccl under torchrun when CUDA is available")
+    add_placement(p)
     p.add_argument("--oracle", choices=("ranks", "local"), default=S,
                    help="who computes the float64 oracle: ranks (each rank its own query rows, after its run) or "
                         "local (this process, while the ranks run)" + hint(C, "oracle"))

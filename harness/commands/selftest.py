@@ -6,9 +6,10 @@ Exit 0 when every mutant is killed and the reference passes, 1 otherwise, 2 on b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from harness.checks.options import SelftestOptions
-from harness.commands._args import build, hint
+from harness.commands._args import add_placement, build, hint
 
 S = argparse.SUPPRESS
 
@@ -22,11 +23,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "check's budget)")
     p.add_argument("--save-dir", metavar="DIR", default=S,
                    help="per-mutant check logs and found cases" + hint(SelftestOptions, "save_dir"))
+    add_placement(p)
     p.add_argument("--corpus", default=S, metavar="DIR",
                    help="write each mutant's minimal case here as mutant-NAME.yaml (e.g. cases/); default: --save-dir")
 
 
 def run(args: argparse.Namespace) -> int:
+    from harness.checks.options import CheckOptions
     from harness.checks.selftest import selftest
 
-    return 0 if selftest(build(SelftestOptions, args)).passed else 1
+    opts = build(SelftestOptions, args)
+    opts = dataclasses.replace(opts, check=build(CheckOptions, argparse.Namespace(
+        **{k: getattr(args, k) for k in ("device", "stage_p2p") if hasattr(args, k)})))
+    return 0 if selftest(opts).passed else 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import time
 from collections import Counter
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from harness.errors import CommError
-from harness.faults import inject
+from harness.faults import inject, staging
 from harness.faults.oplog import Op, compact_log, overwrite, pending_text, phase_counts
 from harness.faults.schema import FaultSpec
 from harness.faults.work import Deferred, FaultWork, first_line, nbytes, overlaps, shares_storage, tensors_of
@@ -43,8 +44,9 @@ class Interposer:
 
     def __init__(self, rank: int, faults: Sequence[FaultSpec] = (), *, seed: int = 0, timeout_s: float = 30.0,
                  budget_s: float | None = None, pending_path: str | None = None, note_path: str | None = None,
-                 exit_fn: Callable[[int], None] | None = None, case_id: Any = None) -> None:
+                 exit_fn: Callable[[int], None] | None = None, case_id: Any = None, stage: bool = False) -> None:
         self.rank = rank  # group rank
+        self.stage = stage  # P2P through host buffers, NCCL's matching (harness.faults.staging)
         self.faults = tuple(f for f in faults if f.rank is None or f.rank == rank)
         self.straggler = next((f for f in self.faults if f.kind == "straggler"), None)
         self.seed = seed
@@ -173,6 +175,8 @@ class Interposer:
         t_open = time.monotonic()
         op, hits, hold = self._open(kind, "send", peer, [tensor])
         fw = FaultWork(self, op, outputs=[tensor], hold=hold)
+        if self.stage:
+            post = functools.partial(staging.post_send, post)
         if "drop" in hits or (channel and channel in self.down):
             if "drop" in hits:
                 self._fire(hits["drop"])
@@ -220,6 +224,8 @@ class Interposer:
             corrupt = self._corrupter(hits["corrupt"], op)
             fw.after.append(lambda: corrupt(tensor))
         self.pending[op.index] = op
+        if self.stage:
+            post = functools.partial(staging.post_recv, post)
         fw.real, fw.keep = post(target), target
         if fw.real is None:
             fw.done = True
@@ -370,6 +376,11 @@ class Interposer:
     def compact_log(self) -> list[list]:
         """The op log as small lists: [kind, peer, bytes, phase, state], in order."""
         return compact_log(self.ops)
+
+    def p2p_tag(self, tag: int) -> int:
+        """The tag a P2P op is posted with: its own, or staging's one tag (NCCL matches in FIFO order)."""
+        return staging.STAGED_TAG if self.stage else tag
+
     def wrappers(self) -> dict[str, Callable]:
         """Replacements for the torch.distributed functions, bound to this interposer."""
         return make_wrappers(self)

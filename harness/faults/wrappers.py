@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed.distributed_c10d as c10d
 
+from harness.faults.staging import BatchWork
+
 if TYPE_CHECKING:
     from harness.faults.interpose import Interposer
 
@@ -57,22 +59,26 @@ def wrappers(ip: Interposer) -> dict[str, Callable]:
 
     def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
         peer = global_peer(group, dst, group_dst)
+        tag = ip.p2p_tag(tag)
         return ip.post_send("isend", tensor, peer,
                               lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
                               (id(group), peer, tag))
 
     def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        tag = ip.p2p_tag(tag)
         return ip.post_recv("irecv", tensor, global_peer(group, src, group_src),
                               lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
 
     def send(tensor, dst=None, group=None, tag=0, group_dst=None):
         peer = global_peer(group, dst, group_dst)
+        tag = ip.p2p_tag(tag)
         fw = ip.post_send("send", tensor, peer,
                             lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
                             (id(group), peer, tag))
         ip.complete(fw)
 
     def recv(tensor, src=None, group=None, tag=0, group_src=None):
+        tag = ip.p2p_tag(tag)
         fw = ip.post_recv("recv", tensor, global_peer(group, src, group_src),
                             lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
         if fw.real is None:
@@ -87,7 +93,8 @@ def wrappers(ip: Interposer) -> dict[str, Callable]:
 
     def batch_isend_irecv(p2p_op_list):
         c10d._check_p2p_op_list(p2p_op_list)
-        return [(isend if p.op in sends else irecv)(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+        works = [(isend if p.op in sends else irecv)(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+        return [BatchWork(works)] if ip.stage else works  # staged: one Work per batch, as NCCL's
 
     def check_op(op):
         if op not in (orig["isend"], orig["irecv"], isend, irecv):

@@ -1,10 +1,57 @@
-"""Backend and device choice, in one place: gloo on CPU here, NCCL on cuda:LOCAL_RANK under torchrun."""
+"""Backend and device choice, in one place: gloo on CPU here, NCCL on cuda:LOCAL_RANK under torchrun,
+or gloo ranks sharing the visible GPUs with P2P staged through host buffers (`Placement`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+
+DEVICES = ("cpu", "cuda")
+DEVICE_ENV = "RING_HARNESS_DEVICE"  # the pool's default device: cpu or cuda
+STAGE_ENV = "RING_HARNESS_STAGE_P2P"  # 1: stage P2P through host buffers on CPU too
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a local pool's ranks compute and how their P2P travels.
+
+    device "cuda": rank r runs on cuda:(r mod visible GPUs), on gloo, its P2P staged through pinned
+    host buffers (harness.faults.staging). `stage_p2p`: the same staging on CPU tensors, so CI runs
+    that code."""
+
+    device: str = "cpu"
+    stage_p2p: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)}")
+
+    @property
+    def staged(self) -> bool:
+        return self.device == "cuda" or self.stage_p2p
+
+    @classmethod
+    def from_env(cls) -> Placement:
+        """$RING_HARNESS_DEVICE and $RING_HARNESS_STAGE_P2P, else CPU without staging."""
+        return cls(os.environ.get(DEVICE_ENV) or "cpu", os.environ.get(STAGE_ENV, "") not in ("", "0"))
+
+    def describe(self) -> str:
+        if self.device == "cuda":
+            return "cuda, P2P staged through pinned host memory"
+        return "cpu, P2P staged through host buffers" if self.stage_p2p else "cpu"
+
+
+def rank_device(placement: Placement, rank: int) -> torch.device:
+    """The device of pool rank `rank`: the CPU, or cuda:(rank mod visible GPUs), made current."""
+    if placement.device != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device here")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def choose_backend(requested: str | None = None) -> str:

@@ -11,18 +11,20 @@ import contextlib
 from collections.abc import Iterator
 
 from harness.errors import HarnessError
+from harness.ranks.backend import Placement
 from harness.ranks.protocol import Pool
 
 LAUNCHERS = ("local", "torchrun")
 
 
 @contextlib.contextmanager
-def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4) -> Iterator[Pool | None]:
-    """The ranks for a command: `size` local workers (`local`), or torchrun's processes (`torchrun`)."""
+def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4,
+              placement: Placement | None = None) -> Iterator[Pool | None]:
+    """The ranks for a command: `size` local workers (`local`, on `placement`), or torchrun's processes."""
     if launcher == "local":
         from harness.ranks.pool import RankPool
 
-        with RankPool(size, backend=backend or "gloo", spare=True) as pool:
+        with RankPool(size, backend=backend or "gloo", spare=True, placement=placement) as pool:
             yield pool
         return
     if launcher != "torchrun":

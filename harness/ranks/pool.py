@@ -31,6 +31,7 @@ from harness import case as case_mod
 from harness import interrupt
 from harness.errors import PoolError
 from harness.ranks import oom, wire
+from harness.ranks.backend import Placement
 from harness.ranks.protocol import (
     OK,
     ORACLE,
@@ -102,9 +103,12 @@ class _Standby:
 class RankPool:
     """`size` worker ranks on `backend`; use as a context manager or call close()."""
 
-    def __init__(self, size: int = 4, backend: str = "gloo", *, spare: bool = False) -> None:
+    def __init__(self, size: int = 4, backend: str = "gloo", *, spare: bool = False,
+                 placement: Placement | None = None) -> None:
         self.size = size
         self.backend = backend
+        # the ranks' device and P2P staging (default: $RING_HARNESS_DEVICE, $RING_HARNESS_STAGE_P2P)
+        self.placement = placement or Placement.from_env()
         # spare: keep a standby set of started workers (torch imported, waiting to be connected), so a
         # restart after a hang or a death costs a rendezvous, not a fresh interpreter per rank
         self.spare = spare
@@ -182,7 +186,8 @@ class RankPool:
     def _spawn(self, workdir: str, size: int, r: int, env: dict[str, str]) -> subprocess.Popen:
         """Start worker rank r in its own session, its output to log-<r>.txt in its dir."""
         cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(size),
-               "--dir", workdir, "--backend", self.backend, "--parent", str(os.getpid())]
+               "--dir", workdir, "--backend", self.backend, "--parent", str(os.getpid()),
+               "--device", self.placement.device] + (["--stage-p2p"] if self.placement.stage_p2p else [])
         with open(os.path.join(workdir, f"log-{r}.txt"), "wb") as log:
             return oom.watch(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
@@ -409,11 +414,32 @@ class RankPool:
         return oom.describe(r, self.procs[r], self._log_tail(r))
 
     def _log_tail(self, r: int, n: int = 600) -> str:
+        """The log's last `n` characters; after a fatal signal, faulthandler's report of where it struck."""
         try:
             text = Path(self.dir, f"log-{r}.txt").read_text(errors="replace").strip()
         except (OSError, TypeError):
             return "(no log)"
-        return text[-n:].replace("\n", " | ") if text else "(empty log)"
+        crash = fatal_frames(text)
+        return crash or (text[-n:].replace("\n", " | ") if text else "(empty log)")
+
+
+def fatal_frames(log: str, frames: int = 6) -> str:
+    """'Fatal Python error: Segmentation fault; File ... <- File ...' from the last faulthandler report in a
+    rank's log, innermost frame first; '' when the log has none."""
+    i = log.rfind("Fatal Python error")
+    if i < 0:
+        return ""
+    lines = [ln.strip() for ln in log[i:].splitlines() if ln.strip()]
+    blocks: list[list[str]] = []
+    for ln in lines[1:]:
+        if ln.startswith(("Current thread", "Thread ")):
+            blocks.append([ln])
+        elif ln.startswith("File ") and blocks:
+            blocks[-1].append(ln)
+    # the crashing thread, or (when it has no Python frame: a backend's own thread) the deepest other one
+    blocks.sort(key=lambda b: (not (b[0].startswith("Current thread") and len(b) > 1), -len(b)))
+    kept = next((b[1:] for b in blocks if len(b) > 1), [])
+    return f"{lines[0]}; " + (" <- ".join(kept[:frames]) if kept else "no Python frame")
 
 
 def _kill_all(procs: list[subprocess.Popen], workdir: str | None) -> None:

@@ -32,7 +32,7 @@ from harness.errors import ShapeError
 from harness.impls.adapters._common import kernel_label
 from harness.kernels import flash_standin
 from harness.ranks import reference, wire
-from harness.ranks.backend import choose_backend, device_for
+from harness.ranks.backend import Placement, choose_backend, device_for, rank_device
 from harness.ranks.protocol import (
     DIVERGED,
     ERROR,
@@ -228,7 +228,7 @@ def comm_budget(case: case_mod.Case) -> float:
     return max(0.5, case.deadline_s - max(0.5, min(2.0, 0.1 * case.deadline_s)))
 
 
-def _interposer(case: case_mod.Case, rank: int, msg: RunMessage, workdir: str | None):
+def _interposer(case: case_mod.Case, rank: int, msg: RunMessage, workdir: str | None, stage: bool = False):
     """This rank's torch.distributed interposer for the case: op log, faults, short timeouts."""
     from harness.faults import interpose, schema
 
@@ -238,7 +238,7 @@ def _interposer(case: case_mod.Case, rank: int, msg: RunMessage, workdir: str | 
     return interpose.Interposer(
         rank - case.group_offset, schema.parse_faults(case.faults, case.world_size), seed=case.seed,
         timeout_s=pg_timeout(case), budget_s=comm_budget(case), pending_path=path("pending"),
-        note_path=path("faults"), case_id=msg.get("case_id"),
+        note_path=path("faults"), case_id=msg.get("case_id"), stage=stage,
     )
 
 
@@ -276,7 +276,7 @@ def _close_peers(case: case_mod.Case, rank: int, groups: Groups) -> None:
 
 
 def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device, impls: dict,
-                workdir: str | None = None) -> ResultMessage:
+                workdir: str | None = None, stage: bool = False) -> ResultMessage:
     """Run one 'run' message on this (global) rank and build the reply; never raises for an
     implementation's error (that is a result). Shared by the pool worker and the torchrun driver.
     The case runs inside the fault interposer; the reply carries its op log and fired faults."""
@@ -285,7 +285,7 @@ def handle_case(msg: RunMessage, rank: int, groups: Groups, device: torch.device
 
     case = case_mod.from_dict(msg["case"])
     reply = ResultMessage(op=RESULT, rank=rank, case_id=msg["case_id"], status=OK)
-    ip = _interposer(case, rank, msg, workdir)
+    ip = _interposer(case, rank, msg, workdir, stage)
     try:
         if msg.get("fresh_group"):
             groups.reset()
@@ -352,11 +352,12 @@ class Serving:
     device: torch.device
     workdir: str
     impls: dict[str, object]
+    stage: bool = False  # P2P through host buffers (harness.faults.staging)
 
 
 def on_run(st: Serving, msg: RunMessage) -> bool:
     """Run the case and send its result."""
-    wire.send(st.conn, handle_case(msg, st.rank, st.groups, st.device, st.impls, st.workdir))
+    wire.send(st.conn, handle_case(msg, st.rank, st.groups, st.device, st.impls, st.workdir, st.stage))
     return True
 
 
@@ -382,7 +383,7 @@ HANDLERS: dict[str, Callable[[Serving, Message], bool]] = {RUN: on_run, ORACLE: 
                                                            STOP: on_stop}
 
 
-def serve(rank: int, size: int, workdir: str, backend: str) -> None:
+def serve(rank: int, size: int, workdir: str, backend: str, placement: Placement | None = None) -> None:
     """Rendezvous, then loop: receive a message, hand it to its handler. Exits on 'stop' or parent death."""
     import torch.distributed as dist
 
@@ -391,17 +392,25 @@ def serve(rank: int, size: int, workdir: str, backend: str) -> None:
     authkey = bytes.fromhex(os.environ["RING_HARNESS_AUTHKEY"])
     stack_file = open(os.path.join(workdir, f"stack-{rank}.txt"), "a")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a fatal signal (SIGSEGV in a backend) says where
     with Listener(os.path.join(workdir, f"rank{rank}.sock"), family="AF_UNIX", authkey=authkey) as lst:
         conn = lst.accept()
+    placement = placement or Placement()
     backend = choose_backend(backend)
-    device = device_for(backend)
-    if backend == "gloo":  # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn is importable
+    device = device_for(backend) if backend == "nccl" else rank_device(placement, rank)
+    if device.type == "cuda":  # the CUDA context now, not in the first case's ring (short timeouts)
+        torch.ones(1, device=device).sum().item()
+        if backend == "gloo":
+            from harness.faults.staging import stage_functional_collectives
+
+            stage_functional_collectives(device)
+    if device.type == "cpu":  # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn is importable
         flash_standin.install()
     dist.init_process_group(
         backend, store=dist.FileStore(os.path.join(workdir, "store"), size), rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=60),
     )
-    st = Serving(rank, conn, Groups(backend), device, workdir, {})
+    st = Serving(rank, conn, Groups(backend), device, workdir, {}, placement.staged and backend == "gloo")
     wire.send(conn, ReadyMessage(op=READY, rank=rank, pid=os.getpid()))
     while True:
         try:
@@ -425,9 +434,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--backend", default="gloo")
     p.add_argument("--parent", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--stage-p2p", action="store_true")
     a = p.parse_args(argv)
     _die_with_parent(a.parent)
-    serve(a.rank, a.size, a.dir, a.backend)
+    serve(a.rank, a.size, a.dir, a.backend, Placement(a.device, a.stage_p2p))
     sys.stdout.flush()
     os._exit(0)
 

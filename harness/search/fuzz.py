@@ -253,7 +253,8 @@ def fuzz(
     start = time.monotonic()
     shrink_end = [float("inf")]
     bugs: dict[Signature, Bug] = {}
-    fresh = history_mod.FreshRanks(backend=backend) if confirming else None
+    fresh = (history_mod.FreshRanks(backend=backend, placement=getattr(pool, "placement", None))
+             if confirming else None)
     raised: dict[str, CaseResult] = {}  # case key -> the failure its first failing run raised
 
     fresh_of: dict[str, CaseResult] = {}  # case key -> its confirming run on fresh ranks (what is saved)

@@ -40,6 +40,7 @@ from harness.result import CaseResult
 from harness.search.signature import Signature
 
 if TYPE_CHECKING:
+    from harness.ranks.backend import Placement
     from harness.ranks.protocol import Pool
 
 MAX_TRIALS = 16  # sequence runs on fresh ranks while looking for the shortest reproducing sequence
@@ -87,10 +88,11 @@ class FreshRanks:
     """Runs sequences, each on ranks started afresh: a pool of its own (`pool=None`, closed with this
     object) or a given pool that is restarted before every sequence."""
 
-    def __init__(self, pool: Pool | None = None, backend: str = "gloo") -> None:
+    def __init__(self, pool: Pool | None = None, backend: str = "gloo", placement: Placement | None = None) -> None:
         self._own = pool is None
         self.pool = pool
         self.backend = backend
+        self.placement = placement  # an own pool's device and staging (None: the environment's)
         self.runs = 0
 
     def __enter__(self) -> FreshRanks:
@@ -108,7 +110,7 @@ class FreshRanks:
         if self.pool is None:
             from harness.ranks.pool import RankPool
 
-            self.pool = RankPool(size, backend=self.backend)
+            self.pool = RankPool(size, backend=self.backend, placement=self.placement)
         start = getattr(self.pool, "start", None)
         if start is None:
             raise HarnessError("these ranks cannot be restarted (torchrun): a sequence needs fresh ranks")
@@ -250,7 +252,7 @@ def confirm(pool: Pool, r: CaseResult, impl: str | None = None, *, leak: bool = 
     found.earlier = len(prefix)
     last = Step(r.case if r.case.impl == impl else r.case.replace(impl=impl), leak)
     own = fresh is None
-    fr = fresh or FreshRanks(backend=getattr(pool, "backend", "gloo"))
+    fr = fresh or FreshRanks(backend=getattr(pool, "backend", "gloo"), placement=getattr(pool, "placement", None))
 
     def allowed(name: str) -> bool:
         return allow_import and name == impl

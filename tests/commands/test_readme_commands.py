@@ -58,6 +58,10 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     "--rdzv-id ring-harness-1 -m harness check --launcher torchrun --world-size 16 --impl ring-flash-attn-zigzag":
         ("skip: two GPU nodes", None, None),
     "ring-harness impls": ("fast", 0, None),
+    # no GPU here: both are refused in one line, exit 2 (tests/commands/test_gpu_check.py runs the script on CPU)
+    "ring-harness check --device cuda --world-size 8": ("fast", 2, None),
+    "python scripts/gpu_check.py --out gpu-report --device cuda":
+        ("fast", 2, f"{sys.executable} {ROOT / 'scripts' / 'gpu_check.py'} --out gpu-report --device cuda"),
     "ring-harness check --shape b1,hq32,hkv8,d128,L8192,W8": ("fast", 2, None),  # refused up front, one line
     "ring-harness check --shape b1,hq8,hkv2,d128,L520,W4 --dtype bf16": ("slow", 0, None),
     "ring-harness selftest": ("skip: the whole zoo through the default check, ~15 min on 2 cores: run before resolving "

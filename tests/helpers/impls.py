@@ -24,6 +24,13 @@ def _raise(q, k, v, ctx):
     raise RuntimeError(f"deliberate failure on rank {ctx.rank}")
 
 
+def _segfault(q, k, v, ctx):
+    """Dies of SIGSEGV inside a C call, as a backend handed a device pointer does (docs/gpu.md)."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
 def _wrong_shape(q, k, v, ctx):
     return _reference(q, k, v, ctx)[:, :-1] if q.shape[1] > 1 else _reference(q, k, v, ctx)[:, :, :1]
 
@@ -42,6 +49,7 @@ def _perturbed(q, k, v, ctx):
 reference = Impl("tests-reference", _reference)  # the reference ring under a module path (a "fixed" ring)
 hang = Impl("tests-hang", _hang)
 raises = Impl("tests-raise", _raise)
+segfault = Impl("tests-segfault", _segfault)
 wrong_shape = Impl("tests-wrong-shape", _wrong_shape)
 leaky = Impl("tests-leaky", _leaky)
 perturbed = Impl("tests-perturbed", _perturbed)

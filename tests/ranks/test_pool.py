@@ -91,6 +91,15 @@ def test_raising_implementation_is_fail_stop_naming_the_rank(pool):
     assert "rank 0" in r.detail and "rank 1" in r.detail
 
 
+def test_a_rank_killed_by_a_signal_is_reported_with_where_it_died(pool):
+    """A SIGSEGV in a C call (gloo given a CUDA tensor did this on an H200, docs/gpu.md): faulthandler's report
+    in the rank's log names the Python frames it died in."""
+    r = run_case(make_case(world_size=2, total_len=6), pool, "tests.helpers.impls:segfault", allow_import=True)
+    assert r.verdict == "fail-stop"
+    assert all("SIGSEGV" in d and "Fatal Python error" in d and "in _segfault" in d for d in r.dead.values()), r.dead
+    assert run_case(make_case(world_size=2, total_len=6), pool).verdict == "pass"
+
+
 def test_wrong_shape_is_diverged(pool):
     r = run_case(make_case(world_size=2, total_len=6), pool, "tests.helpers.impls:wrong_shape", allow_import=True)
     assert r.verdict == "diverged" and "output shape" in r.detail

@@ -1,0 +1,47 @@
+"""scripts/gpu_check.py, the prepared GPU validation, on CPU: it runs from the checkout, bounds every step,
+and writes a report listing every step with its outcome and seconds (the CUDA-only steps skipped, with why).
+The whole CPU run (every step that applies, ~6 min here) is run by hand before resolving (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def test_gpu_check_on_cpu_writes_a_report_of_every_step(tmp_path):
+    out = tmp_path / "report"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--device", "cpu", "--budget", "200",
+                        "--only", "reference-cases"], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads((out / "report.json").read_text())
+    steps = {s["name"]: s for s in report["steps"]}
+    assert steps["environment"]["outcome"] == "passed" and report["environment"]["torch"]
+    assert steps["reference-cases"]["outcome"] == "passed"
+    assert len(steps["reference-cases"]["details"]) == 12  # W = 1, 2, 4, 8 x three layout/mask pairs
+    for name in ("torch-cp", "torch-flex-cp-compiled", "nccl-smoke-w1", "torchrun-nccl-w1", "nccl-multi-rank-per-gpu"):
+        assert steps[name]["outcome"] == "skipped" and "CUDA only" in steps[name]["summary"]
+    assert steps["check"]["outcome"] == "skipped" and steps["check"]["summary"] == "not in --only"
+    assert all(isinstance(s["seconds"], float) for s in report["steps"])
+    md = (out / "report.md").read_text()
+    assert all(f"| {name} |" in md for name in steps)
+
+
+def test_a_step_past_its_limit_is_stopped_and_reported(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    (tmp_path / "steps").mkdir()
+    hang = gpu_check.Step("hang", "sleeps", [sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1.0,
+                          min_s=0.5)
+    monkeypatch.setattr(gpu_check, "TERM_GRACE_S", 2.0)
+    o = gpu_check.run_step(hang, tmp_path, left_s=100.0)
+    assert o.outcome == "timed out" and o.seconds < 10
+    short = gpu_check.run_step(hang, tmp_path, left_s=0.2)
+    assert short.outcome == "skipped" and "budget" in short.summary

@@ -5,7 +5,8 @@
 Runs from a plain checkout (no pip install: the checkout is put on the path). Each step is a subprocess
 with its own time limit (SIGTERM, then SIGKILL of its process group), so one hang cannot eat the rest;
 a step that would start with less than its minimum of the budget left is skipped. Writes DIR/report.md
-and DIR/report.json (every step: outcome, seconds, what it ran, a summary) and DIR/steps/*.log.
+and DIR/report.json (every step: outcome, seconds, what it ran, a summary), DIR/steps/*.log, and all of DIR as
+DIR.tar.gz.
 `--device cpu` runs the same steps on CPU gloo ranks with P2P staging forced; the CUDA-only ones are
 reported as skipped. Outcomes: passed, failed (the ring is wrong: exit 1), refused (exit 2), error (any
 other exit), timed out, skipped. Exit 0 when no step failed, errored or timed out, else 1.
@@ -18,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -516,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         write_report(out, a.device, facts, outcomes, started, time.monotonic() - t0)  # a report even if killed
     write_report(out, a.device, facts, outcomes, started, time.monotonic() - t0)
     bad = [o for o in outcomes if o.outcome in ("failed", "error", "timed out")]
-    print(f"report: {out / 'report.md'}; {len(outcomes)} steps, {len(bad)} failed/errored/timed out, "
-          f"{time.monotonic() - t0:.0f} s")
+    archive = shutil.make_archive(str(out), "gztar", out.parent, out.name)  # one file: the GPU tool returns few
+    print(f"report: {out / 'report.md'} (all of it: {archive}); {len(outcomes)} steps, {len(bad)} failed/errored/"
+          f"timed out, {time.monotonic() - t0:.0f} s")
     return 1 if bad else 0
 
 

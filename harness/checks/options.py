@@ -219,11 +219,18 @@ class ReplayOptions:
     backend: str | None = None
     json: str | None = None
     oracle: str = "ranks"  # ranks: the case's ranks compute the oracle's shares; local: this process does
+    device: str | None = None  # as CheckOptions.device: replay a case on the GPU
+    stage_p2p: bool = False  # as CheckOptions.stage_p2p
+
+    @property
+    def placement(self) -> Placement:
+        return placement_of(self.device, self.stage_p2p)
 
     def validate(self) -> ReplayOptions:
         if not self.case:
             raise HarnessError("replay needs a case file")
         _check_oracle(self.oracle)
+        _check_placement(self.device, "local")
         if self.backend is not None and self.backend not in BACKENDS:
             raise HarnessError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
         if self.plot:

@@ -179,7 +179,8 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
             "depends on what ran before it on the same ranks)")
         for i, s in enumerate(seq.steps[:-1], 1):
             out(f"    {i}/{n}  {s.case.summary()}  [{s.case.impl}{'' if s.leak else ', no leak run'}]")
-    with open_pool("local", opts.backend, seq.pool_size if seq is not None else case.pool_size) as pool, \
+    with open_pool("local", opts.backend, seq.pool_size if seq is not None else case.pool_size,
+                   opts.placement) as pool, \
             oracle_mode(opts.oracle):
         rp = replay_on(pool, path, impl if opts.impl else None, allow_import=allow_import)
         r = rp.result

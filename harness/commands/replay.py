@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from harness.checks.options import ReplayOptions
-from harness.commands._args import build
+from harness.commands._args import add_placement, build
 
 S = argparse.SUPPRESS
 
@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a case file may only name one, so give module paths here)")
     p.add_argument("--plot", default=S, metavar="DIR", help="write error heatmaps (PNG) here if the case fails")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=S, help="default: gloo")
+    add_placement(p)
     p.add_argument("--json", metavar="FILE", default=S, help="write the replay result here")
     p.add_argument("--oracle", choices=("ranks", "local"), default=S,
                    help="who computes the float64 oracle: ranks (default: the case's ranks, each its own query "

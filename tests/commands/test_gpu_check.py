@@ -29,6 +29,7 @@ def test_gpu_check_on_cpu_writes_a_report_of_every_step(tmp_path):
     assert all(isinstance(s["seconds"], float) for s in report["steps"])
     md = (out / "report.md").read_text()
     assert all(f"| {name} |" in md for name in steps)
+    assert (tmp_path / "report.tar.gz").stat().st_size > 0  # all of it in one file
 
 
 def test_a_step_past_its_limit_is_stopped_and_reported(tmp_path, monkeypatch):

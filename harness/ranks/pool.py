@@ -109,8 +109,8 @@ class RankPool:
         self.backend = backend
         # the ranks' device and P2P staging (default: $RING_HARNESS_DEVICE, $RING_HARNESS_STAGE_P2P)
         self.placement = placement or Placement.from_env()
-        # spare: keep a standby set of started workers (torch imported, waiting to be connected), so a
-        # restart after a hang or a death costs a rendezvous, not a fresh interpreter per rank
+        # spare: from the first restart on, keep a standby set of started workers (torch imported, waiting to be
+        # connected), so the next restart after a hang or a death costs a rendezvous, not a fresh interpreter per rank
         self.spare = spare
         self._standby: _Standby | None = None
         self.procs: list[subprocess.Popen] = []
@@ -127,7 +127,7 @@ class RankPool:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         """Start the workers (or adopt the standby set) and wait, with a deadline, until every one is
-        ready; with `spare`, launch the next standby set in the background."""
+        ready; with `spare`, on a restart, launch the next standby set in the background."""
         self._release()
         sb = self._standby
         self._standby = None
@@ -161,8 +161,8 @@ class RankPool:
         self.starts += 1
         self.heals = 0
         self.fresh_group = False
-        if self.spare:
-            self._standby = self._launch(self.size)
+        if self.spare and self.starts > 1:  # from the first restart on: ranks that hang or die once tend to again,
+            self._standby = self._launch(self.size)  # and a check that never restarts does not pay for idle workers
 
     def _launch(self, size: int) -> _Standby:
         """Start `size` worker processes in a new private dir without waiting for them: each imports

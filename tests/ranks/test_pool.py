@@ -240,15 +240,18 @@ def test_a_rank_that_raises_ends_the_case_on_every_rank_within_seconds(pool):
 
 
 def test_a_spare_pool_restarts_on_its_standby_workers():
-    """With spare=True a restart (after a hang here) adopts workers started ahead, which already
-    imported torch: a rendezvous instead of a fresh interpreter per rank; close() stops them all."""
+    """With spare=True a pool that restarted once (after a hang here) starts a standby set, and the next restart
+    adopts it: workers that already imported torch, a rendezvous instead of a fresh interpreter per rank. A pool
+    that never restarts holds no idle workers (on 2 cores their start slowed every check). close() stops them all."""
     c = make_case(world_size=2, total_len=8, deadline_s=3.0)
     with RankPool(2, spare=True) as p:
-        assert run_case(c, p).passed
+        assert run_case(c, p).passed and p._standby is None
+        assert run_case(c, p, "tests.helpers.impls:hang", allow_import=True).verdict == "hang"
+        assert run_case(c, p).passed and p.starts == 2
         standby = [q.pid for q in p._standby.procs]
         assert set(standby).isdisjoint(p.pids())
         assert run_case(c, p, "tests.helpers.impls:hang", allow_import=True).verdict == "hang"
-        assert run_case(c, p).passed and p.starts == 2
+        assert run_case(c, p).passed and p.starts == 3
         assert p.pids() == standby  # the standby set became the pool
         left = p.pids() + [q.pid for q in p._standby.procs]
     assert _wait_dead(left) == []

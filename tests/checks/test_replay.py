@@ -31,7 +31,7 @@ def shared_pool(pool, monkeypatch):
     import harness.checks.replay as cmd
 
     @contextlib.contextmanager
-    def reuse(launcher, backend, size):
+    def reuse(launcher, backend, size, placement=None):
         assert size <= pool.size
         yield pool
 

@@ -13,7 +13,7 @@ LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: every masked case fails
 def test_one_saved_file_per_distinct_failure(tmp_path):
     rep = ListReporter()
     res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
-                             save_dir=str(tmp_path)), reporter=rep)
+                             repeat=False, save_dir=str(tmp_path)), reporter=rep)
     failing = [r for r in res.results if not r.passed]
     files = sorted(tmp_path.glob("*.yaml"))
     assert not res.passed and len(failing) > len(files) >= 1
@@ -30,7 +30,7 @@ def test_one_saved_file_per_distinct_failure(tmp_path):
 def test_maxfail_stops_the_check(tmp_path):
     rep = ListReporter()
     res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
-                             save_dir=str(tmp_path), maxfail=2), reporter=rep)
+                             repeat=False, save_dir=str(tmp_path), maxfail=2), reporter=rep)
     assert len(res.failures) == 2 and sum(not r.passed for r in res.results) == 2
     assert "stopped at battery case" in rep.lines[-1]
 
@@ -45,7 +45,7 @@ def test_a_ring_that_hangs_stops_the_check_after_max_hangs(tmp_path):
 
     rep = ListReporter()
     opts = CheckOptions(impl="tests.helpers.impls:hang_on_rank1", world_size=2, deadline=2.0, max_examples=0,
-                        fault_stage=(), save_dir=str(tmp_path), max_hangs=2)
+                        fault_stage=(), repeat=False, save_dir=str(tmp_path), max_hangs=2)
     res = check(opts, reporter=rep)
     grown = [r for gc in res.growth.cases for r in gc.results.values()]
     assert [r.verdict for r in grown] == ["pass", "hang"] and grown[1].case.deadline_s == 2.0
@@ -60,14 +60,14 @@ def test_a_ring_that_hangs_stops_the_check_after_max_hangs(tmp_path):
 
 def test_a_passing_check_says_so_last(tmp_path, capsys):
     assert main(["check", "--world-size", "2", "--max-examples", "0", "--fault-stage", "none", "--no-scale",
-                 "--no-growth", "--save-dir", str(tmp_path)]) == 0
+                 "--no-growth", "--no-repeat", "--save-dir", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("check PASSED (exit 0):") and not list(tmp_path.iterdir())
 
 
 def test_x_is_maxfail_one(tmp_path, capsys):
     assert main(["check", "--impl", LEAKY, "--world-size", "2", "--max-examples", "0", "--fault-stage", "none",
-                 "--no-scale", "--no-growth", "-x", "--save-dir", str(tmp_path)]) == 1
+                 "--no-scale", "--no-growth", "--no-repeat", "-x", "--save-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "stopped at battery case" in out.strip().splitlines()[-1] and len(list(tmp_path.iterdir())) == 1
 

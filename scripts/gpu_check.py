@@ -102,6 +102,7 @@ def nccl_at_least(version: str | None, want: tuple[int, int]) -> bool:
     return parts >= want
 
 
+SIGNAL_DEATHS = 2  # cases in a row whose ranks die of a signal before an adapter's remaining cases are not run
 CASE_SETS = {
     # (layout, mask): the basics a CP implementation is used with; adapted to what the impl declares
     "basic": (("contiguous", "none"), ("zigzag", "causal"), ("contiguous", "causal")),
@@ -112,7 +113,9 @@ CASE_SETS = {
 def run_cases(impl: str, worlds: list[int], device: str, tokens_per_rank: int, case_set: str, dtype: str,
               heads: int, head_dim: int, out: str) -> int:
     """Run a few cases of `impl` at each ring size in `worlds` on one pool and judge them with the float64
-    oracle computed by the ranks on their device. Exit 0 all passed, 1 one failed, 2 none could run."""
+    oracle computed by the ranks on their device. Exit 0 all passed, 1 one failed, 2 none could run. After
+    SIGNAL_DEATHS cases in a row whose ranks were killed by a signal, the rest are not run (each costs a restart
+    of a GPU host's scarce minutes and would die the same way)."""
     from harness import case as case_mod
     from harness.impls import registry
     from harness.impls.capabilities import adapt
@@ -120,7 +123,7 @@ def run_cases(impl: str, worlds: list[int], device: str, tokens_per_rank: int, c
     from harness.ranks.pool import RankPool
     from harness.runner import run_case
 
-    caps = registry.resolve(impl).capabilities
+    caps = registry.resolve(impl, allow_import=registry.is_module_path(impl)).capabilities
     cases, refused = [], []
     for w in worlds:
         for layout, mask in CASE_SETS[case_set]:
@@ -133,9 +136,15 @@ def run_cases(impl: str, worlds: list[int], device: str, tokens_per_rank: int, c
     worst_rc = 2 if not cases else 0
     with RankPool(max(c.pool_size for c in cases) if cases else 1,
                   placement=Placement(device, stage_p2p=True)) as pool:
+        killed = 0  # cases in a row whose ranks died of a signal
         for c in cases:
+            if killed >= SIGNAL_DEATHS:
+                rows.append({"case": c.summary(), "verdict": "not run",
+                             "detail": f"the ranks were killed by a signal in the {killed} cases before"})
+                continue
             t0 = time.perf_counter()
-            r = run_case(c, pool, impl)
+            r = run_case(c, pool, impl, allow_import=registry.is_module_path(impl))
+            killed = killed + 1 if r.dead and all("killed by signal" in d for d in r.dead.values()) else 0
             row = {"case": c.summary(), "verdict": str(r.verdict), "seconds": round(time.perf_counter() - t0, 2),
                    "worst_ratio": {t: round(v, 4) for t, v in r.to_dict()["worst_ratio"].items()},
                    "detail": r.detail[:300], "errors": {str(k): v[:300] for k, v in r.errors.items()},

@@ -46,3 +46,15 @@ def test_a_step_past_its_limit_is_stopped_and_reported(tmp_path, monkeypatch):
     assert o.outcome == "timed out" and o.seconds < 10
     short = gpu_check.run_step(hang, tmp_path, left_s=0.2)
     assert short.outcome == "skipped" and "budget" in short.summary
+
+
+def test_an_adapter_whose_ranks_die_of_a_signal_stops_after_two_cases(tmp_path):
+    """On the H200 a crashing adapter spent ~10 s per case restarting its ranks; its third case is not run."""
+    out = tmp_path / "cases.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--cases", "tests.helpers.impls:segfault", "--worlds", "2",
+                        "--device", "cpu", "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = json.loads(out.read_text())
+    assert [r["verdict"] for r in rows] == ["fail-stop", "fail-stop", "not run"]
+    assert all("SIGSEGV" in d and "in _segfault" in d for r in rows[:2] for d in r["dead"].values())

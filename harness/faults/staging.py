@@ -28,11 +28,6 @@ def host_buffer(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """The host buffer `t` itself when it is dense, else a contiguous copy (gloo sends dense memory)."""
-    return t if t.is_contiguous() else t.contiguous()
-
-
 class StagedWork:
     """The transport's Work for a staged op; a receive's `wait` copies the host buffer into the user's tensor."""
 
@@ -73,7 +68,7 @@ def post_send(post: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> Stag
         done = torch.cuda.Event()
         done.record()  # on the current stream, after the copy
         done.synchronize()  # this copy only: the device goes on with other work
-    real = post(_dense(host))
+    real = post(host)  # contiguous by construction
     return None if real is None else StagedWork(real, host)
 
 

@@ -58,3 +58,17 @@ def test_an_adapter_whose_ranks_die_of_a_signal_stops_after_two_cases(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["verdict"] for r in rows] == ["fail-stop", "fail-stop", "not run"]
     assert all("SIGSEGV" in d and "in _segfault" in d for r in rows[:2] for d in r["dead"].values())
+
+
+def test_the_probe_step_is_judged_on_the_ops_the_harness_hands_gloo():
+    """On the H100 raw gloo P2P and funcol's all-gather failed with CUDA tensors, as expected: the harness stages
+    them. Those probes describe gloo; the staged ones and the collectives used raw decide the step."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    on_cuda = {name for name in gpu_check.PROBES if not gpu_check.probe_relied_on(name, "cuda")}
+    assert on_cuda == {"isend-irecv", "funcol.all_gather_tensor", "funcol.reduce_scatter_tensor"}
+    assert all(gpu_check.probe_relied_on(name, "cpu") for name in gpu_check.PROBES)
+    assert gpu_check.probe_relied_on("staged funcol.all_gather_tensor", "cuda")

@@ -1,10 +1,12 @@
 """Figure 1: the persistent rank pool against spawning fresh ranks for every case.
 
 The same small cases (W=4, total length <= 256) run (a) on one warm RankPool, (b) on a fresh
-RankPool per case and (c) under torch.multiprocessing.spawn per case (rendezvous, run, tear down:
-what per-test multi-process harnesses do). Blocks of pool cases are interleaved with the spawned
-ones. Per-case overhead = the case's wall time minus its in-rank compute (the slowest rank's
-forward + backward, leak run included); every case is judged the same way on every path.
+RankPool per case, its workers fresh interpreters, (c) under torch.multiprocessing.spawn per case
+(rendezvous, run, tear down: what per-test multi-process harnesses do) and (d) on a fresh RankPool per
+case whose workers are forked from the zygote (what a fresh-rank confirmation costs now). Blocks of
+pool cases are interleaved with the others. Per-case overhead = the case's wall time minus its
+in-rank compute (the slowest rank's forward + backward, leak run included); every case is judged the
+same way on every path.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from harness.bench.timing import Figure, Target, fmt, load_line, median, proc_cp
 from harness.case import Case, make_case, to_dict
 from harness.judging.oracle import references
 from harness.judging.verdicts import judge
+from harness.ranks import zygote
 from harness.ranks.pool import PoolReply, RankPool
 from harness.result import CaseResult
 from harness.runner import oracle_threads, run_case
@@ -109,10 +112,23 @@ def spawn_case(case: Case) -> CaseResult:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def fresh_pool_case(case: Case) -> CaseResult:
-    """Run and judge one case on a RankPool started for it and closed after it."""
-    with RankPool(case.pool_size) as pool:
-        return run_case(case, pool)
+def fresh_pool_case(case: Case, fork: bool = False) -> CaseResult:
+    """Run and judge one case on a RankPool started for it and closed after it: its workers fresh
+    interpreters (`fork=False`), or forked from this process's zygote (harness.ranks.zygote)."""
+    saved = os.environ.get(zygote.FORK_ENV)
+    os.environ[zygote.FORK_ENV] = "1" if fork else "0"
+    try:
+        with RankPool(case.pool_size) as pool:
+            return run_case(case, pool)
+    finally:
+        if saved is None:
+            os.environ.pop(zygote.FORK_ENV, None)
+        else:
+            os.environ[zygote.FORK_ENV] = saved
+
+
+def forked_pool_case(case: Case) -> CaseResult:
+    return fresh_pool_case(case, fork=True)
 
 
 def _timed(fn, case: Case) -> tuple[float, CaseResult]:
@@ -126,7 +142,7 @@ def run(quick: bool = False) -> Figure:
     n_pool, rounds = (8, 1) if quick else (80, 4)
     cases = small_cases(n_pool)
     spawn_cases = small_cases(rounds, seed0=10_000)  # other seeds: no oracle cache hits across paths
-    walls: dict[str, list[float]] = {"pool": [], "fresh-pool": [], "mp.spawn": []}
+    walls: dict[str, list[float]] = {"pool": [], "fresh-pool": [], "mp.spawn": [], "forked": []}
     over: dict[str, list[float]] = {k: [] for k in walls}
     verdicts: dict[str, int] = {}
     pool_wall = pool_cpu = 0.0
@@ -135,6 +151,7 @@ def run(quick: bool = False) -> Figure:
         pool.start()
         for c in small_cases(2, seed0=20_000):  # warm-up: first calls, lazily created groups
             run_case(c, pool)
+        forked_pool_case(small_cases(1, seed0=30_000)[0])  # warm-up: the zygote's own start is paid once
         for i in range(rounds):
             c0 = self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids())
             t0 = time.perf_counter()
@@ -145,7 +162,7 @@ def run(quick: bool = False) -> Figure:
                 verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
             pool_wall += time.perf_counter() - t0
             pool_cpu += self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids()) - c0
-            order = (("fresh-pool", fresh_pool_case), ("mp.spawn", spawn_case))
+            order = (("fresh-pool", fresh_pool_case), ("mp.spawn", spawn_case), ("forked", forked_pool_case))
             for name, fn in (order if i % 2 == 0 else order[::-1]):
                 wall, r = _timed(fn, spawn_cases[i])
                 walls[name].append(wall)
@@ -168,7 +185,9 @@ def run(quick: bool = False) -> Figure:
     fig.lines.append(f"verdicts: {verdicts}")
     fig.lines.append(load_line())
     fig.targets = [Target(f"pool / {spawn_name} per-case overhead", ratio, "<=", 0.05),
-                   Target("small cases/s on the pool", rate, ">=", 10.0)]
+                   Target("small cases/s on the pool", rate, ">=", 10.0),
+                   Target(f"forked / {spawn_name} per-case overhead (fresh ranks forked from a zygote)",
+                          med["forked"] / med[spawn_name], "<=", 0.25)]
     fig.data = {"walls": walls, "overheads": over, "pool_cases_per_s": rate, "cpu_per_case_s": cpu_case,
                 "verdicts": verdicts, "load": os.getloadavg()}
     return fig

@@ -13,6 +13,8 @@ import os
 import time
 from collections.abc import Iterable
 
+from harness.ranks.zygote import zygote_pids
+
 WORKER = "harness.ranks.worker"  # in every pool worker's command line
 
 
@@ -94,6 +96,8 @@ def leftover_workers(pids: Iterable[int], parent: int | None = None, wait_s: flo
                 cmd = _cmdline(int(entry))
                 if WORKER in cmd and f"--parent {parent} " in cmd + " " and _alive(int(entry)):
                     left.add(int(entry))
+        if parent == os.getpid():
+            left -= zygote_pids()  # this process's own zygotes: their command line is a worker's, they are not
         if not left or time.monotonic() > end:
             return [f"{p}: {_cmdline(p)[:120]}" for p in sorted(left)]
         time.sleep(0.2)

@@ -30,7 +30,7 @@ from pathlib import Path
 from harness import case as case_mod
 from harness import interrupt
 from harness.errors import PoolError
-from harness.ranks import oom, wire
+from harness.ranks import oom, wire, zygote
 from harness.ranks.backend import Placement
 from harness.ranks.protocol import (
     OK,
@@ -188,8 +188,11 @@ class RankPool:
         cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(size),
                "--dir", workdir, "--backend", self.backend, "--parent", str(os.getpid()),
                "--device", self.placement.device] + (["--stage-p2p"] if self.placement.stage_p2p else [])
-        with open(os.path.join(workdir, f"log-{r}.txt"), "wb") as log:
-            return oom.watch(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+        log = os.path.join(workdir, f"log-{r}.txt")
+        if zygote.enabled():  # forked from a process that has imported torch already (harness.ranks.zygote)
+            return oom.watch(zygote.zygote_for(env).fork(cmd[3:], env, log))
+        with open(log, "wb") as f:
+            return oom.watch(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f,
                                               stderr=subprocess.STDOUT, start_new_session=True))
 
     def _connect(self, r: int, authkey: bytes, deadline: float) -> Connection:

@@ -426,8 +426,23 @@ def serve(rank: int, size: int, workdir: str, backend: str, placement: Placement
     conn.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of a worker process (arguments given by RankPool)."""
+def _preload() -> None:
+    """What the zygote does once for all its children (harness.ranks.zygote): one intra-op thread, and, with a
+    CPU-only torch (where it cannot touch a device), the autograd warm-up's imports."""
+    torch.set_num_threads(1)
+    if torch.version.cuda is None and torch.version.hip is None:
+        _warm_up()
+
+
+def main(argv: list[str] | None = None, zygote_pid: int | None = None) -> None:
+    """Entry point of a worker process (arguments given by RankPool); `--zygote --parent PID` runs the zygote
+    that forks them (harness.ranks.zygote)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--zygote"]:
+        from harness.ranks import zygote
+
+        zygote.serve(int(argv[argv.index("--parent") + 1]), _preload, main)
+        return
     p = argparse.ArgumentParser(prog="harness.ranks.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
@@ -437,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--stage-p2p", action="store_true")
     a = p.parse_args(argv)
-    _die_with_parent(a.parent)
+    _die_with_parent(zygote_pid or a.parent)  # a forked worker dies with its zygote, which dies with the owner
     serve(a.rank, a.size, a.dir, a.backend, Placement(a.device, a.stage_p2p))
     sys.stdout.flush()
     os._exit(0)

@@ -16,12 +16,15 @@ from harness.bench.timing import Figure, Target, fmt, interleaved
 from harness.commands.cli import main
 from harness.ranks import wire
 from harness.ranks.pool import RankPool
+from harness.ranks.zygote import zygote_pids
 from harness.runner import run_case
 
 
 def _children() -> set[int]:
-    """Live (non-zombie) child processes of this process, except multiprocessing's resource tracker
-    (started by the first spawn, it lives as long as this process and exits with it)."""
+    """Live (non-zombie) child processes of this process and of its worker zygotes, except multiprocessing's
+    resource tracker and the zygotes themselves (each lives as long as this process and exits with it)."""
+    zygotes = zygote_pids()  # they live as long as this process; the workers they fork count
+    parents = {os.getpid(), *zygotes}
     out = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -33,9 +36,9 @@ def _children() -> set[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"resource_tracker" not in cmd:
+        if int(fields[1]) in parents and fields[0] != "Z" and b"resource_tracker" not in cmd:
             out.add(int(pid))
-    return out
+    return out - zygotes
 
 
 def _no_new_children(before: set[int], timeout: float = 10.0) -> set[int]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.ranks.leftovers import leftover_workers
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,20 +47,6 @@ def test_sigterm_mid_check_leaves_no_temp_dir_and_a_partial_json(tmp_path):
         assert data["interrupted"] is True and len(data["results"]) >= 5
     finally:
         shutil.rmtree(pools, ignore_errors=True)
-
-
-def _workers_of(pools: str) -> list[str]:
-    """Command lines of live processes whose arguments name a pool dir under `pools` (the rank workers)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if pools in cmd:
-            out.append(f"{pid}: {cmd[:200]}")
-    return out
 
 
 @pytest.mark.slow
@@ -99,6 +87,7 @@ def test_sigterm_at_a_seeded_moment_stops_cleanly_within_10_s(tmp_path, moment):
             data = json.loads(out.read_text())
             assert data["interrupted"] is True and data["stopped"] == "interrupted by SIGTERM"
         time.sleep(0.5)
-        assert _workers_of(pools) == [] and os.listdir(pools) == []
+        # every worker of the check, forked or spawned, names it as its parent; and its zygote is gone too
+        assert leftover_workers((), parent=p.pid, wait_s=5.0, scan=True) == [] and os.listdir(pools) == []
     finally:
         shutil.rmtree(pools, ignore_errors=True)

@@ -1,0 +1,111 @@
+"""Workers forked from a zygote (harness.ranks.zygote): they run cases as spawned ones do, answer like Popen
+(a death by signal is reported as one), take their pool's environment, and die with the owner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from harness.case import make_case
+from harness.ranks import zygote
+from harness.ranks.leftovers import leftover_workers
+from harness.ranks.pool import RankPool
+from harness.runner import run_case
+
+pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="workers are spawned here (RING_HARNESS_FORK=0)")
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_pool_forks_its_workers_from_one_zygote_that_outlives_the_pool():
+    c = make_case(world_size=2, total_len=8, mask={"kind": "causal"}, layout="zigzag")
+    with RankPool(2) as p:
+        p.ensure(2)
+        first = p.pids()
+        parents = {_ppid(pid) for pid in first}
+        assert parents <= zygote.zygote_pids() and len(parents) == 1  # one zygote forked both
+        assert all(os.getpgid(pid) == pid for pid in first)  # each leads its own session, as a spawned one
+        assert run_case(c, p, "reference").passed
+    assert leftover_workers(first, wait_s=5.0) == []
+    with RankPool(2) as p:  # the next pool forks from the same zygote
+        p.ensure(2)
+        assert {_ppid(pid) for pid in p.pids()} == parents
+        assert run_case(c, p, "reference").passed
+
+
+def test_a_forked_worker_killed_by_a_signal_is_reported_as_popen_would():
+    with RankPool(1) as p:
+        p.ensure(1)
+        proc = p.procs[0]
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+        assert "killed by signal 9 (SIGKILL)" in p._death(0)
+
+
+def test_the_zygote_is_keyed_by_the_environment_the_workers_import_with(monkeypatch):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    z = zygote.zygote_for(env)
+    # per pool, per test, or read at run time: one zygote serves them all (each child takes its pool's env)
+    assert zygote.zygote_for(dict(env, RING_HARNESS_AUTHKEY="00", PYTEST_CURRENT_TEST="x",
+                                  RING_HARNESS_TMPDIR="/tmp/elsewhere", RING_HARNESS_DEVICE="cpu")) is z
+    other = zygote.zygote_for(dict(env, PYTHONPATH=os.pathsep.join([str(os.getcwd()), "/nonexistent-rh"])))
+    assert other is not z and other.alive() and z.alive()
+
+
+def test_a_worker_takes_its_pools_environment_not_the_zygotes(tmp_path):
+    """The auth key differs per pool: a worker that kept the zygote's (or the last pool's) could not be
+    connected to. The log file is the pool's, appended."""
+    for _ in range(2):
+        with RankPool(1) as p:
+            p.ensure(1)
+            assert os.path.exists(os.path.join(p.dir, "log-0.txt"))
+
+
+def test_the_zygote_and_its_workers_die_with_the_owner(tmp_path):
+    script = textwrap.dedent("""
+        import time
+        from harness.ranks import zygote
+        from harness.ranks.pool import RankPool
+        p = RankPool(2); p.start()
+        print(" ".join(map(str, [*p.pids(), *zygote.zygote_pids()])), flush=True)
+        time.sleep(60)
+    """)
+    env = dict(os.environ, RING_HARNESS_TMPDIR=str(tmp_path))
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(x) for x in owner.stdout.readline().split()]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    end = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_fork_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(zygote.FORK_ENV, "0")
+    with RankPool(1) as p:
+        p.ensure(1)
+        assert isinstance(p.procs[0], subprocess.Popen) and _ppid(p.pids()[0]) == os.getpid()

@@ -11,7 +11,7 @@ python -m pip install -q -e '.[dev,ring-attention-pytorch]'
 if [ -f ci/requirements-thirdparty.txt ]; then
   # third-party rings that run on CPU ranks through the flash-attn stand-in (their flash-attn
   # dependency cannot build here, hence --no-deps)
-  python -m pip install -q --no-deps -r ci/requirements-thirdparty.txt
+  DS_BUILD_OPS=0 python -m pip install -q --no-deps -r ci/requirements-thirdparty.txt
 fi
 
 # hypothesis keeps a cache (.hypothesis/constants) in the working directory of every process that runs

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Third-party rings on CPU ranks: installs the pinned ring-flash-attn and yunchang (--no-deps: their
-# flash-attn dependency cannot build here; the ranks use ring-harness's flash-attn CPU stand-in) and runs
-# a short `ring-harness check` of each of their 7 adapters, printing each exit status.
+# Third-party rings on CPU ranks: installs the pinned ring-flash-attn, yunchang and DeepSpeed (--no-deps: the
+# first two's flash-attn dependency cannot build here, and the ranks use ring-harness's flash-attn CPU
+# stand-in; DeepSpeed's Ulysses runs torch's SDPA) and runs a short `ring-harness check` of each of their 9
+# adapters, printing each exit status.
 #
 # Exit 1 of a check (failing cases: the libraries' known bugs, see README "Third-party rings") does not
 # fail CI. Anything else does: exit 2 (bad usage or input), a crash (any other status, a signal, or exit 1
@@ -10,10 +11,12 @@
 # temporary directory, removed at the end. Run from the repository root.
 set -uo pipefail
 
-python -m pip install -q --no-deps -r ci/requirements-thirdparty.txt || { echo "thirdparty: pip install failed"; exit 1; }
+DS_BUILD_OPS=0 python -m pip install -q --no-deps -r ci/requirements-thirdparty.txt || { echo "thirdparty: pip install failed"; exit 1; }
 
 IMPLS=(ring-flash-attn ring-flash-attn-zigzag ring-flash-attn-stripe ring-flash-attn-llama3
-       yunchang-ring yunchang-ulysses yunchang-usp)
+       yunchang-ring yunchang-ulysses yunchang-usp deepspeed-ulysses deepspeed-ulysses-seqfirst)
+# adapters whose local attention is torch's SDPA (no flash-attn, so no stand-in to require)
+declare -A SDPA=([deepspeed-ulysses]=1 [deepspeed-ulysses-seqfirst]=1)
 # exit 1 expected (a known library bug or a refusal no capability can express), for the log only
 declare -A KNOWN=(
   [ring-flash-attn]="fp16 dq rounded through bf16 (precision check; upstream PR zhuzilin/ring-flash-attention#87)"
@@ -30,7 +33,7 @@ impls_out="$(python -m harness impls)" || { echo "thirdparty: ring-harness impls
 bad=0
 for impl in "${IMPLS[@]}"; do
   row="$(grep -E "^$impl +" <<<"$impls_out" || true)"
-  if ! grep -q " ready " <<<"$row" || ! grep -q "kernel: cpu-standin" <<<"$row"; then
+  if ! grep -q " ready " <<<"$row" || { [ -z "${SDPA[$impl]:-}" ] && ! grep -q "kernel: cpu-standin" <<<"$row"; }; then
     echo "thirdparty: $impl is not runnable here with the CPU stand-in: ${row:-not listed}"
     bad=1
     continue

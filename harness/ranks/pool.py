@@ -190,7 +190,12 @@ class RankPool:
                "--device", self.placement.device] + (["--stage-p2p"] if self.placement.stage_p2p else [])
         log = os.path.join(workdir, f"log-{r}.txt")
         if zygote.enabled():  # forked from a process that has imported torch already (harness.ranks.zygote)
-            return oom.watch(zygote.zygote_for(env).fork(cmd[3:], env, log))
+            try:
+                return oom.watch(zygote.zygote_for(env).fork(cmd[3:], env, log))
+            except OSError:
+                if zygote.enabled():  # the zygote is there but could not fork: a real failure
+                    raise
+        # spawned afresh: RING_HARNESS_FORK=0, or this process's zygote could not start
         with open(log, "wb") as f:
             return oom.watch(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f,
                                               stderr=subprocess.STDOUT, start_new_session=True))

@@ -40,8 +40,12 @@ START_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 30.0
 
 
+_FAILED: list[str] = []  # why a zygote of this process could not start: then workers are spawned afresh
+
+
 def enabled() -> bool:
-    return os.environ.get(FORK_ENV, "1") != "0" and hasattr(os, "fork") and sys.platform.startswith("linux")
+    return (os.environ.get(FORK_ENV, "1") != "0" and not _FAILED and hasattr(os, "fork")
+            and sys.platform.startswith("linux"))
 
 
 class Forked:
@@ -83,7 +87,8 @@ class Zygote:
     """The owner's side: start the zygote, ask it for children, collect their exit statuses."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", "harness.ranks.worker", "--zygote", "--parent", str(os.getpid())]
+        self.owner = os.getpid()
+        cmd = [sys.executable, "-m", "harness.ranks.worker", "--zygote", "--parent", str(self.owner)]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         self._cond = threading.Condition()
@@ -110,7 +115,7 @@ class Zygote:
         for raw in self.proc.stdout:
             kind, _, rest = raw.decode(errors="replace").strip().partition(" ")
             with self._cond:
-                if kind == "exit":
+                if kind == "exit" and len(rest.split()) == 2:
                     pid, code = rest.split()
                     self._exits[int(pid)] = int(code)
                 elif kind == "ready":
@@ -123,7 +128,8 @@ class Zygote:
             self._cond.notify_all()
 
     def alive(self) -> bool:
-        return not self._dead and self.proc.poll() is None
+        """Running, and this process's own (a forked copy of the owner must not use the owner's pipes)."""
+        return self.owner == os.getpid() and not self._dead and self.proc.poll() is None
 
     def fork(self, argv: list[str], env: dict[str, str], log: str) -> Forked:
         """A child running the worker's main with `argv`, `env`, its output to `log` (appended)."""
@@ -188,7 +194,11 @@ def zygote_for(env: dict[str, str]) -> Zygote:
     with _ZYGOTES_LOCK:
         z = _ZYGOTES.get(key)
         if z is None or not z.alive():
-            z = _ZYGOTES[key] = Zygote({k: v for k, v in env.items() if k not in VOLATILE})
+            try:
+                z = _ZYGOTES[key] = Zygote({k: v for k, v in env.items() if k not in VOLATILE})
+            except OSError as e:
+                _FAILED.append(str(e))  # the pool spawns its workers instead, from now on (they show their errors)
+                raise
         return z
 
 
@@ -201,7 +211,8 @@ def zygote_pids() -> set[int]:
 def close_all() -> None:
     with _ZYGOTES_LOCK:
         for z in _ZYGOTES.values():
-            z.close()
+            if z.owner == os.getpid():
+                z.close()
         _ZYGOTES.clear()
 
 

@@ -11,6 +11,7 @@ from harness.context import DTYPES, Capabilities, RunContext
 from harness.impls import registry
 from harness.impls.adapters import (
     _common,
+    deepspeed,
     ring_attention_pytorch,
     ring_flash_attn,
     te_cp,
@@ -440,8 +441,11 @@ def test_adapters_declare_even_zigzag_chunks_and_ulysses_heads():
                  "yunchang-ring"):
         assert not caps_of(name).zigzag_odd, name
     assert caps_of("yunchang-ulysses").heads_divisible_by_world
+    ulysses = {"yunchang-ulysses", "deepspeed-ulysses", "deepspeed-ulysses-seqfirst"}
     for name in registry.builtin_names():
-        assert caps_of(name).heads_divisible_by_world == (name == "yunchang-ulysses"), name  # USP: its own rule
+        assert caps_of(name).heads_divisible_by_world == (name in ulysses), name  # USP: its own rule
+    # DeepSpeed's uneven-heads path is let through: the probe shows what it does (tests/impls/test_deepspeed.py)
+    assert all(v.lets_run == {"heads"} for v in deepspeed.VARIANTS.values())
     assert caps_of("reference").zigzag_odd and caps_of("flash-ring").zigzag_odd
     # the libraries that run odd zigzag lengths (right or wrong) get to run them: the probe shows what they do;
     # torch-cp would shard them contiguously (no load balancing), so it refuses them

@@ -109,3 +109,16 @@ def test_fork_can_be_turned_off(monkeypatch):
     with RankPool(1) as p:
         p.ensure(1)
         assert isinstance(p.procs[0], subprocess.Popen) and _ppid(p.pids()[0]) == os.getpid()
+
+
+def test_a_zygote_that_cannot_start_leaves_the_pool_to_spawn_its_workers(monkeypatch):
+    def broken(env):
+        raise OSError("the worker zygote exited during its start (exit 1)")
+
+    monkeypatch.setattr(zygote, "Zygote", broken)
+    monkeypatch.setattr(zygote, "_ZYGOTES", {})
+    monkeypatch.setattr(zygote, "_FAILED", [])
+    with RankPool(1) as p:
+        p.ensure(1)
+        assert isinstance(p.procs[0], subprocess.Popen) and not zygote.enabled()
+        assert run_case(make_case(world_size=1, total_len=4), p, "reference").passed

@@ -1,0 +1,146 @@
+"""DeepSpeed's Ulysses sequence parallelism (`deepspeed.sequence.layer.DistributedAttention`), on CPU gloo
+ranks or GPUs, with torch's SDPA as the local attention. Imported on the ranks only; `make` only checks that
+deepspeed is importable.
+
+Each rank holds a sequence shard [b, s/W, h, d]; DistributedAttention all-to-alls it into a head shard of
+the whole sequence [b, s, h/W, d], runs the local attention, and all-to-alls back. The whole sequence
+arrives in rank order, so its global positions are our layout's positions concatenated: the local
+attention gets the case's mask over them (any layout, any mask: that is the caller's business in
+DeepSpeed). Two variants, the two layouts callers use (layer.py `_generate_layout_params`):
+
+- `deepspeed-ulysses`: batch-first [b, s, h, d] (scatter_idx=2, gather_idx=1, batch_dim_idx=0);
+- `deepspeed-ulysses-seqfirst`: sequence-first [s, b, h, d] (scatter_idx=2, gather_idx=0, batch_dim_idx=1),
+  as Megatron-DeepSpeed calls it.
+
+Each rank runs `deepspeed.init_distributed` over the existing process group and registers the ring as
+DeepSpeed's sequence-parallel group, as `deepspeed.initialize(mpu=...)` does (engine.py `groups.mpu =
+self.mpu`): the uneven-heads path reads the rank from it (`groups._get_sequence_parallel_rank()`, 0 when
+nothing is registered). Declared: equal per-rank lengths (one all-to-all split for every rank); kv heads at
+least W (layer.py `_resolve_kv_heads` asserts it); heads W does not divide go through DeepSpeed's
+uneven-heads path. No lse is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.context import Capabilities, Impl, RunContext, RunFn
+from harness.errors import ImplError
+from harness.impls.adapters._common import Variant, installed_version, require_importable, require_supported, variant
+from ring_impl.masks import MASK_FEATURES
+
+EXTRA = "deepspeed"
+
+
+def _caps() -> Capabilities:
+    return Capabilities(
+        masks=frozenset(MASK_FEATURES),  # the local attention gets the whole sequence: any mask, as a dense one
+        dtypes=frozenset({"fp32", "fp16", "bf16"}),
+        gqa=True,
+        uneven=False,
+        world_sizes=(1, 8),
+        backward=True,
+        returns_lse=False,
+        heads_divisible_by_world=True,  # the even all-to-all; other counts take the uneven-heads path: let through
+    )
+
+
+# option: the tensor layout DistributedAttention is called with. Head counts W does not divide are not declared
+# (the battery and the search run the even path) but let through, so the check's probe shows what DeepSpeed's
+# uneven-heads path does (its tracker: #6774, #6797)
+VARIANTS = {
+    "deepspeed-ulysses": Variant(_caps(), option="batch-first", lets_run=frozenset({"heads"})),
+    "deepspeed-ulysses-seqfirst": Variant(_caps(), option="seq-first", lets_run=frozenset({"heads"})),
+}
+
+
+class SequenceParallelMpu:
+    """The part of a model-parallel unit DeepSpeed's sequence parallelism reads (utils/groups.py)."""
+
+    def __init__(self, group: object) -> None:
+        self.group = group
+
+    def get_sequence_parallel_group(self) -> object:
+        return self.group
+
+    def get_sequence_parallel_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    def get_sequence_parallel_world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
+
+
+def _init_deepspeed(group: object) -> None:
+    """DeepSpeed's comm over the existing process group, and the ring as its sequence-parallel group.
+
+    Its CPU shared-memory all-reduce op is left out: `init_distributed` would JIT-compile it (a compiler run,
+    minutes, behind a file lock a killed rank leaves held) and rendezvous every world rank through it, a
+    subgroup's ranks alone then waiting for the rest. Ulysses uses all_to_all_single only. So the op
+    compatibility table, probed lazily by deepspeed.ops (compiler runs, GPU queries), is given as: none."""
+    import deepspeed
+    import deepspeed.comm as dc
+    import deepspeed.ops
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if "__compatible_ops__" not in vars(deepspeed.ops):
+        deepspeed.ops.__compatible_ops__ = {}
+    if not dc.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    groups.mpu = SequenceParallelMpu(group)
+
+
+def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
+    """torch's SDPA over the whole sequence (global `positions`, rank order), the case's mask and scale."""
+    from ring_impl.masks import allowed
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if seq_dim == 0:  # [s, b, h, d] -> [b, h, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        else:  # [b, s, h, d] -> [b, h, s, d]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        pos = positions.to(q.device)
+        mask = allowed(ctx.mask, pos, pos)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if mask is None else mask.to(q.device), scale=ctx.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return out.permute(2, 0, 1, 3) if seq_dim == 0 else out.transpose(1, 2)
+
+    return attend
+
+
+def _run(name: str, caps: Capabilities, option: str, lets_run: frozenset[str]) -> RunFn:
+    seq_first = option == "seq-first"
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+        require_supported(name, ctx, caps, q, k, lets_run)
+        if k.shape[2] < ctx.world_size:
+            raise ImplError(f"{name}: unsupported here: {k.shape[2]} kv heads for W={ctx.world_size} "
+                            "(DeepSpeed asserts at least one kv head per rank, layer.py _resolve_kv_heads)")
+        from deepspeed.sequence.layer import DistributedAttention
+
+        _init_deepspeed(ctx.group)
+        positions = torch.cat([p.reshape(-1) for p in ctx.all_positions])
+        attend = local_attention(positions, ctx, seq_dim=0 if seq_first else 1)
+        if seq_first:
+            attn = DistributedAttention(attend, ctx.group, scatter_idx=2, gather_idx=0)
+            out = attn(*(t.transpose(0, 1) for t in (q, k, v)), batch_dim_idx=1)
+            return out.transpose(0, 1)
+        attn = DistributedAttention(attend, ctx.group, scatter_idx=2, gather_idx=1)
+        return attn(q, k, v, batch_dim_idx=0)
+
+    return run
+
+
+def make(name: str) -> Impl:
+    """The variant behind our run signature. ImportError when deepspeed is not importable; the library
+    itself is imported by the run, on the ranks."""
+    declared = variant(VARIANTS, name)
+    require_importable("deepspeed")
+    caps = declared.capabilities
+    return Impl(name=name, run=_run(name, caps, declared.option, declared.lets_run), capabilities=caps,
+                version=installed_version("deepspeed"))

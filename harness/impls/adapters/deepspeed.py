@@ -16,8 +16,8 @@ Each rank runs `deepspeed.init_distributed` over the existing process group and 
 DeepSpeed's sequence-parallel group, as `deepspeed.initialize(mpu=...)` does (engine.py `groups.mpu =
 self.mpu`): the uneven-heads path reads the rank from it (`groups._get_sequence_parallel_rank()`, 0 when
 nothing is registered). Declared: equal per-rank lengths (one all-to-all split for every rank); kv heads at
-least W (layer.py `_resolve_kv_heads` asserts it); heads W does not divide go through DeepSpeed's
-uneven-heads path. No lse is returned.
+least W (layer.py `_resolve_kv_heads` asserts it; refused with one line); heads W does not divide go through
+DeepSpeed's uneven-heads path. No lse is returned.
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ def _caps() -> Capabilities:
     )
 
 
-# option: the tensor layout DistributedAttention is called with. Head counts W does not divide are not declared
-# (the battery and the search run the even path) but let through, so the check's probe shows what DeepSpeed's
-# uneven-heads path does (its tracker: #6774, #6797)
+# option: the tensor layout DistributedAttention is called with. Not declared but let through, so the check's
+# probe shows what DeepSpeed does with them: head counts W does not divide (its uneven-heads path: tracker #6774,
+# #6797) and per-rank lengths that differ (S % W != 0, tracker #7384: one equal all-to-all split; on gloo the
+# shorter rank aborts in the all-to-all within a second, cases/deepspeed-ulysses-uneven-length.yaml)
+LETS_RUN = frozenset({"heads", "uneven"})
 VARIANTS = {
-    "deepspeed-ulysses": Variant(_caps(), option="batch-first", lets_run=frozenset({"heads"})),
-    "deepspeed-ulysses-seqfirst": Variant(_caps(), option="seq-first", lets_run=frozenset({"heads"})),
+    "deepspeed-ulysses": Variant(_caps(), option="batch-first", lets_run=LETS_RUN),
+    "deepspeed-ulysses-seqfirst": Variant(_caps(), option="seq-first", lets_run=LETS_RUN),
 }
 
 

@@ -1,14 +1,12 @@
 """Workers forked from a zygote (harness.ranks.zygote): they run cases as spawned ones do, answer like Popen
-(a death by signal is reported as one), take their pool's environment, and die with the owner."""
+(a death by signal is reported as one) and take their pool's environment. That they and the zygote die with
+the owner: tests/ranks/test_pool.py::test_workers_die_with_their_parent."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 
@@ -79,29 +77,6 @@ def test_a_worker_takes_its_pools_environment_not_the_zygotes(tmp_path):
         with RankPool(1) as p:
             p.ensure(1)
             assert os.path.exists(os.path.join(p.dir, "log-0.txt"))
-
-
-def test_the_zygote_and_its_workers_die_with_the_owner(tmp_path):
-    script = textwrap.dedent("""
-        import time
-        from harness.ranks import zygote
-        from harness.ranks.pool import RankPool
-        p = RankPool(2); p.start()
-        print(" ".join(map(str, [*p.pids(), *zygote.zygote_pids()])), flush=True)
-        time.sleep(60)
-    """)
-    env = dict(os.environ, RING_HARNESS_TMPDIR=str(tmp_path))
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        pids = [int(x) for x in owner.stdout.readline().split()]
-        assert len(pids) == 3 and all(_alive(p) for p in pids)
-    finally:
-        owner.send_signal(signal.SIGKILL)
-        owner.wait()
-    end = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)]
 
 
 def test_fork_can_be_turned_off(monkeypatch):

@@ -85,7 +85,8 @@ def env_facts() -> dict:
             facts["nccl"] = f"unknown ({type(e).__name__})"
     facts["mps_pipe"] = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or (
         "/tmp/nvidia-mps" if os.path.exists("/tmp/nvidia-mps") else "")
-    for mod in ("flash_attn", "transformer_engine", "triton", "hypothesis", "yaml", "numpy"):
+    for mod in ("flash_attn", "transformer_engine", "triton", "hypothesis", "yaml", "numpy", "deepspeed",
+                "transformers"):
         try:
             m = __import__(mod)
             facts[mod] = getattr(m, "__version__", "present")
@@ -369,6 +370,24 @@ def plan(device: str, out: Path, facts: dict) -> list[Step]:
               "--max-examples", "5", "--no-growth"], 120, min_s=40,
              skip=no_cuda or ("" if gpus >= 2 else f"needs two GPUs; this host has {gpus}")),
     ]
+    ds = "" if facts.get("deepspeed") else "deepspeed is not importable here (pip install 'ring-harness[deepspeed]')"
+    hf = ds or ("" if facts.get("transformers") else "transformers is not importable here (ALST's attention)")
+    for impl in ("deepspeed-ulysses", "deepspeed-ulysses-seqfirst", "deepspeed-alst"):
+        steps.append(Step(impl, f"the default check of {impl} (torch's SDPA on the device) without the fault stage: "
+                          "battery, scale stage at training sizes, growth and repeat checks, 10 property-based "
+                          "examples", check + ["--impl", impl, "--max-examples", "10", "--fault-stage", "none",
+                                               "--json", js(impl), "--save-dir", str(out / "failures")],
+                          150, min_s=45, skip=hf if impl == "deepspeed-alst" else ds, json=js(impl)))
+    steps.append(Step("deepspeed-uneven-length", "DeepSpeed #7384 (S % W != 0) on the device's tensors: the "
+                      "corpus case that aborts a rank on CPU gloo", [PY, "-m", "harness", "replay",
+                      str(ROOT / "cases" / "deepspeed-ulysses-uneven-length.yaml"), *dev, "--json",
+                      js("deepspeed-uneven-length")], 60, skip=ds, json=js("deepspeed-uneven-length")))
+    steps.append(Step("deepspeed-fpdt", "the default check of deepspeed-fpdt (flash-attn) without the fault stage",
+                      check + ["--impl", "deepspeed-fpdt", "--max-examples", "10", "--fault-stage", "none", "--json",
+                               js("deepspeed-fpdt"), "--save-dir", str(out / "failures"),
+                               *([] if cuda else ["--no-scale"])], 150, min_s=45,  # CPU: ci/thirdparty-check.sh's why
+                      skip=ds or ("" if facts.get("flash_attn") or not cuda else "needs flash-attn on a GPU host"),
+                      json=js("deepspeed-fpdt")))
     smoke = out / "steps" / "nccl_smoke.py"
     nccl = facts.get("nccl")
     mr_skip = no_cuda or ("" if nccl_at_least(nccl, (2, 30)) else
@@ -386,7 +405,9 @@ def plan(device: str, out: Path, facts: dict) -> list[Step]:
     order = ["gloo-collectives", "reference-cases", "torch-cp", "torch-cp-alltoall", "torch-flex-cp",
              "torch-flex-cp-compiled", "long-32k", "long-4k", "nccl-smoke-w1", "torchrun-nccl-w1",
              "torchrun-nccl-multi",
-             "nccl-multi-rank-per-gpu", "check", "selftest-subset"]  # the cheap and never-run first
+             "nccl-multi-rank-per-gpu", "check", "selftest-subset", "deepspeed-ulysses",
+             "deepspeed-ulysses-seqfirst", "deepspeed-alst", "deepspeed-uneven-length",
+             "deepspeed-fpdt"]  # the cheap and never-run first
     return sorted(steps, key=lambda s: order.index(s.name))
 
 

@@ -48,7 +48,8 @@ ENTRY_POINT_GROUP = "ring_harness.impls"
 ADAPTER_PACKAGE = "harness.impls.adapters"
 # the built-in adapter modules, in listing order; each declares VARIANTS, EXTRA and make(name)
 ADAPTER_MODULES = ("reference", "flash_ring", "ring_attention_pytorch", "torch_ring", "ring_flash_attn", "torch_cp",
-                   "torch_flex_cp", "te_cp", "yunchang", "deepspeed")
+                   "torch_flex_cp", "te_cp", "yunchang", "deepspeed",
+                   "deepspeed_alst", "deepspeed_fpdt")
 
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from harness.context import Impl
-from harness.impls.adapters import te_cp
+from harness.impls.adapters import _common, te_cp
 from harness.impls.adapters._common import require_supported
 
 CAPS = dataclasses.replace(te_cp.THD_CAPS, backends=frozenset({"gloo"}))
@@ -24,8 +24,8 @@ CAPS = dataclasses.replace(te_cp.THD_CAPS, backends=frozenset({"gloo"}))
 
 def _attend(ctx, qt, kt, vt, pack: te_cp.Thd, rows, short: int = 0) -> torch.Tensor:
     everyone = torch.cat(rows)
-    k = kt.new_zeros(pack.total_padded, *kt.shape[1:]).index_copy(0, everyone, te_cp._Gather.apply(kt, ctx.group))
-    v = vt.new_zeros(pack.total_padded, *vt.shape[1:]).index_copy(0, everyone, te_cp._Gather.apply(vt, ctx.group))
+    k = kt.new_zeros(pack.total_padded, *kt.shape[1:]).index_copy(0, everyone, _common.GatherRanks.apply(kt, ctx.group))
+    v = vt.new_zeros(pack.total_padded, *vt.shape[1:]).index_copy(0, everyone, _common.GatherRanks.apply(vt, ctx.group))
     packed = torch.arange(pack.total_padded, device=qt.device)
     cu, cu_padded = pack.cu_seqlens.long(), pack.cu_seqlens_padded.long()
     seq = torch.searchsorted(cu_padded[1:], packed, right=True)

@@ -1,11 +1,13 @@
-"""DeepSpeed's Ulysses (`deepspeed.sequence.layer.DistributedAttention`), unmodified, on the harness's gloo
-pool with torch's SDPA as the local attention: both call layouts end to end against the float64 oracle, the
-tracker's bug classes at the pinned version (ci/requirements-thirdparty.txt), and the refusals. Skipped, with
-one line, when deepspeed is not importable."""
+"""DeepSpeed's sequence parallelism, unmodified, on the harness's gloo pool: Ulysses (`DistributedAttention`,
+both call layouts, torch's SDPA), ALST (`UlyssesSPAttentionHF` around transformers' SDPA function) and FPDT
+(`FPDT_Attention` over the flash-attn CPU stand-in), end to end against the float64 oracle; the tracker's bug
+classes and our findings at the pinned versions (ci/requirements-thirdparty.txt); the refusals. Skipped, with
+one line, when deepspeed (or, for ALST, transformers) is not importable."""
 
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,3 +81,89 @@ def test_unequal_lengths_abort_a_rank_in_the_all_to_all(pool4, impl):
                   mask={"kind": "causal"}, dtype="fp32", seed=5, impl=impl, deadline_s=30.0)
     r = run_case(c, pool4, impl)
     assert r.verdict == "fail-stop" and "SIGABRT" in r.detail and "all_to_all_single" in r.detail, _explain(r)
+
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (ALST's attention function)")
+
+
+@needs_transformers
+@pytest.mark.parametrize("shape", [
+    dict(),  # GQA, causal
+    dict(world_size=4, total_len=32, heads_q=8, heads_kv=2, batch=2),  # kv heads replicated (W > kv heads), b > 1
+    dict(world_size=4, total_len=32, heads_q=8, heads_kv=4, dtype="bf16", mask={"kind": "none"}),
+    dict(total_len=24, batch=3, dtype="fp16", softmax_scale=0.3),
+])
+def test_alst_equals_the_float64_oracle(pool4, shape):
+    r = run_case(_case("deepspeed-alst", **shape), pool4, "deepspeed-alst")
+    assert r.passed, _explain(r)
+
+
+@needs_transformers
+def test_alst_keeps_its_sequence_length_between_calls_of_other_lengths(pool4):
+    """One ALST module per rank and shape serves every case, as a model's layer serves every batch: with
+    `seq_length_is_variable` it takes each call's length (a module fixed to the first length would assert)."""
+    for total_len in (16, 40, 8, 16):
+        r = run_case(_case("deepspeed-alst", total_len=total_len), pool4, "deepspeed-alst")
+        assert r.passed, _explain(r)
+
+
+@needs_transformers
+@pytest.mark.parametrize("mask", [
+    {"kind": "document", "doc_starts": [0, 5, 11], "causal": True},
+    {"kind": "window", "window": 3},
+])
+def test_alst_drops_every_mask_but_causal(pool4, mask):
+    """The wrapper ALST registers with transformers drops the model's 4D mask (ulysses_sp.py: `attention_mask =
+    None`), so with SDPA packed documents and sliding windows silently become plain causal attention over the
+    whole sequence (position_ids restarting at each document change nothing for SDPA)."""
+    r = run_case(_case("deepspeed-alst", mask=mask), pool4, "deepspeed-alst")
+    assert r.verdict == "silent-corruption", _explain(r)
+
+
+@needs_transformers
+def test_alst_refuses_other_layouts_with_one_line(pool4):
+    r = run_case(_case("deepspeed-alst", layout="zigzag"), pool4, "deepspeed-alst")
+    assert r.verdict == "fail-stop" and "deepspeed-alst: unsupported here: layout zigzag" in r.detail, _explain(r)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),  # bf16 GQA, 2 chunks of 4 tokens a rank
+    dict(world_size=4, total_len=48, heads_q=8, heads_kv=4, layout="zigzag", dtype="fp16", batch=2),  # 4 chunks
+    dict(world_size=3, total_len=27, heads_q=6, heads_kv=3, layout="striped"),  # 3 chunks
+    dict(total_len=14, head_dim=32, softmax_scale=0.2),  # one chunk (7 tokens a rank), a scale FPDT cannot take
+    dict(world_size=4, total_len=32, heads_q=10, heads_kv=5),  # DeepSpeed's uneven-heads path
+])
+def test_fpdt_equals_the_float64_oracle(pool4, shape):
+    r = run_case(_case("deepspeed-fpdt", **{"dtype": "bf16", **shape}), pool4, "deepspeed-fpdt")
+    assert r.passed, _explain(r)
+
+
+@pytest.mark.parametrize(("total", "world", "chunks"), [(24, 2, 3), (32, 4, 4), (12, 3, 1), (16, 1, 4)])
+def test_fpdt_rows_are_deepspeeds_own_input_layout(total, world, chunks):
+    """The adapter's reshard targets the rows `FPDT_InputConstruct.generate` gives each rank (DeepSpeed's
+    own code, no process group needed)."""
+    import torch
+    from deepspeed.sequence.fpdt_layer import FPDT_InputConstruct
+
+    from harness.impls.adapters.deepspeed_fpdt import fpdt_rows
+
+    tokens = torch.arange(total)[None]
+    args = SimpleNamespace(ds_sequence_parallel_fpdt_chunk_size=total // chunks)
+    for r in range(world):
+        theirs = FPDT_InputConstruct(tokens, None, None, None, None, args, world, r).generate()[0][0]
+        assert theirs.tolist() == fpdt_rows(total, world, r, chunks).tolist()
+
+
+def test_fpdt_merge_overflows_with_large_scores(pool4):
+    """FPDT merges chunk results with lse + log1p(exp(block_lse - lse)) (fpdt_layer.py `_update_out_and_lse`),
+    the formula ring-flash-attention replaced (its PR #30): once a later chunk's lse exceeds the running one by
+    ~88 the exp overflows float32, the row's lse becomes inf and its output NaN or 0. Scores of 50-200 (values
+    "large") do it; the same case passes with only that function made overflow-free."""
+    c = _case("deepspeed-fpdt", world_size=4, total_len=32, heads_q=4, heads_kv=4, head_dim=32, dtype="fp16",
+              values="large", seed=17)
+    r = run_case(c, pool4, "deepspeed-fpdt")
+    assert r.verdict == "silent-corruption" and "xinf" in r.detail, _explain(r)
+    impl = "tests.helpers.deepspeed_impls:fpdt_stable_merge"
+    fixed = run_case(c, pool4, impl, allow_import=True)
+    assert fixed.passed, _explain(fixed)

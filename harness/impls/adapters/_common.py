@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import math
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from harness.context import Capabilities, Impl, RunContext
 from harness.dtypes import dtype_name
@@ -279,3 +281,25 @@ def kernel_label(impl: Impl) -> str | None:
         return None
     return flash_standin.kernel_label()
 
+
+class GatherRanks(torch.autograd.Function):
+    """Every rank's equal-sized piece of x (dim 0), concatenated in group-rank order. Backward: the gradient
+    summed over the ranks (each rank's use of the whole), this rank's piece of it."""
+
+    @staticmethod
+    def forward(fctx, x, group):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        fctx.group, fctx.rank, fctx.n = group, dist.get_rank(group), x.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(fctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=fctx.group)
+        return grad[fctx.rank * fctx.n : (fctx.rank + 1) * fctx.n], None
+
+
+def q_prescale(softmax_scale: float, head_dim: int) -> float:
+    """The factor on q that turns a library's fixed head_dim ** -0.5 into `softmax_scale`."""
+    return softmax_scale * math.sqrt(head_dim)

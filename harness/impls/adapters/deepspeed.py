@@ -76,7 +76,7 @@ class SequenceParallelMpu:
         return dist.get_world_size(self.group)
 
 
-def _init_deepspeed(group: object) -> None:
+def init_deepspeed(group: object) -> None:
     """DeepSpeed's comm over the existing process group, and the ring as its sequence-parallel group.
 
     Its CPU shared-memory all-reduce op is left out: `init_distributed` would JIT-compile it (a compiler run,
@@ -125,7 +125,7 @@ def _run(name: str, caps: Capabilities, option: str, lets_run: frozenset[str]) -
                             "(DeepSpeed asserts at least one kv head per rank, layer.py _resolve_kv_heads)")
         from deepspeed.sequence.layer import DistributedAttention
 
-        _init_deepspeed(ctx.group)
+        init_deepspeed(ctx.group)
         positions = torch.cat([p.reshape(-1) for p in ctx.all_positions])
         attend = local_attention(positions, ctx, seq_dim=0 if seq_first else 1)
         if seq_first:

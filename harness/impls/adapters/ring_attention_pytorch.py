@@ -19,7 +19,6 @@ How the library is driven (read from its source, version 0.5.x):
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -29,6 +28,7 @@ from harness.impls.adapters._common import (
     Variant,
     grouped_to_tiled,
     installed_version,
+    q_prescale,
     require_supported,
     require_whole_world,
     tiled_to_grouped,
@@ -63,11 +63,6 @@ def library_args(ctx: RunContext, local_len: int) -> dict:
         "striped_ring_attn": ctx.layout == "striped",
         "ring_size": ctx.world_size,
     }
-
-
-def q_prescale(softmax_scale: float, head_dim: int) -> float:
-    """The factor on q that turns the library's fixed head_dim ** -0.5 into `softmax_scale`."""
-    return softmax_scale * math.sqrt(head_dim)
 
 
 def make(name: str) -> Impl:

@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from harness.context import Capabilities, Impl, RunContext
 from harness.errors import ImplError
 from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
+    GatherRanks,
     Variant,
     flash_mask,
     installed_version,
@@ -135,24 +135,6 @@ def dual_chunk_rows(cu_seqlens_padded: torch.Tensor, total_padded: int, world_si
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
-class _Gather(torch.autograd.Function):
-    """Every rank's equal-sized piece of x (dim 0), concatenated in group-rank order. Backward: the gradient
-    summed over the ranks (each rank's use of the whole), this rank's piece of it."""
-
-    @staticmethod
-    def forward(fctx, x, group):
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        fctx.group, fctx.rank, fctx.n = group, dist.get_rank(group), x.shape[0]
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(fctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=fctx.group)
-        return grad[fctx.rank * fctx.n : (fctx.rank + 1) * fctx.n], None
-
-
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Thd, list[torch.Tensor]], torch.Tensor]
 Partition = Callable[[torch.Tensor, int, int, int], torch.Tensor]
 
@@ -171,13 +153,13 @@ def thd_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext, 
     order = torch.argsort(torch.cat(list(ctx.all_positions)).to(q.device))  # global position -> gathered row
 
     def own_rows(x: torch.Tensor) -> torch.Tensor:
-        whole = _Gather.apply(x.transpose(0, 1).contiguous(), ctx.group).index_select(0, order)
+        whole = GatherRanks.apply(x.transpose(0, 1).contiguous(), ctx.group).index_select(0, order)
         flat = whole.transpose(0, 1).reshape(batch * ctx.total_len, *x.shape[2:])
         packed = flat.new_zeros(pack.total_padded, *x.shape[2:]).index_copy(0, pack.rows, flat)
         return packed.index_select(0, rows[rank])
 
     out = attend(own_rows(q), own_rows(k), own_rows(v), pack, rows)
-    gathered = _Gather.apply(out.reshape(out.shape[0], heads_q * dim), ctx.group)
+    gathered = GatherRanks.apply(out.reshape(out.shape[0], heads_q * dim), ctx.group)
     packed = gathered.new_zeros(pack.total_padded, heads_q * dim).index_copy(0, torch.cat(rows), gathered)
     whole = packed.index_select(0, pack.rows).view(batch, ctx.total_len, heads_q, dim)
     return whole.index_select(1, ctx.positions.to(q.device))

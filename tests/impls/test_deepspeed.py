@@ -167,3 +167,25 @@ def test_fpdt_merge_overflows_with_large_scores(pool4):
     impl = "tests.helpers.deepspeed_impls:fpdt_stable_merge"
     fixed = run_case(c, pool4, impl, allow_import=True)
     assert fixed.passed, _explain(fixed)
+
+
+def test_a_row_that_sees_no_key_gets_zero_whatever_sdpa_leaves_in_it(monkeypatch):
+    """The Ulysses adapters' local attention zeroes rows whose mask hides every key. torch 2.13's CPU SDPA returns
+    0 there by itself; torch 2.11's CUDA SDPA (bf16, a boolean mask) did not, on an H200 (docs/third-party.md):
+    this stands in for such a kernel."""
+    import torch
+
+    from harness.case import make_case
+    from harness.context import RunContext
+    from harness.impls.adapters.deepspeed import local_attention
+
+    c = make_case(world_size=1, total_len=2, mask={"not": {"kind": "causal"}})  # query 1 sees no key
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: real(q, k, v, **kw) + 1.0)  # every row nonzero
+    ctx = RunContext(group=None, rank=0, world_size=1, global_ranks=(0,), layout="contiguous", lengths=(2,),
+                     all_positions=(torch.arange(2),), mask=c.mask, softmax_scale=0.5, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    q, k, v = (torch.randn(1, 2, 1, 8) for _ in range(3))
+    out = local_attention(torch.arange(2), ctx, seq_dim=1)(q, k, v)  # [b, s, h, d]
+    assert out[0, 1].abs().max() == 0 and out[0, 0].abs().min() > 0

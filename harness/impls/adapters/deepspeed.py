@@ -97,7 +97,8 @@ def init_deepspeed(group: object) -> None:
 
 
 def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
-    """torch's SDPA over the whole sequence (global `positions`, rank order), the case's mask and scale."""
+    """torch's SDPA over the whole sequence (global `positions`, rank order), the case's mask and scale. A row
+    that sees no key gets out 0 here: CUDA's SDPA kernels leave such a row nonzero (docs/third-party.md)."""
     from ring_impl.masks import allowed
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -107,9 +108,11 @@ def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         pos = positions.to(q.device)
         mask = allowed(ctx.mask, pos, pos)
+        mask = None if mask is None else mask.to(q.device)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask is None else mask.to(q.device), scale=ctx.softmax_scale,
-            enable_gqa=q.shape[1] != k.shape[1])
+            q, k, v, attn_mask=mask, scale=ctx.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        if mask is not None:
+            out = out.masked_fill(~mask.any(-1)[:, None], 0.0)
         return out.permute(2, 0, 1, 3) if seq_dim == 0 else out.transpose(1, 2)
 
     return attend

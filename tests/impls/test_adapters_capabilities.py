@@ -441,7 +441,8 @@ def test_adapters_declare_even_zigzag_chunks_and_ulysses_heads():
                  "yunchang-ring"):
         assert not caps_of(name).zigzag_odd, name
     assert caps_of("yunchang-ulysses").heads_divisible_by_world
-    ulysses = {"yunchang-ulysses", "deepspeed-ulysses", "deepspeed-ulysses-seqfirst"}
+    ulysses = {"yunchang-ulysses", "deepspeed-ulysses", "deepspeed-ulysses-seqfirst", "deepspeed-alst",
+               "deepspeed-fpdt"}
     for name in registry.builtin_names():
         assert caps_of(name).heads_divisible_by_world == (name in ulysses), name  # USP: its own rule
     # DeepSpeed's uneven-heads path and unequal lengths are let through: the probe shows what it does

@@ -27,7 +27,7 @@ from ring_impl.masks import MaskSpec
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = "tests.kernels.standin_probe:impl"
 FLASH_ADAPTERS = ("ring-flash-attn", "ring-flash-attn-zigzag", "ring-flash-attn-stripe", "ring-flash-attn-llama3",
-                  "yunchang-ring", "yunchang-ulysses", "yunchang-usp")
+                  "yunchang-ring", "yunchang-ulysses", "yunchang-usp", "deepspeed-fpdt")
 needs_no_real_flash = pytest.mark.skipif(not flash_standin.serves_gloo(), reason="a real flash-attn is installed here")
 
 

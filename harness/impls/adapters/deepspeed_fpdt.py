@@ -32,6 +32,7 @@ from harness.impls.adapters._common import (
     FLASH_KERNEL,
     GatherRanks,
     Variant,
+    flash_backends,
     installed_version,
     q_prescale,
     require_importable,
@@ -53,6 +54,7 @@ CAPABILITIES = Capabilities(
     returns_lse=False,
     head_dims=FLASH_HEAD_DIMS,
     heads_divisible_by_world=True,
+    backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
 )
 VARIANTS = {"deepspeed-fpdt": Variant(CAPABILITIES, lets_run=frozenset({"heads"}))}
 CHUNK_COUNTS = (4, 3, 2, 1)

@@ -65,7 +65,7 @@ def test_sigterm_at_a_seeded_moment_stops_cleanly_within_10_s(tmp_path, moment):
         env = dict(os.environ, RING_HARNESS_TMPDIR=pools)
         out = tmp_path / "r.json"
         p = subprocess.Popen([sys.executable, "-m", "harness", "check", "--world-size", "2", "--no-growth",
-                              "--no-scale", "--fault-stage", "none", "--no-repeat", "--max-examples", "60",
+                              "--no-scale", "--fault-stage", "none", "--no-repeat", "--max-examples", "600",
                               "--json", str(out), "--save-dir", str(tmp_path / "f")], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         first = p.stdout.readline()  # the harness is up (its signal handlers installed)
@@ -80,9 +80,10 @@ def test_sigterm_at_a_seeded_moment_stops_cleanly_within_10_s(tmp_path, moment):
             pytest.fail(f"no exit within 30 s of SIGTERM at {delay:.1f} s: {rest[-2000:]}")
         took = time.monotonic() - t0
         assert took <= 10.0, f"exit {took:.1f} s after SIGTERM at {delay:.1f} s"
-        if p.returncode == 0 or (p.returncode == -signal.SIGTERM and "check PASSED" in rest):
-            # the check had finished before the signal: nothing to interrupt (landing in the interpreter's own
-            # exit, after the verdict and the JSON, the signal takes its default action)
+        if p.returncode == 0 or (p.returncode in (143, -signal.SIGTERM) and "check PASSED" in rest):
+            # the check had finished before the signal: nothing to interrupt (600 examples outlast the 14-s window
+            # on 2 loaded cores, but a signal landing after the verdict and the JSON gets exit 143, or the default
+            # action in the interpreter's own exit; a check that ignored it would fail the 10-s limit above)
             assert "check PASSED" in rest and json.loads(out.read_text())["interrupted"] is False
         else:
             assert p.returncode == 143, first + rest[-3000:]

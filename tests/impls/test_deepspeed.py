@@ -122,6 +122,16 @@ def test_alst_drops_every_mask_but_causal(pool4, mask):
 
 
 @needs_transformers
+def test_alst_with_unequal_lengths_aborts_a_rank_like_ulysses(pool4):
+    """DeepSpeed #7384's class in ALST: each rank takes its own length as `local_seq_length`, so the equal
+    splits of its all-to-all disagree; on gloo the shorter rank aborts. Let through on purpose (`lets_run`)."""
+    c = make_case(world_size=2, seq_lens=(9, 7), batch=2, heads_q=4, heads_kv=4, head_dim=16, layout="contiguous",
+                  mask={"kind": "causal"}, dtype="fp32", seed=5, impl="deepspeed-alst", deadline_s=30.0)
+    r = run_case(c, pool4, "deepspeed-alst")
+    assert r.verdict == "fail-stop" and "SIGABRT" in r.detail, _explain(r)
+
+
+@needs_transformers
 def test_alst_refuses_other_layouts_with_one_line(pool4):
     r = run_case(_case("deepspeed-alst", layout="zigzag"), pool4, "deepspeed-alst")
     assert r.verdict == "fail-stop" and "deepspeed-alst: unsupported here: layout zigzag" in r.detail, _explain(r)

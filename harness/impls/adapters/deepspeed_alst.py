@@ -16,7 +16,7 @@ all-to-alls the output [b, s/W, h*d] back. What the adapter reproduces of the HF
   documents are let through so the probe shows what the HF path computes for them (position_ids reset at
   document starts, as ALST's assertion asks of packed sequences);
 - kv heads fewer than W are replicated by ALST (W a multiple of them): let through with the head counts
-  W does not divide, which ALST refuses in its constructor otherwise.
+  W does not divide, which ALST refuses in its constructor otherwise; so are unequal per-rank lengths.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ CAPABILITIES = Capabilities(
     heads_divisible_by_world=True,
 )
 # option: none. Let through on purpose (`Variant.lets_run`): head counts W does not divide (ALST replicates
-# kv heads when W is a multiple of them, refuses the rest in its constructor) and the masks the HF path
-# drops (sliding window, packed documents)
-VARIANTS = {"deepspeed-alst": Variant(CAPABILITIES, lets_run=frozenset({"heads", "mask:window", "mask:document"}))}
+# kv heads when W is a multiple of them, refuses the rest in its constructor), per-rank lengths that differ
+# (DeepSpeed #7384's class: on gloo the shorter rank aborts in the first collective) and the masks the HF
+# path drops (sliding window, packed documents)
+LETS_RUN = frozenset({"heads", "uneven", "mask:window", "mask:document"})
+VARIANTS = {"deepspeed-alst": Variant(CAPABILITIES, lets_run=LETS_RUN)}
 
 _MODULES: dict[tuple, torch.nn.Module] = {}  # per rank: the ALST module of each (group, shape), reused
 

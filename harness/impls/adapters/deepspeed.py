@@ -118,14 +118,19 @@ def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
     return attend
 
 
+def require_kv_head_per_rank(name: str, ctx: RunContext, k: torch.Tensor) -> None:
+    """One line for kv heads fewer than W, which DeepSpeed's all-to-all asserts against."""
+    if k.shape[2] < ctx.world_size:
+        raise ImplError(f"{name}: unsupported here: {k.shape[2]} kv heads for W={ctx.world_size} "
+                        "(DeepSpeed asserts at least one kv head per rank, layer.py _resolve_kv_heads)")
+
+
 def _run(name: str, caps: Capabilities, option: str, lets_run: frozenset[str]) -> RunFn:
     seq_first = option == "seq-first"
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k, lets_run)
-        if k.shape[2] < ctx.world_size:
-            raise ImplError(f"{name}: unsupported here: {k.shape[2]} kv heads for W={ctx.world_size} "
-                            "(DeepSpeed asserts at least one kv head per rank, layer.py _resolve_kv_heads)")
+        require_kv_head_per_rank(name, ctx, k)
         from deepspeed.sequence.layer import DistributedAttention
 
         init_deepspeed(ctx.group)

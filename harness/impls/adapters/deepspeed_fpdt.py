@@ -26,7 +26,6 @@ from types import SimpleNamespace
 import torch
 
 from harness.context import Capabilities, Impl, RunContext, RunFn
-from harness.errors import ImplError
 from harness.impls.adapters._common import (
     FLASH_HEAD_DIMS,
     FLASH_KERNEL,
@@ -39,7 +38,7 @@ from harness.impls.adapters._common import (
     require_supported,
     variant,
 )
-from harness.impls.adapters.deepspeed import init_deepspeed
+from harness.impls.adapters.deepspeed import init_deepspeed, require_kv_head_per_rank
 
 EXTRA = "deepspeed"
 KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`_common.kernel_label`)
@@ -75,9 +74,7 @@ def fpdt_rows(total: int, world_size: int, rank: int, chunks: int) -> torch.Tens
 def _run(name: str, caps: Capabilities, lets_run: frozenset[str]) -> RunFn:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k, lets_run)
-        if k.shape[2] < ctx.world_size:
-            raise ImplError(f"{name}: unsupported here: {k.shape[2]} kv heads for W={ctx.world_size} "
-                            "(DeepSpeed asserts at least one kv head per rank, layer.py _resolve_kv_heads)")
+        require_kv_head_per_rank(name, ctx, k)
         from deepspeed.sequence.fpdt_layer import FPDT_Attention
 
         init_deepspeed(ctx.group)

@@ -41,6 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ring_impl(name): run ring_check against this implementation")
+    config.addinivalue_line("markers", "extra: needs an optional third-party implementation (a case file's ring)")
 
 
 @pytest.fixture(scope="session")
@@ -204,14 +205,33 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
 
 class CaseFile(pytest.File):
     def collect(self):
-        yield CaseItem.from_parent(self, name=self.path.stem)
+        item = CaseItem.from_parent(self, name=self.path.stem)
+        if _needs_extra(self.path):
+            item.add_marker("extra")  # `-m extra` selects it with the adapter tests that need a library
+        yield item
+
+
+def _needs_extra(path: Path) -> bool:
+    """Whether a case file names a built-in whose library is an optional extra. A file that does not load
+    says False here: its item fails with the reason when it runs."""
+    from harness import case as case_mod
+    from harness.errors import HarnessError
+    from harness.impls import registry
+
+    try:
+        case, _ = case_mod.load(path)
+    except HarnessError:
+        return False
+    return registry.extra_of(case.impl) is not None
 
 
 class CaseItem(pytest.Item):
     """Replays one saved case on --ring-impl (or on the implementation the case names, a built-in), by its
     `expect` field (harness.case.EXPECT): a saved failure must pass once its bug is fixed (the default); a
     `reproduce` case (the mutant corpus, a library's known bug) must reproduce its recorded verdict; under
-    --ring-impl every case must pass. A case that cannot run here fails with the reason: never a skip."""
+    --ring-impl every case must pass. A case that cannot run here fails with the reason. One exception:
+    without --ring-impl, a case of a built-in whose optional extra is not installed is skipped, naming the
+    extra (the project's own corpus on the README's install, docs/ci.md)."""
 
     def runtest(self) -> None:
         from harness import case as case_mod
@@ -228,7 +248,11 @@ class CaseItem(pytest.Item):
         allow_import = registry.is_module_path(impl)
         try:
             caps = registry.resolve(impl, allow_import=allow_import).capabilities
-        except registry.ImplError as e:  # a missing optional extra, an unknown name
+        except registry.MissingDependency as e:
+            if given or registry.extra_of(impl) is None:
+                raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
+            pytest.skip(f"{self.path.name}: {e}")
+        except registry.ImplError as e:  # an unknown name
             raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
         missing = unsupported(caps, case) if impl != case.impl else []  # its own: as recorded (probe findings too)
         if missing:

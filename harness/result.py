@@ -141,10 +141,26 @@ def harness_version() -> str:
         return "0+unknown"
 
 
+def cpu_platform() -> str:
+    """The CPU the ranks' kernels are picked for: architecture, vendor and torch's CPU capability.
+
+    MKL and ATen choose kernels by the CPU. Two machines that differ here can round differently, so
+    output hashes are compared bit for bit only between records of the same torch and platform
+    (docs/cases.md: measured on an Intel and an earlier machine)."""
+    vendor = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            vendor = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        pass
+    vendor = vendor or platform.processor() or "unknown"
+    return f"{platform.machine()} {vendor} {torch.backends.cpu.get_cpu_capability()}"
+
+
 def result_record(r: CaseResult, impl_version: str = "unknown", backend: str = "gloo") -> dict:
     """The `result:` block of a case file."""
     versions = {"torch": str(torch.__version__), "ring-harness": harness_version(), "impl": impl_version,
-                "python": platform.python_version()}
+                "python": platform.python_version(), "platform": cpu_platform()}
     if r.extra.get("kernel"):  # the flash-attn kernel the ranks used, e.g. "cpu-standin"
         versions["kernel"] = r.extra["kernel"]
     return {

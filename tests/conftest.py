@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -63,6 +64,28 @@ def _remove_session_dir(base: Path) -> None:
         sys.stderr.write(f"ring-harness tests: {len(left)} pool temp dir(s) were not removed by their pools: "
                          f"{', '.join(left[:5])}\n")
     shutil.rmtree(base, ignore_errors=True)
+
+
+# skip reasons that mean "a library is not installed" (pytest.importorskip, the adapters' tests, the corpus)
+MISSING_LIBRARY = re.compile(r"could not import|is not installed|needs the optional extra")
+EXTRAS_ENV = "RING_HARNESS_EXTRAS_INSTALLED"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """A test that skips for a missing library must carry the `extra` marker, so that CI's extras step
+    (`-m extra`, docs/ci.md) runs it; there, with RING_HARNESS_EXTRAS_INSTALLED=1, such a skip fails."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.skipped or not isinstance(rep.longrepr, tuple):
+        return
+    reason = str(rep.longrepr[2])
+    if not MISSING_LIBRARY.search(reason):
+        return
+    if item.get_closest_marker("extra") is None:
+        rep.outcome, rep.longrepr = "failed", f"skipped for a missing library without the `extra` marker: {reason}"
+    elif os.environ.get(EXTRAS_ENV):
+        rep.outcome, rep.longrepr = "failed", f"{EXTRAS_ENV} is set but a library is missing: {reason}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,7 +24,7 @@ from harness.diagnose import localise
 from harness.errors import HarnessError
 from harness.impls import registry
 from harness.ranks.launch import open_pool
-from harness.result import CaseResult
+from harness.result import CaseResult, cpu_platform
 from harness.runner import oracle_mode, run_case
 from harness.search import history
 from harness.search.fuzz import impl_info
@@ -83,12 +83,22 @@ def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, a
     out = Replay(result=res, recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None,
                  sequence=n)
     if out.recorded_verdict is not None and recorded.get("hashes"):
-        same_torch = recorded.get("versions", {}).get("torch") == str(torch.__version__)
         out.hashes_compared, out.hash_mismatches = compare_hashes(recorded["hashes"], res)
-        if not same_torch:
-            out.hash_note = (f"recorded on torch {recorded.get('versions', {}).get('torch')}, "
-                             f"replayed on {torch.__version__}: hashes compared for information only")
+        out.hash_note = hash_note(recorded.get("versions", {}))
     return out
+
+
+def hash_note(versions: dict) -> str:
+    """Why recorded hashes are for information only here ('' when they must match): another torch, or
+    another CPU platform (its kernels may round differently: `cpu_platform`), or none recorded."""
+    if versions.get("torch") != str(torch.__version__):
+        return (f"recorded on torch {versions.get('torch')}, replayed on {torch.__version__}: "
+                "hashes compared for information only")
+    here = cpu_platform()
+    if versions.get("platform") != here:
+        was = versions.get("platform") or "a CPU platform not recorded"
+        return f"recorded on {was}, replayed on {here}: hashes compared for information only"
+    return ""
 
 
 def replay_expectations(path: str | os.PathLike, pool: Pool, *, impl: str | None = None,

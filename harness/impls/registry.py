@@ -40,6 +40,7 @@ __all__ = [
     "declared_capabilities",
     "describe",
     "entry_point_names",
+    "extra_of",
     "mutant_names",
     "resolve",
 ]
@@ -98,6 +99,13 @@ def declared_capabilities(name: str) -> Capabilities | None:
     """A built-in's declared capabilities, read without its third-party library (None: not a built-in)."""
     module = _builtin_modules().get(name)
     return None if module is None else module.VARIANTS[name].capabilities
+
+
+def extra_of(name: str) -> str | None:
+    """The optional extra that installs a built-in's library (`ring-harness[EXTRA]`); None when it needs none
+    or is not a built-in. Imports no third-party library."""
+    module = _builtin_modules().get(name)
+    return None if module is None else getattr(module, "EXTRA", None)
 
 
 def mutant_names() -> list[str]:

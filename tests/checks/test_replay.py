@@ -113,3 +113,19 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, text, needle):
     assert main(["replay", str(path)]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_hashes_must_match_only_on_the_torch_and_cpu_platform_they_were_recorded_on():
+    """MKL and ATen pick kernels by the CPU: the corpus recorded on one machine rounded differently on an
+    Intel AVX512 one (5 mutant cases, fp32 among them; MKL_CBWR=COMPATIBLE made them match)."""
+    import torch
+
+    from harness.checks.replay import hash_note
+    from harness.result import cpu_platform
+
+    here = {"torch": str(torch.__version__), "platform": cpu_platform()}
+    assert hash_note(here) == ""
+    assert "information only" in hash_note({**here, "platform": "x86_64 AuthenticAMD AVX2"})
+    assert "not recorded" in hash_note({"torch": here["torch"]})
+    assert "information only" in hash_note({**here, "torch": "0.0"})
+    assert cpu_platform().count(" ") >= 2  # architecture, vendor, torch's CPU capability

@@ -34,16 +34,18 @@ def my_ring_example(text: str = README) -> str:
     assert block, "the README lost its adapter example"
     return block.group(1)
 
+SETUP = "skip: CI's set-up, run verbatim first in a fresh clone (tests/commands/test_ci_runs_the_readme.py)"
 # command as written -> (tier, expected exit status, the command actually run or None = as written)
 #   tier: "fast" (default suite), "slow" (--run-slow), or "skip: <why it cannot run in the suite>"
 COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
-    "python3 -m venv .venv": ("skip: CI's own set-up on a fresh clone (.ci/run)", None, None),
-    ". .venv/bin/activate": ("skip: CI's own set-up on a fresh clone (.ci/run)", None, None),
-    "pip install -r ci/requirements-cpu.txt": ("skip: CI's own set-up (ci/run-cpu.sh runs it)", None, None),
-    "pip install -e '.[dev]'": ("skip: CI's own set-up (ci/run-cpu.sh runs it)", None, None),
+    "python3 -m venv .venv": (SETUP, None, None),
+    ". .venv/bin/activate": (SETUP, None, None),
+    "pip install -r ci/requirements-cpu.txt": (SETUP, None, None),
+    "pip install -e '.[dev]'": (SETUP, None, None),
     "ring-harness check": ("slow", 0, None),
     "ring-harness check --impl myring:my_ring": ("slow", 0, None),  # the README's adapter example, end to end
-    "python -m pytest -n 2": ("skip: it is this test suite, which CI runs with exactly this command", None, None),
+    "python -m pytest -n 2": ("skip: it is this test suite, which CI runs verbatim in the README's environment "
+                              "(tests/commands/test_ci_runs_the_readme.py)", None, None),
     "ring-harness replay cases/mutant-causal-step-off-by-one.yaml": ("fast", 1, None),  # the mutant's failure
     "ring-harness replay CASE.yaml --impl reference --plot plots/":
         ("fast", 0, "ring-harness replay cases/mutant-causal-step-off-by-one.yaml --impl reference --plot plots/"),

@@ -15,9 +15,10 @@ from harness.case import make_case
 from harness.ranks.pool import RankPool
 from harness.runner import run_case
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed is not installed (pip install --no-deps -r "
-                                       "ci/requirements-thirdparty.txt)")
+pytestmark = [pytest.mark.extra,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed is not installed (pip install --no-deps -r "
+                                        "ci/requirements-thirdparty.txt)")]
 IMPLS = ("deepspeed-ulysses", "deepspeed-ulysses-seqfirst")
 
 

@@ -21,6 +21,7 @@ from harness.result import result_record
 from harness.runner import run_case
 from ring_impl.masks import Expr, MaskSpec, and_, prim
 
+pytestmark = pytest.mark.extra  # the pinned ring-flash-attn and yunchang (CI's extras step: docs/ci.md)
 CAUSAL, NONE = MaskSpec("causal"), MaskSpec("none")
 PINNED = {"ring_flash_attn": ("ring-flash-attn", "0.1.8"), "yunchang": ("yunchang", "0.6.4")}
 

@@ -633,6 +633,7 @@ def _check_against_standin_and_float64(got, q, k, v, dout, causal=True):
     return direct
 
 
+@pytest.mark.extra
 @pytest.mark.skipif(not _installed("ring_flash_attn"), reason="ring-flash-attn is not installed")
 def test_ring_flash_attn_runs_on_the_standin(standin_world):
     import ring_flash_attn
@@ -646,6 +647,7 @@ def test_ring_flash_attn_runs_on_the_standin(standin_world):
         assert all(torch.equal(a, b) for a, b in zip(got, direct, strict=True))  # one rank: one kernel call
 
 
+@pytest.mark.extra
 @pytest.mark.skipif(not _installed("ring_flash_attn"), reason="ring-flash-attn is not installed")
 def test_ring_flash_attn_llama3_varlen_on_the_standin(standin_world):
     import torch.distributed as dist
@@ -663,6 +665,7 @@ def test_ring_flash_attn_llama3_varlen_on_the_standin(standin_world):
         _check_against_standin_and_float64([x[rows].unsqueeze(0) for x in got], *one)
 
 
+@pytest.mark.extra
 @pytest.mark.skipif(not _installed("ring_flash_attn"), reason="ring-flash-attn is not installed")
 def test_ring_flash_attn_0_1_8_rounds_fp16_dq_through_bf16(standin_world):
     """ring_flash_attn.py:154 (0.1.8) returns `dq.to(torch.bfloat16)`; autograd casts it back to fp16."""
@@ -681,6 +684,7 @@ def test_ring_flash_attn_0_1_8_rounds_fp16_dq_through_bf16(standin_world):
     assert torch.equal(got[1], dq.to(torch.bfloat16).to(torch.float16)) and not torch.equal(got[1], dq)
 
 
+@pytest.mark.extra
 @pytest.mark.skipif(not _installed("yunchang"), reason="yunchang is not installed")
 def test_yunchang_ring_runs_on_the_standin(standin_world):
     from yunchang.ring import ring_flash_attn_func, utils, zigzag_ring_flash_attn_func
@@ -693,6 +697,7 @@ def test_yunchang_ring_runs_on_the_standin(standin_world):
         assert all(torch.equal(a, b) for a, b in zip(got, direct, strict=True))
 
 
+@pytest.mark.extra
 @pytest.mark.skipif(not _installed("yunchang"), reason="yunchang is not installed")
 def test_yunchang_0_6_4_varlen_ring_predates_flash_attn_2_6(standin_world):
     """yunchang/ring/ring_flash_attn_varlen.py calls _flash_attn_varlen_forward(..., window_size=...) and

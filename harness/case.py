@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from harness.calls import CALLS, INPUT_FORMS
 from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import parse_faults
@@ -31,7 +32,8 @@ from ring_impl.layouts import LAYOUTS, split_lengths
 from ring_impl.masks import MASK_KINDS, MaskSpec, doc_starts_of, expr_from_dict
 
 FORMAT = 1
-VALUE_KINDS = ("normal", "large", "near-tie")
+# normal, large and near-tie stress the merge; the last three are the magnitudes of trained models (harness.inputs)
+VALUE_KINDS = ("normal", "large", "near-tie", "outliers", "qk-overflow", "sink")
 TENSORS = ("out", "dq", "dk", "dv", "lse")
 MAX_WORLD = 64
 
@@ -57,6 +59,8 @@ class Case:
     faults: tuple[dict, ...] = ()
     tolerance: dict = field(default_factory=dict)
     deadline_s: float = 60.0
+    call: str = "train"  # how the model calls the ring: harness.calls.CALLS
+    inputs: str = "contiguous"  # the form q, k, v and dout come in: harness.calls.INPUT_FORMS
 
     def __post_init__(self) -> None:
         validate(self)
@@ -86,6 +90,8 @@ class Case:
         extra += f" off{self.group_offset}" if self.group_offset else ""
         extra += f" scale={self.softmax_scale:g}" if self.softmax_scale is not None else ""
         extra += f" faults={len(self.faults)}" if self.faults else ""
+        extra += f" call={self.call}" if self.call != "train" else ""
+        extra += f" inputs={self.inputs}" if self.inputs != "contiguous" else ""
         return (
             f"W{self.world_size} {self.layout} {mask} {self.dtype} b{self.batch} {heads} d{self.head_dim} "
             f"L{lens}{extra}"
@@ -161,6 +167,9 @@ def validate(c: Case) -> None:
         _need(k in TENSORS, "tolerance", f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}")
         _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "tolerance",
               f"factor for {k} must be a positive number, got {v!r}")
+    _need(c.call in CALLS, "call", f"unknown call {c.call!r}; expected one of {', '.join(CALLS)}")
+    _need(c.inputs in INPUT_FORMS, "inputs",
+          f"unknown input form {c.inputs!r}; expected one of {', '.join(INPUT_FORMS)}")
     _need(_is_number(c.deadline_s) and 0 < c.deadline_s <= 3600,
           "deadline_s", f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}")
 
@@ -179,8 +188,9 @@ EXPECT = ("pass", "reproduce")
 
 
 def to_dict(c: Case) -> dict:
-    """Plain-data form (YAML/JSON friendly); the inverse of `from_dict`."""
-    return {
+    """Plain-data form (YAML/JSON friendly); the inverse of `from_dict`. `call` and `inputs` appear only when
+    they are not the plain training call on contiguous inputs, so older cases keep their keys and file names."""
+    d = {
         "format": FORMAT,
         "impl": c.impl,
         "world_size": c.world_size,
@@ -200,6 +210,11 @@ def to_dict(c: Case) -> dict:
         "tolerance": dict(c.tolerance),
         "deadline_s": c.deadline_s,
     }
+    if c.call != "train":
+        d["call"] = c.call
+    if c.inputs != "contiguous":
+        d["inputs"] = c.inputs
+    return d
 
 
 LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from harness.calls import INPUT_FORMS
 from harness.dtypes import DTYPES, TORCH_DTYPES  # noqa: F401 - re-exported (`from harness.context import DTYPES`)
 from harness.errors import ImplError
 from ring_impl.layouts import LAYOUTS
@@ -74,12 +75,13 @@ class Capabilities:
     heads_divisible_by_world: bool = False  # True: heads_q and heads_kv must be multiples of W (Ulysses head split)
     idle_ranks: bool = False  # True: a rank may hold no token at all (seq_lens with zeros, not all)
     tiles: tuple[int, ...] = DEFAULT_TILES  # the kernel's tile sizes in tokens: the scale stage aims at their edges
+    input_forms: frozenset[str] = frozenset(INPUT_FORMS)  # the forms q, k, v, dout may come in (harness.calls)
 
     def __post_init__(self) -> None:
         """Check every field and normalise it (any iterable of names -> frozenset; head_dims and tiles -> sorted
         tuples); a wrong one raises ImplError naming the field, so a declaration mistake is exit 2, never a run."""
         for name, known in (("layouts", LAYOUTS), ("masks", MASK_FEATURES), ("dtypes", DTYPES),
-                            ("backends", BACKENDS)):
+                            ("backends", BACKENDS), ("input_forms", INPUT_FORMS)):
             object.__setattr__(self, name, _names(name, getattr(self, name), known))
         for name in ("gqa", "uneven", "backward", "returns_lse", "subgroups", "zigzag_odd",
                      "heads_divisible_by_world", "idle_ranks"):
@@ -112,6 +114,7 @@ class Capabilities:
             "heads_divisible_by_world": self.heads_divisible_by_world,
             "idle_ranks": self.idle_ranks,
             "tiles": list(self.tiles),
+            "input_forms": sorted(self.input_forms),
         }
 
 

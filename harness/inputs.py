@@ -19,6 +19,18 @@ NAMES = ("q", "k", "v", "dout")
 # log-sum-exp merge; "near-tie": keys nearly identical so softmax rows are close to uniform.
 LARGE_GAIN = 10.0
 NEAR_TIE_NOISE = 1e-3
+# The magnitudes of trained models (their evidence: docs/tolerance.md, "Values of trained models").
+# "outliers": a few channels of q, k and v carry values OUTLIER_GAIN times the others.
+OUTLIER_GAIN = 10.0
+OUTLIER_SHARE = 8  # one channel in 8, at least one
+# "qk-overflow": one channel of q and of k holds a shared constant, so that every raw product q.k passes
+# fp16's largest value while the scaled logits stay below half of it. The shift is the same for all keys.
+FP16_MAX = 65504.0
+OVERFLOW_PRODUCT = 1.25 * FP16_MAX
+# "sink": the first token's key dominates every row that sees it (logits ~SINK_LOGIT above the rest) and
+# its value is small, as attention sinks are
+SINK_LOGIT = 8.0
+SINK_VALUE = 0.05
 
 
 def _block_seed(seed: int, name: str, block: int) -> int:
@@ -50,7 +62,54 @@ def make(case: Case, name: str, positions: torch.Tensor) -> torch.Tensor:
         # one shared key per (batch, head) plus tiny per-token noise
         shared = _raw(case, name, torch.zeros(1, dtype=torch.long), heads)
         x = shared.expand_as(x) + NEAR_TIE_NOISE * x
+    elif case.values in TRAINED:
+        x = TRAINED[case.values](case, name, positions, x)
     return x.to(TORCH_DTYPES[case.dtype])
+
+
+def outlier_channels(head_dim: int) -> slice:
+    """The channels that carry outliers (the last ones: fixed, so every rank and the oracle agree)."""
+    n = max(1, head_dim // OUTLIER_SHARE)
+    return slice(head_dim - n, head_dim)
+
+
+def _outliers(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if name in ("q", "k", "v"):
+        x[..., outlier_channels(case.head_dim)] *= OUTLIER_GAIN
+    return x
+
+
+def overflow_shift(case: Case) -> float:
+    """The constant each of q and k holds in its last channel: its square passes fp16's largest value, and
+    times the softmax scale stays below half of it (a large scale or a tiny head_dim lowers the product)."""
+    return min(OVERFLOW_PRODUCT, 0.5 * FP16_MAX / case.scale) ** 0.5
+
+
+def _qk_overflow(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if name in ("q", "k"):
+        x[..., -1] = overflow_shift(case)
+    return x
+
+
+def _sink(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Every query leans along one direction u (the last channel); the first token's key is u grown until its
+    logit is SINK_LOGIT above the others; its value shrinks to SINK_VALUE of the others'."""
+    first = positions == 0
+    if name == "q":
+        x[..., -1] = 1.0  # one unit along u
+    elif name == "k" and bool(first.any()):
+        x[:, first] = 0.0
+        x[:, first, :, -1] = SINK_LOGIT / case.scale
+    elif name == "v" and bool(first.any()):
+        x[:, first] *= SINK_VALUE
+    return x
+
+
+TRAINED = {"outliers": _outliers, "qk-overflow": _qk_overflow, "sink": _sink}
+# Values on which plain attention in a 16-bit dtype is no correct computation: its raw q.k overflows fp16 and,
+# in bf16, rounds the shift to steps larger than the logits' spread. The oracle's base keeps those scores in
+# float32, as flash kernels do (harness.ranks.reference, docs/tolerance.md).
+FLASH_BASE_VALUES = ("qk-overflow",)
 
 
 def make_global(case: Case) -> dict[str, torch.Tensor]:

@@ -319,6 +319,44 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("q, k, v must be on one device")
 
 
+def plan_call(
+    parts: RingParts,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Any = None,
+    layout: str = "contiguous",
+    lengths: Sequence[int] | None = None,
+    mask: MaskSpec = NO_MASK,
+    softmax_scale: float | None = None,
+) -> tuple[RingPlan, torch.Tensor, torch.Tensor]:
+    """Check the inputs and plan one call: (plan, k, v), k and v cut to the K/V length the parts ride."""
+    _check_inputs(q, k, v)
+    group, rank, world = _group_rank_world(group)
+    lengths = [q.shape[1]] * world if lengths is None else [int(n) for n in lengths]
+    if len(lengths) != world:
+        raise ValueError(f"lengths names {len(lengths)} ranks but the group has {world}")
+    if lengths[rank] != q.shape[1]:
+        raise ValueError(f"rank {rank} holds {q.shape[1]} tokens but lengths says {lengths[rank]}")
+    pos = [parts.position_values(p.to(q.device), q.dtype) for p in parts.positions(layout, lengths)]
+    kv_len = parts.kv_lengths(lengths)
+    if kv_len[rank] != k.shape[1]:
+        k, v = k[:, : kv_len[rank]], v[:, : kv_len[rank]]
+    plan = RingPlan(
+        group=group,
+        rank=rank,
+        world=world,
+        layout=layout,
+        q_pos=pos[rank],
+        k_pos=tuple(p[:n] for p, n in zip(pos, kv_len, strict=True)),
+        mask=mask,
+        scale=parts.scale(softmax_scale, q.shape[-1]),
+        peers=parts.peers(group, rank, world) if world > 1 else None,
+    )
+    return plan, k, v
+
+
 def make_ring_attention(parts: RingParts = REFERENCE_PARTS) -> Callable[..., Any]:
     """A function with the `ring_attention` signature that runs the ring built from `parts`."""
 
@@ -340,28 +378,8 @@ def make_ring_attention(parts: RingParts = REFERENCE_PARTS) -> Callable[..., Any
         ranks' local lengths (None: all equal). Returns out in the input dtype (and float32 lse
         (B, Hq, L_local) with return_lse).
         """
-        _check_inputs(q, k, v)
-        group, rank, world = _group_rank_world(group)
-        lengths = [q.shape[1]] * world if lengths is None else [int(n) for n in lengths]
-        if len(lengths) != world:
-            raise ValueError(f"lengths names {len(lengths)} ranks but the group has {world}")
-        if lengths[rank] != q.shape[1]:
-            raise ValueError(f"rank {rank} holds {q.shape[1]} tokens but lengths says {lengths[rank]}")
-        pos = [parts.position_values(p.to(q.device), q.dtype) for p in parts.positions(layout, lengths)]
-        kv_len = parts.kv_lengths(lengths)
-        if kv_len[rank] != k.shape[1]:
-            k, v = k[:, : kv_len[rank]], v[:, : kv_len[rank]]
-        plan = RingPlan(
-            group=group,
-            rank=rank,
-            world=world,
-            layout=layout,
-            q_pos=pos[rank],
-            k_pos=tuple(p[:n] for p, n in zip(pos, kv_len, strict=True)),
-            mask=mask,
-            scale=parts.scale(softmax_scale, q.shape[-1]),
-            peers=parts.peers(group, rank, world) if world > 1 else None,
-        )
+        plan, k, v = plan_call(parts, q, k, v, group=group, layout=layout, lengths=lengths, mask=mask,
+                               softmax_scale=softmax_scale)
         out, lse = _RingAttention.apply(q, k, v, parts, plan)
         return (out, lse) if return_lse else out
 
@@ -369,3 +387,26 @@ def make_ring_attention(parts: RingParts = REFERENCE_PARTS) -> Callable[..., Any
 
 
 ring_attention = make_ring_attention(REFERENCE_PARTS)
+
+
+def ring_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Any = None,
+    layout: str = "contiguous",
+    lengths: Sequence[int] | None = None,
+    mask: MaskSpec = NO_MASK,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The reference ring's forward alone, without autograd: what context-parallel prefill runs.
+
+    The same arguments and results as `ring_attention`; the output has no gradient."""
+    with torch.no_grad():
+        plan, k, v = plan_call(REFERENCE_PARTS, q, k, v, group=group, layout=layout, lengths=lengths, mask=mask,
+                               softmax_scale=softmax_scale)
+        out, lse = ring_forward(REFERENCE_PARTS, plan, q, k, v)
+    out, lse = out.to(q.dtype), lse.float()
+    return (out, lse) if return_lse else out

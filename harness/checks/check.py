@@ -133,7 +133,7 @@ def fault_stage_cases(kinds: tuple[str, ...], impl: str, caps: Capabilities, *, 
 
 def battery_plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], list[Case]]:
     """(battery cases adapted to the capabilities, probe cases of undeclared features)."""
-    cases = default_battery(opts.world_size, opts.dtype, impl=opts.impl)
+    cases = default_battery(opts.world_size, opts.dtype, impl=opts.impl, model_calls=opts.model_calls)
     if opts.deadline is not None:
         cases = [c.replace(deadline_s=opts.deadline) for c in cases]
     probes = _probes(caps, cases)
@@ -158,7 +158,7 @@ def _probes(caps: Capabilities, cases: list[Case]) -> list[Case]:
 
 def unprobed(caps: Capabilities, opts: CheckOptions) -> list[str]:
     """Undeclared features the battery exercises that no probe isolates (the matrix says 'not probed')."""
-    cases = default_battery(opts.world_size, opts.dtype, impl=opts.impl)
+    cases = default_battery(opts.world_size, opts.dtype, impl=opts.impl, model_calls=opts.model_calls)
     used = {f for c in cases for f in unsupported(caps, c)}
     probed = {f for p in _probes(caps, cases) for f in unsupported(caps, p)}
     return sorted(used - probed)

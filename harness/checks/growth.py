@@ -130,11 +130,12 @@ def plan(caps: Capabilities, pool_size: int, dtype: str | None = None, impl: str
         from harness.impls.capabilities import divisible_heads
 
         heads["heads_q"], heads["heads_kv"] = divisible_heads(heads["heads_q"], heads["heads_kv"], max(worlds))
+    call = "train" if caps.backward else "no-grad"  # a forward-only ring: the growth of out's (and lse's) error
     out = []
     for dt in dtypes:
         for m in masks:
             out.append({w: make_case(world_size=w, total_len=TOTAL_LEN, layout=layout, mask=MaskSpec(m), dtype=dt,
-                                     seed=SEEDS[m], impl=impl, **{**SHAPE, **heads, "head_dim": head_dim})
+                                     seed=SEEDS[m], impl=impl, call=call, **{**SHAPE, **heads, "head_dim": head_dim})
                         for w in worlds})
     return worlds, out
 

@@ -116,6 +116,7 @@ class CheckOptions:
     repeat: bool = True  # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
     growth: bool = True  # the growth check: the same global case at W = 1, 2, 4, 8; error must not grow with W
     scale: bool = True  # the scale stage, and property-based sizes at scale (False: toy sizes only, as before #29)
+    model_calls: bool = True  # calls, input forms and values of trained models (harness.calls; False: as before #40)
     shape: str | None = None  # e.g. "b1,hq32,hkv8,d128,L8192,W8": the basics and the growth check at that shape only
     shape_budget: float = 3600.0  # seconds: a --shape plan estimated to take longer is refused up front
     oracle: str = "ranks"  # ranks: each rank computes its query rows' share after its run; local: this process

@@ -30,7 +30,8 @@ def run_property(opts: CheckOptions, pool, failed: list[CaseResult] = (),
     from harness.search import strategies
 
     strategy = strategies.cases(caps, impl=impl, pool_size=pool.size, max_world=pool.size,
-                                deadline_s=opts.deadline or 60.0, sizes=prof.sizes if opts.scale else None)
+                                deadline_s=opts.deadline or 60.0, sizes=prof.sizes if opts.scale else None,
+                                model_calls=opts.model_calls)
     seed_note = "" if opts.seed is not None or prof.derandomize else " (random; pass --seed to repeat)"
     with FuzzProgress(n, budget, stream=out_line.stream) as bar:
         out = fuzz.fuzz(impl, pool, profile=opts.profile, max_examples=n, time_budget_s=budget, seed=opts.seed,

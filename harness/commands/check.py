@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-scale", dest="scale", action="store_false", default=S,
                    help="skip the scale stage and draw property-based cases at toy sizes (<= 64 tokens, head_dim "
                         "<= 32), as the check did before the scale stage")
+    p.add_argument("--no-model-calls", dest="model_calls", action="store_false", default=S,
+                   help="only the plain training call on fresh contiguous unit-scale tensors: no no_grad, "
+                        "inference_mode or checkpointed calls, no views of a fused QKV, no values of trained models "
+                        "(the check before they were added; docs/check.md)")
     p.add_argument("--shape", metavar="SPEC", default=S,
                    help="your training shape, e.g. b1,hq32,hkv8,d128,L8192,W8 (batch, query heads, kv heads, "
                         "head_dim, tokens, ranks): run the layout x mask x dtype basics and the growth check at "

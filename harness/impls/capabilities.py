@@ -8,7 +8,8 @@ declared / passed / failed, plus what an undeclared feature really does when pro
 Feature keys are `kind:value` strings or bare flags: "layout:zigzag", "mask:window", "dtype:fp32",
 "world:9", "gqa" / "mqa", "heads" (a head count W does not divide), "uneven", "idle" (a rank with no token),
 "zigzag-odd" (an odd local
-length in the zigzag layout), "head_dim:13", "subgroup", "backend:nccl".
+length in the zigzag layout), "head_dim:13", "subgroup", "backend:nccl", "backward" (a call with a backward:
+train or checkpoint), "inputs:fused-qkv" (an input form, harness.calls).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from harness.calls import needs_backward
 from harness.context import Capabilities
 from ring_impl.masks import MASK_FEATURES, MaskSpec, fit
 
@@ -36,12 +38,15 @@ def missing_features(
     head_dim: int,
     subgroup: bool | None,
     backend: str | None,
+    call: str | None = None,
+    inputs: str | None = None,
 ) -> list[str]:
     """The feature keys of a run that `caps` does not declare, in a fixed order (empty: supported).
 
     `subgroup` (the ring is not global ranks 0..W-1) and `backend` may be None: not known at this
-    point, so not checked. `mask_kind`: a mask (every capability name it needs: `MaskSpec.needs`, e.g. an
-    expression needs "expr", its primitives and its combinators) or one name.
+    point, so not checked. So may `call` and `inputs` (harness.calls). `mask_kind`: a mask (every
+    capability name it needs: `MaskSpec.needs`, e.g. an expression needs "expr", its primitives and its
+    combinators) or one name.
     """
     missing = []
     if layout not in caps.layouts:
@@ -69,6 +74,10 @@ def missing_features(
         missing.append("subgroup")
     if backend is not None and backend not in caps.backends:
         missing.append(f"backend:{backend}")
+    if call is not None and needs_backward(call) and not caps.backward:
+        missing.append("backward")
+    if inputs is not None and inputs not in caps.input_forms:
+        missing.append(f"inputs:{inputs}")
     return missing
 
 
@@ -104,6 +113,10 @@ def feature_words(
                 "runs only on the whole default process group")
     if kind == "backend":
         return f"backend {value} (supports {', '.join(sorted(caps.backends))})"
+    if kind == "backward":
+        return "a backward pass (a training or checkpointed call)"
+    if kind == "inputs":
+        return f"input form {value} (supports {', '.join(sorted(caps.input_forms))})"
     return f"{kind} {value}" if value else kind  # layout, mask, dtype, head_dim
 
 
@@ -145,6 +158,12 @@ def case_features(c: Case) -> list[str]:
         feats.append("zigzag-odd")
     if c.group_offset:
         feats.append("subgroup")
+    if needs_backward(c.call):
+        feats.append("backward")
+    if c.call != "train":
+        feats.append(f"call:{c.call}")
+    if c.inputs != "contiguous":
+        feats.append(f"inputs:{c.inputs}")
     return feats
 
 
@@ -165,6 +184,8 @@ def unsupported(caps: Capabilities, c: Case, backend: str | None = None) -> list
         head_dim=c.head_dim,
         subgroup=bool(c.group_offset),
         backend=backend,
+        call=c.call,
+        inputs=c.inputs,
     )
 
 
@@ -188,9 +209,11 @@ def declare(caps: Capabilities, feature: str) -> Capabilities:
         return r(caps, head_dims=(*(caps.head_dims or ()), int(value)))
     if kind == "backend":
         return r(caps, backends=caps.backends | {value})
+    if kind == "inputs":
+        return r(caps, input_forms=caps.input_forms | {value})
     flags = {"gqa": ("gqa", True), "mqa": ("gqa", True), "heads": ("heads_divisible_by_world", False),
              "uneven": ("uneven", True), "idle": ("idle_ranks", True), "zigzag-odd": ("zigzag_odd", True),
-             "subgroup": ("subgroups", True)}
+             "subgroup": ("subgroups", True), "backward": ("backward", True)}
     if kind not in flags:
         raise ValueError(f"unknown feature {feature!r}")
     name, value_ = flags[kind]
@@ -201,7 +224,7 @@ def declare(caps: Capabilities, feature: str) -> Capabilities:
 # (mask:expr and its primitives and combinators) and an idle rank is an uneven split, so a probe changes one
 # dimension (the mask, the split, the heads) and every undeclared name it needs there.
 _DIMENSIONS = {"mask": "mask", "uneven": "split", "idle": "split", "zigzag-odd": "split", "gqa": "heads",
-               "mqa": "heads", "heads": "heads"}
+               "mqa": "heads", "heads": "heads", "backward": "call", "inputs": "inputs"}
 
 
 def dimension(feature: str) -> str:
@@ -248,7 +271,8 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
     undeclared features replaced by the nearest declared ones (zigzag -> contiguous, window -> causal,
     document -> causal or none, an undeclared dtype -> a declared one, GQA -> as many kv heads as
     query heads, a subgroup -> global ranks 0..W-1, an uneven split -> the nearest even one, a world
-    size outside the range -> the nearest inside it, with the same total length; odd zigzag local
+    size outside the range -> the nearest inside it, with the same total length; a call with a backward -> the
+    same call under no_grad (a forward-only ring), an undeclared input form -> contiguous; odd zigzag local
     lengths -> rounded up to even ones, head counts W does not divide -> rounded up to multiples of W, an idle
     rank -> one token; an undeclared mask expression -> causal or none);
     None when none exists (e.g. an undeclared backend). So an implementation that declares fewer features gets the
@@ -277,6 +301,10 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         changes["heads_kv"] = c.heads_q
     if c.group_offset and not caps.subgroups:
         changes["group_offset"] = 0
+    if needs_backward(c.call) and not caps.backward:
+        changes["call"] = "no-grad"
+    if c.inputs not in caps.input_forms:
+        changes["inputs"] = "contiguous"
     world = min(max(c.world_size, caps.world_sizes[0]), caps.world_sizes[1])
     total = max(c.total_len, world)
     if world != c.world_size:

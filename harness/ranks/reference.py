@@ -51,6 +51,7 @@ import torch
 from harness import inputs
 from harness.case import Case
 from harness.dtypes import TORCH_DTYPES
+from harness.inputs import FLASH_BASE_VALUES
 from ring_impl.layouts import all_positions
 from ring_impl.masks import MaskSpec, allowed
 
@@ -346,24 +347,43 @@ def _backward(raw: torch.Tensor, dpr: torch.Tensor, m, scale: float, norm: Norm,
     return p, ds, ds * scale
 
 
-def _base_backward(raw: torch.Tensor, dp: torch.Tensor, rnd, m, scale: float, norm: Norm, delta: torch.Tensor):
+def _base_backward(raw: torch.Tensor, dp: torch.Tensor, rnd, m, scale: float, norm: Norm, delta: torch.Tensor,
+                   srnd=None):
     """(p, s dS) of the base's tile from its q.k and dP = dout.v (`_lo_matmul`, both consumed): P, dS = P (dP - D)
-    and s dS each rounded to the dtype as formed."""
-    p = rnd(_probs(_base_scores(raw, rnd, scale, m), norm))
+    and s dS each rounded to the dtype as formed; the scores by `srnd` (default `rnd`: `ScoreRounding`)."""
+    p = rnd(_probs(_base_scores(raw, srnd or rnd, scale, m), norm))
     ds = rnd(dp.sub_(delta.unsqueeze(-1)).mul_(p))
     return p, rnd(ds.mul_(scale))
 
 
+@dataclass(frozen=True)
+class ScoreRounding:
+    """How the base forms its scores: q.k and the scaled scores rounded to the dtype, as plain attention does;
+    or, for values on which plain attention overflows (`harness.inputs.FLASH_BASE_VALUES`), kept in float32 as
+    flash kernels keep them."""
+
+    dtype: torch.dtype
+    exact: bool = False
+
+    def qk(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a.float(), b.float()) if self.exact else _lo_matmul(self.dtype, a, b)
+
+    def scores(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return _rounder(torch.float32 if self.exact else self.dtype)
+
+
 def rows_part(fetch: Fetch, rows: torch.Tensor, key_blocks: Sequence[torch.Tensor], heads_kv: int, mask: MaskSpec,
-              scale: float, dtype: torch.dtype, size: int) -> tuple[RowsPart, RowsPart]:
+              scale: float, dtype: torch.dtype, size: int, exact_scores: bool = False) -> tuple[RowsPart, RowsPart]:
     """The rows pass for query rows `rows` (global positions, a share's, in blocks of `_runs`) against every key
     (`key_blocks`: the positions of the key groups, `Group`), float64 and the base in `dtype` side by side, in
     tiles trimmed to what the mask lets meet (`_tiles`):
     three sweeps over the key blocks some row sees, each block fetched once per sweep: (1) the softmax's max and
     sum, and the float64 out by an online softmax; (2) the base's out and D (its P must be normalised before it
-    is rounded); (3) dq."""
+    is rounded); (3) dq. `exact_scores`: the base keeps its scores in float32 (`ScoreRounding`)."""
     t0 = time.perf_counter()
     rnd = _rounder(dtype)
+    sr = ScoreRounding(dtype, exact_scores)
+    srnd = sr.scores()
     q, dout = (_heads(_load(fetch(name, rows), dtype), heads_kv) for name in ("q", "dout"))
     b, hkv, g, r, d = q.shape
     device = q.device
@@ -388,7 +408,7 @@ def rows_part(fetch: Fetch, rows: torch.Tensor, key_blocks: Sequence[torch.Tenso
     out, outb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
     pv = torch.zeros_like(q)  # the term scale sum_j p_ij |v_jd|
     for a, z, m, (qt, qlo), _, (kt, klo), (vt, _) in sweep(q, dout):  # (1)
-        _online(mxb, totalb, _base_scores(_lo_matmul(dtype, qlo, _t(klo)), rnd, scale, m), a, z)
+        _online(mxb, totalb, _base_scores(sr.qk(qlo, _t(klo)), srnd, scale, m), a, z)
         p, alpha = _online(mx, total, _masked(torch.matmul(qt, _t(kt)).mul_(scale), m), a, z)
         out[..., a:z, :] = out[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, vt.unsqueeze(2))
         pv[..., a:z, :] = pv[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, vt.abs().unsqueeze(2))
@@ -402,7 +422,7 @@ def rows_part(fetch: Fetch, rows: torch.Tensor, key_blocks: Sequence[torch.Tenso
     del pv
     deltab = torch.zeros((b, hkv, g, r), **f32)
     for a, z, m, (_, qlo), (_, dlo), (_, klo), (vt, vlo) in sweep(q, dout):  # (2)
-        p = rnd(_probs(_base_scores(_lo_matmul(dtype, qlo, _t(klo)), rnd, scale, m), _rows(normb, a, z)))
+        p = rnd(_probs(_base_scores(sr.qk(qlo, _t(klo)), srnd, scale, m), _rows(normb, a, z)))
         outb[..., a:z, :] += torch.matmul(p, vt.float().unsqueeze(2))
         deltab[..., a:z] += p.mul_(_lo_matmul(dtype, dlo, _t(vlo))).sum(dim=-1)
         del p
@@ -410,8 +430,8 @@ def rows_part(fetch: Fetch, rows: torch.Tensor, key_blocks: Sequence[torch.Tenso
     dq, dqb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
     ds_rows = torch.zeros((b, hkv, g, r), **f64)
     for a, z, m, (qt, qlo), (dt, dlo), (kt, klo), (vt, vlo) in sweep(q, dout):  # (3)
-        _, drawb = _base_backward(_lo_matmul(dtype, qlo, _t(klo)), _lo_matmul(dtype, dlo, _t(vlo)), rnd, m, scale,
-                                  _rows(normb, a, z), deltab[..., a:z])
+        _, drawb = _base_backward(sr.qk(qlo, _t(klo)), _lo_matmul(dtype, dlo, _t(vlo)), rnd, m, scale,
+                                  _rows(normb, a, z), deltab[..., a:z], srnd)
         dqb[..., a:z, :] += torch.matmul(drawb, kt.float().unsqueeze(2))
         _, ds, draw = _backward(torch.matmul(qt, _t(kt)), torch.matmul(dt, _t(vt)), m, scale, _rows(norm, a, z),
                                 delta[..., a:z])
@@ -436,14 +456,15 @@ def rows_part(fetch: Fetch, rows: torch.Tensor, key_blocks: Sequence[torch.Tenso
 
 def keys_part(fetch: Fetch, keys: torch.Tensor, share: int, query_blocks: Sequence[torch.Tensor],
               key_groups: Sequence[Group], heads_kv: int, stats: Sequence[RowStats], mask: MaskSpec, scale: float,
-              dtype: torch.dtype) -> tuple[KeysPart, KeysPart]:
+              dtype: torch.dtype, exact_scores: bool = False) -> tuple[KeysPart, KeysPart]:
     """The keys pass of share `share` (its keys `keys`, global positions) against every query (`query_blocks`:
     every share's query blocks, `blocks`) whose (float64, base) row statistics are `stats` (every row, by global
     position), float64 and the base in `dtype` side by side: each tile of a query block against a key group
     holding some of its keys, computed as the rows pass computes it (`Group`), one sweep over the query blocks
-    that see some of its keys, each fetched once."""
+    that see some of its keys, each fetched once. `exact_scores`: as in `rows_part`."""
     t0 = time.perf_counter()
     rnd = _rounder(dtype)
+    sr = ScoreRounding(dtype, exact_scores)
     k, v = (_kv_heads(_load(fetch(name, keys), dtype)) for name in ("k", "v"))
     b, hkv, c, d = k.shape
     n = sum(qp.numel() for qp in query_blocks)
@@ -490,9 +511,10 @@ def keys_part(fetch: Fetch, keys: torch.Tensor, share: int, query_blocks: Sequen
             w = u1 - u0
             kt, vt = k[:, :, o:o + w], v[:, :, o:o + w]
             rows_q, rows_dout = (t.reshape(b, hkv, -1, d) for t in (qt, dt))  # (B, Hkv, g q, D)
-            raw = _lo_matmul(dtype, qlo, _t(klo))[..., u0:u1]  # the rows pass's tile, this share's columns
+            raw = sr.qk(qlo, _t(klo))[..., u0:u1]  # the rows pass's tile, this share's columns
             dp = _lo_matmul(dtype, dlo, _t(vlo))[..., u0:u1]
-            pb, drawb = _base_backward(raw, dp, rnd, mo, scale, tuple(map(rows_of, normb_all)), rows_of(stb.delta))
+            pb, drawb = _base_backward(raw, dp, rnd, mo, scale, tuple(map(rows_of, normb_all)), rows_of(stb.delta),
+                                       sr.scores())
             dkb[:, :, o:o + w] += torch.matmul(_keys_side(drawb), rows_q.float())
             dvb[:, :, o:o + w] += torch.matmul(_keys_side(pb), rows_dout.float())
             p, ds, draw = _backward(torch.matmul(qt, _t(kt)), torch.matmul(dt, _t(vt)), mo, scale,
@@ -615,7 +637,8 @@ def share_rows(case: Case, index: int, device="cpu") -> tuple[RowsPart, RowsPart
     """(float64, base) rows passes of share `index`, computed on `device`, returned on the CPU."""
     _trimmer(_work(case))(0)  # what the rank's run left in glibc's heap goes back first: a long share's peak is its own
     parts = rows_part(case_fetch(case, device), positions(case, index), [g.pos for g in key_groups(case)],
-                      case.heads_kv, case.mask, case.scale, TORCH_DTYPES[case.dtype], block(case))
+                      case.heads_kv, case.mask, case.scale, TORCH_DTYPES[case.dtype], block(case),
+                      case.values in FLASH_BASE_VALUES)
     return tuple(p.cpu() for p in parts)
 
 
@@ -623,5 +646,6 @@ def share_keys(case: Case, index: int, stats: Sequence[RowStats], device="cpu") 
     """(float64, base) keys passes of share `index` given every row's (float64, base) statistics."""
     _trimmer(_work(case))(0)
     parts = keys_part(case_fetch(case, device), positions(case, index), index, blocks(case), key_groups(case),
-                      case.heads_kv, stats, case.mask, case.scale, TORCH_DTYPES[case.dtype])
+                      case.heads_kv, stats, case.mask, case.scale, TORCH_DTYPES[case.dtype],
+                      case.values in FLASH_BASE_VALUES)
     return tuple(p.cpu() for p in parts)

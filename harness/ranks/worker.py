@@ -9,6 +9,7 @@ answers (`HANDLERS`, one handler per op) are declared in `harness.ranks.protocol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -25,8 +26,8 @@ from multiprocessing.connection import Connection, Listener
 
 import torch
 
+from harness import calls, inputs
 from harness import case as case_mod
-from harness import inputs
 from harness.context import RunContext
 from harness.errors import ShapeError
 from harness.impls.adapters._common import kernel_label
@@ -156,31 +157,51 @@ def _no_phase(phase: str) -> None:
     """Phase marker when no interposer listens."""
 
 
-def _forward_backward(impl, q, k, v, dout, ctx, phase=_no_phase):
-    """One forward + backward through the implementation; returns (out, lse, dq, dk, dv, times).
-    `phase` is told forward / backward / done, so the comm log and fault schedule know which."""
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    t0 = time.perf_counter()
-    phase("forward")
-    out, lse = _split(impl.run(q, k, v, ctx))
-    t1 = time.perf_counter()
+def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict):
+    """The forward as `call` makes it, on inputs in `form` (harness.calls); then the backward when the call
+    has one. Returns (out, lse, (dq, dk, dv) or None); `times` gets forward_s and backward_s."""
+
+    def fn(q, k, v):
+        return _split(impl.run(q, k, v, ctx))
+
+    grad = calls.needs_backward(call)
+    mode = torch.inference_mode() if call == "inference-mode" else contextlib.nullcontext()
+    with mode:  # a serving model makes its q, k, v under inference_mode too
+        x = calls.present(form, q, k, v, dout, grad)
+        phase("forward")
+        t0 = time.perf_counter()
+        out, lse = calls.forward(call, fn, x.q, x.k, x.v)
+        times.update(forward_s=time.perf_counter() - t0, backward_s=0.0)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ShapeError(f"output shape {got} != expected {tuple(q.shape)}")
+    if not grad:
+        return out, lse, None
+    if not out.requires_grad:
+        raise RuntimeError("the output does not require grad: the ring ran no autograd graph (a forward-only "
+                           "ring? Capabilities(backward=False))")
     phase("backward")
-    torch.autograd.backward(out, dout)
-    phase("done")
-    t2 = time.perf_counter()
+    t1 = time.perf_counter()
+    torch.autograd.backward(out, x.dout)
+    times["backward_s"] = time.perf_counter() - t1
     grads = []
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.grad is None:
+    for name, g, t in zip(("q", "k", "v"), x.grads(), (q, k, v), strict=True):
+        if g is None:
             raise ShapeError(f"implementation produced no gradient for {name}")
-        if tuple(t.grad.shape) != tuple(t.shape):
-            raise ShapeError(f"d{name} shape {tuple(t.grad.shape)} != expected {tuple(t.shape)}")
-        grads.append(t.grad)
-    return out, lse, grads[0], grads[1], grads[2], {"forward_s": t1 - t0, "backward_s": t2 - t1}
+        if tuple(g.shape) != tuple(t.shape):
+            raise ShapeError(f"d{name} shape {tuple(g.shape)} != expected {tuple(t.shape)}")
+        grads.append(g)
+    return out, lse, tuple(grads)
 
 
+def _forward_backward(impl, q, k, v, dout, ctx, phase=_no_phase, call: str = "train", form: str = "contiguous"):
+    """One call of the implementation (harness.calls: train, no-grad, checkpoint, ...) on inputs in `form`.
+    Returns (out, lse, grads or None, times); `phase` is told forward / backward / done, so the comm log and
+    fault schedule know which."""
+    times: dict = {}
+    out, lse, grads = _run_call(impl, q, k, v, dout, ctx, call, form, phase, times)
+    phase("done")
+    return out, lse, grads, times
 
 
 def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bool, phase=_no_phase) -> dict:
@@ -201,8 +222,10 @@ def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bo
         lengths=tuple(case.seq_lens), all_positions=pos_all, mask=case.mask, softmax_scale=case.scale,
         dtype=q.dtype, device=device, seed=case.seed,
     )
-    out, lse, dq, dk, dv, times = _forward_backward(impl, q, k, v, dout, ctx, phase)
-    tensors = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    out, lse, grads, times = _forward_backward(impl, q, k, v, dout, ctx, phase, case.call, case.inputs)
+    tensors = {"out": out}
+    if grads is not None:
+        tensors.update(zip(("dq", "dk", "dv"), grads, strict=True))
     if lse is not None:
         tensors["lse"] = lse
     t_pack = time.perf_counter()
@@ -212,12 +235,14 @@ def run_on_rank(case: case_mod.Case, impl, group, device: torch.device, leak: bo
         "timings": times,
     }
     times.update(inputs_s=t_in, pack_s=time.perf_counter() - t_pack)  # for the benchmarks' accounting
-    if leak and case.mask.kind != "none" and not case.faults:
+    # the leak run reads gradients: a call without a backward has none (its out is judged against the oracle)
+    if leak and grads is not None and case.mask.kind != "none" and not case.faults:
         chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
         dout_s = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
-        _, _, _, dk_s, dv_s, leak_times = _forward_backward(impl, q, k, v, dout_s, ctx,
-                                                            lambda p: phase(p if p == "done" else f"leak-{p}"))
-        reply["leak"] = {"dk": dk_s.detach().cpu(), "dv": dv_s.detach().cpu()}
+        _, _, leak_grads, leak_times = _forward_backward(impl, q, k, v, dout_s, ctx,
+                                                         lambda p: phase(p if p == "done" else f"leak-{p}"),
+                                                         case.call, case.inputs)
+        reply["leak"] = {"dk": leak_grads[1].detach().cpu(), "dv": leak_grads[2].detach().cpu()}
         times["leak_s"] = leak_times["forward_s"] + leak_times["backward_s"]
     return reply
 

@@ -23,8 +23,10 @@ def _docs(total: int) -> MaskSpec:
     return MaskSpec("document", doc_starts=tuple(sorted(set(s for s in starts if s < total))))
 
 
-def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "reference") -> list[Case]:
-    """The fixed battery around `world_size`; `dtype` restricts it to one dtype."""
+def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "reference",
+                    model_calls: bool = True) -> list[Case]:
+    """The fixed battery around `world_size`; `dtype` restricts it to one dtype. `model_calls`: the cases of
+    how models call a ring (`model_call_cases`) run last."""
     w = world_size
     total = 6 * w + 3  # not divisible by W or 2W: every layout gets uneven shards
     cases: list[Case] = []
@@ -93,9 +95,36 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
     # (selftest: those mutants were found after ~65 runs)
     n_language = len(language_cases(w, total))
     cases = cases[:basics] + cases[-1:] + cases[-n_language - 1:-1] + cases[basics:-n_language - 1]
+    if model_calls:
+        for kw in model_call_cases(w):
+            add(**kw)
     if dtype is not None:
         cases = [c.replace(dtype=dtype) for c in cases]
     return cases
+
+
+def model_call_cases(w: int) -> list[dict]:
+    """How models call a ring (harness.calls, harness.inputs), one case each, seeded after the rest: evaluation
+    (no_grad), serving (inference_mode), activation checkpointing both ways; q, k, v as views of a fused
+    projection (GQA: split; MHA: unbind) and transposed from (b, h, s, d), a transposed dout; the magnitudes of
+    trained models (outlier channels, raw q.k past fp16's range, an attention sink). Causal zigzag and striped
+    where a layout matters: a forward-only path that skips blocks by rank order is right on contiguous only."""
+    total = 6 * w + 3
+    causal, window = MASKS["causal"], MASKS["window"]
+    gqa = {"heads_q": 4, "heads_kv": 2}
+    return [
+        dict(call="no-grad", layout="zigzag", mask=causal, **gqa),
+        dict(call="inference-mode", layout="striped", mask=causal, dtype="bf16", head_dim=32, **gqa),
+        dict(call="checkpoint-reentrant", layout="zigzag", mask=causal, dtype="bf16", head_dim=32, **gqa),
+        dict(call="checkpoint", layout="contiguous", mask=window, **gqa),
+        dict(inputs="fused-qkv", layout="zigzag", mask=causal, **gqa),
+        dict(inputs="fused-qkv", layout="contiguous", mask=causal, dtype="fp16", heads_q=2, heads_kv=2, head_dim=32),
+        dict(inputs="transposed", layout="striped", mask=causal, dtype="bf16", head_dim=32, **gqa),
+        dict(inputs="strided-dout", layout="contiguous", mask=causal, **gqa),
+        dict(values="qk-overflow", layout="contiguous", mask=causal, dtype="fp16", head_dim=32, total_len=total + 8),
+        dict(values="outliers", layout="zigzag", mask=causal, dtype="bf16", head_dim=32, **gqa),
+        dict(values="sink", layout="striped", mask=causal, dtype="fp16", head_dim=32, total_len=8 * w + 5),
+    ]
 
 
 def language_cases(w: int, total: int) -> list[tuple[str, tuple[int, ...], MaskSpec]]:

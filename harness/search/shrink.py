@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from harness.case import Case
+from harness.case import VALUE_KINDS, Case
 from harness.errors import HarnessError
 from harness.result import CaseResult
 from harness.search.signature import Signature
-from harness.search.strategies import DTYPE_ORDER, VALUE_KINDS
+from harness.search.strategies import DTYPE_ORDER
 from ring_impl.layouts import LAYOUTS, split_lengths
 from ring_impl.masks import COMBINATORS, EXPR, SPEC_KINDS, Expr, MaskSpec, fit, prim
 
@@ -155,6 +155,10 @@ def _plainer(c: Case) -> Iterator[Case | None]:
         yield _variant(c, dtype=dtype)
     for values in VALUE_KINDS[: VALUE_KINDS.index(c.values)]:
         yield _variant(c, values=values)
+    if c.call != "train":  # the plain training call, then contiguous inputs (harness.calls)
+        yield _variant(c, call="train")
+    if c.inputs != "contiguous":
+        yield _variant(c, inputs="contiguous")
     if c.softmax_scale is not None:
         yield _variant(c, softmax_scale=None)
 

@@ -4,8 +4,8 @@ Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Dr
 so that hypothesis shrinks a failure towards the smallest world size, then the shortest sequence,
 the fewest heads and the simplest mask (none < causal < window < document < an expression of the mask
 language, itself shrinking towards one primitive), then fp32, normal
-values and the default softmax scale. Only structure and a seed are drawn; tensors are built from
-the seed inside the ranks.
+values and the default softmax scale; last the plain training call on contiguous inputs. Only
+structure and a seed are drawn; tensors are built from the seed inside the ranks.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from harness.calls import CALLS, INPUT_FORMS, needs_backward
 from harness.case import Case, make_case
 from harness.context import Capabilities
 from harness.dtypes import EXACT_INTEGERS
@@ -25,7 +26,7 @@ DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
 FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)  # the head dims flash kernels are compiled for
 EXACT_LIMITS = tuple(sorted(n for n in EXACT_INTEGERS.values() if n < 1 << 16))  # bf16's and fp16's: beyond
 #                             them a position computed in the input dtype rounds
-VALUE_KINDS = ("normal", "large", "near-tie")
+MERGE_VALUES = ("normal", "large", "near-tie")  # drawn first; the values of trained models by `model_call`
 MAX_DOCS = 6
 SMALL_WINDOW = 3
 
@@ -304,6 +305,7 @@ def cases(
     subgroups: bool = True,
     deadline_s: float = 60.0,
     sizes: Sizes | None = None,
+    model_calls: bool = True,
 ) -> Case:
     """A whole Case the implementation declares it supports. Without `sizes`: small enough to run in ~0.1 s
     (`max_tokens` in all, `max_head_dim`, `max_batch`, `max_heads`); with `sizes` (e.g. SIZES["ci"], what the
@@ -314,6 +316,8 @@ def cases(
     capabilities say so, zigzag cases get even local lengths (`zigzag_odd=False`: an odd length is made
     even, one token less, a length-1 shard two tokens) and head counts W divides (`heads_divisible_by_world`:
     rounded up as `adapt` does, so they may exceed `max_heads`); the draws stay the same, so shrinking does.
+    `model_calls`: also draw how a model calls the ring (`model_call`); drawn last, so every other draw keeps
+    its place in the choice sequence.
     """
     caps = caps or Capabilities()
     lo, hi = caps.world_sizes
@@ -347,13 +351,37 @@ def cases(
         edges = sorted({*edges, *(x + 1 for x in EXACT_LIMITS if x + 1 < total)})
     mask = draw(masks(total, tuple(sorted(caps.masks)), tuple(edges)))
     dtype = draw(st.sampled_from(_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))
-    values = draw(st.sampled_from(VALUE_KINDS))
+    values = draw(st.sampled_from(MERGE_VALUES))
     scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0, allow_nan=False, allow_infinity=False)))
     seed = draw(st.integers(0, 2**32 - 1))
+    extra = draw(model_call(caps)) if model_calls else {}
+    fields = {"values": values, **extra}
     return make_case(world_size=w, group_offset=offset, seq_lens=lens, heads_q=hq, heads_kv=hkv, head_dim=head_dim,
-                     batch=batch, layout=layout, mask=mask, dtype=dtype, values=values, softmax_scale=scale,
-                     seed=seed, impl=impl, deadline_s=deadline_s)
+                     batch=batch, layout=layout, mask=mask, dtype=dtype, softmax_scale=scale,
+                     seed=seed, impl=impl, deadline_s=deadline_s, **fields)
 
 
-__all__ = ["SIZES", "Sizes", "boundary_positions", "cases", "expressions", "heads", "masks", "primitives",
-           "scaled_lens", "seq_lens"]
+# How a model calls the ring (harness.calls) and the magnitudes of trained models (harness.inputs). The plain
+# value comes first and most often: about half the cases keep the training call, contiguous inputs and the
+# values drawn above; each value shrinks towards the first.
+CALL_DRAWS = ("train",) * 4 + CALLS[1:]
+FORM_DRAWS = ("contiguous",) * 3 + INPUT_FORMS[1:]
+TRAINED_DRAWS = (None,) * 3 + ("outliers", "qk-overflow", "sink")
+
+
+@st.composite
+def model_call(draw, caps: Capabilities | None = None) -> dict:
+    """{call, inputs, values} of a case, drawn within what `caps` declares (a forward-only ring: forward-only
+    calls only; only its input forms); a key is left out when its draw is the plain one."""
+    caps = caps or Capabilities()
+    call = draw(st.sampled_from(CALL_DRAWS))
+    form = draw(st.sampled_from([f for f in FORM_DRAWS if f in caps.input_forms] or ["contiguous"]))
+    trained = draw(st.sampled_from(TRAINED_DRAWS))
+    if needs_backward(call) and not caps.backward:
+        call = "no-grad" if call == "train" else "inference-mode"
+    out = {"call": call, "inputs": form, "values": trained}
+    return {k: v for k, v in out.items() if v not in ("train", "contiguous", None)}
+
+
+__all__ = ["SIZES", "Sizes", "boundary_positions", "cases", "expressions", "heads", "masks", "model_call",
+           "primitives", "scaled_lens", "seq_lens"]

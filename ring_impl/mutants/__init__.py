@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ring_impl.mutants import comm, grads, history, mask_language, masks, merges, precision, scale, shapes
+from ring_impl.mutants import calls, comm, grads, history, mask_language, masks, merges, precision, scale, shapes
 
 _ALL = [
     merges.naive_merge_sum,
@@ -46,6 +46,11 @@ _ALL = [
     scale.tile_tail_dropped,
     scale.positions_in_input_dtype,
     scale.head_dim_dispatch_slip,
+    calls.no_grad_path_causal_by_rank,
+    calls.q_scaled_in_place,
+    calls.inputs_assumed_contiguous,
+    calls.dout_assumed_contiguous,
+    calls.qk_product_in_input_dtype,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

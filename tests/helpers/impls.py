@@ -106,3 +106,33 @@ def _stale_accumulator(q, k, v, ctx):
 # keeps, and a narrower declaration would make the check probe every mask-language primitive with it
 stale_accumulator = Impl("tests-stale-accumulator", _stale_accumulator,
                          Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True))
+
+
+# forward-only rings (issue #40): the reference ring's forward without autograd, as context-parallel prefill runs
+FORWARD_ONLY = Capabilities(backward=False, returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True)
+
+
+def _forward_only(q, k, v, ctx):
+    from ring_impl import ring_attention_forward
+
+    return ring_attention_forward(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
+                                  softmax_scale=ctx.softmax_scale, return_lse=True)
+
+
+def _forward_only_wrong(q, k, v, ctx):
+    """The forward-only ring skipping causal blocks by rank order: wrong on zigzag and striped causal rows."""
+    import dataclasses
+
+    from ring_impl.mutants.calls import skip_by_rank_order
+    from ring_impl.ring import REFERENCE_PARTS, plan_call, ring_forward
+
+    parts = dataclasses.replace(REFERENCE_PARTS, skip_block=skip_by_rank_order)
+    with torch.no_grad():
+        plan, k, v = plan_call(parts, q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths,
+                               mask=ctx.mask, softmax_scale=ctx.softmax_scale)
+        out, lse = ring_forward(parts, plan, q, k, v)
+    return out.to(q.dtype), lse.float()
+
+
+forward_only = Impl("tests-forward-only", _forward_only, capabilities=FORWARD_ONLY)
+forward_only_wrong = Impl("tests-forward-only-wrong", _forward_only_wrong, capabilities=FORWARD_ONLY)

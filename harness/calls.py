@@ -1,0 +1,100 @@
+"""How a model calls a ring: the `call` and the `inputs` form of a case (issue #40).
+
+A training step is not the only call. Evaluation runs under `no_grad`, serving under
+`inference_mode`, and activation checkpointing runs the forward twice: once without gradients,
+once inside backward. Implementations branch on these, so each is a value of `Case.call`.
+
+q, k and v rarely arrive as fresh contiguous tensors. They are views of one fused projection, or
+transposed from (batch, heads, seq, dim). Each such form is a value of `Case.inputs`.
+
+This module runs on the ranks. It imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+
+CALLS = ("train", "no-grad", "inference-mode", "checkpoint-reentrant", "checkpoint")
+FORWARD_ONLY = ("no-grad", "inference-mode")
+INPUT_FORMS = ("contiguous", "fused-qkv", "transposed", "strided-dout")
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def needs_backward(call: str) -> bool:
+    """Whether the call runs a backward, so gradients are judged."""
+    return call not in FORWARD_ONLY
+
+
+@dataclass
+class Presented:
+    """The tensors handed to the ring, and the leaves their gradients land in."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    leaves: tuple[torch.Tensor, ...]
+    form: str
+
+    def grads(self) -> tuple[torch.Tensor | None, ...]:
+        """dq, dk, dv read from the leaves, in the ring's (batch, seq, heads, dim) layout."""
+        if self.form == "fused-qkv":
+            g = self.leaves[0].grad
+            if g is None:
+                return None, None, None
+            hq, hkv = self.q.shape[2], self.k.shape[2]
+            if g.dim() == 5:
+                return g.unbind(2)
+            return g.split([hq, hkv, hkv], dim=2)
+        grads = tuple(t.grad for t in self.leaves)
+        if self.form == "transposed":
+            return tuple(None if g is None else g.transpose(1, 2) for g in grads)
+        return grads
+
+
+def present(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+            grad: bool) -> Presented:
+    """q, k, v (and dout) in `form`, with the same values as the contiguous shards given.
+
+    fused-qkv: views of one buffer, `unbind` of (b, s, 3, h, d) when the head counts agree, else `split`
+    of (b, s, hq + 2 hkv, d). transposed: views of (b, h, s, d) tensors. strided-dout: dout transposed
+    the same way. With `grad`, the leaves require gradients, as a model's parameters' outputs do."""
+    if form not in INPUT_FORMS:
+        raise ValueError(f"unknown input form {form!r}")
+    if form == "fused-qkv":
+        if q.shape[2] == k.shape[2]:
+            buf = torch.stack([q, k, v], dim=2).requires_grad_(grad)
+            views = buf.unbind(2)
+        else:
+            buf = torch.cat([q, k, v], dim=2).requires_grad_(grad)
+            views = buf.split([q.shape[2], k.shape[2], v.shape[2]], dim=2)
+        return Presented(*views, dout, (buf,), form)
+    if form == "transposed":
+        leaves = tuple(t.transpose(1, 2).contiguous().requires_grad_(grad) for t in (q, k, v))
+        return Presented(*(t.transpose(1, 2) for t in leaves), dout, leaves, form)
+    leaves = tuple(t.detach().clone().requires_grad_(grad) for t in (q, k, v))
+    if form == "strided-dout":
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    return Presented(*leaves, dout, leaves, form)
+
+
+def forward(call: str, fn: Forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse) of `fn(q, k, v)` called the way `call` says."""
+    if call == "train":
+        return fn(q, k, v)
+    if call == "no-grad":
+        with torch.no_grad():
+            return fn(q, k, v)
+    if call == "inference-mode":
+        with torch.inference_mode():
+            return fn(q, k, v)
+    if call in ("checkpoint-reentrant", "checkpoint"):
+        reentrant = call == "checkpoint-reentrant"
+        return torch.utils.checkpoint.checkpoint(fn, q, k, v, use_reentrant=reentrant)
+    raise ValueError(f"unknown call {call!r}")

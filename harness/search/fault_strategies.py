@@ -69,9 +69,12 @@ def faults(draw, world_size: int, kinds: tuple[str, ...] = KINDS, max_faults: in
 @st.composite
 def faulted_cases(draw, kinds: tuple[str, ...] = KINDS, max_faults: int = 2, deadline_s: float = 10.0,
                   **case_kw) -> object:
-    """A drawn Case (harness.strategies.cases, same keywords) with a drawn fault list and a short deadline."""
+    """A drawn Case (harness.strategies.cases, same keywords) with a drawn fault list and a short deadline.
+    The plain training call unless `model_calls=True`: a fault on a backward op never fires in a call
+    without one."""
     from harness.search.strategies import cases
 
+    case_kw.setdefault("model_calls", False)
     case = draw(cases(deadline_s=deadline_s, **case_kw))
     return case.replace(faults=draw(faults(case.world_size, kinds, max_faults)))
 

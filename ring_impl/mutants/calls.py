@@ -58,7 +58,9 @@ def no_grad_path_causal_by_rank(q, k, v, **kw: Any):
     """Serving and evaluation take a forward-only path when no gradient is recorded (torch.no_grad,
     inference_mode, the first forward of reentrant checkpointing). Its causal block skipping goes by rank
     order, as a contiguous split allows, so zigzag and striped rows lose the blocks of later ranks. The
-    training path is the reference. Visible on forward-only calls of a causal zigzag or striped ring."""
+    training path is the reference. No single public report: serving stacks keep prefill paths apart from
+    training, and the harness never ran them before. Visible on forward-only calls of a causal zigzag or
+    striped ring."""
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (ring_attention if recording else _fast_forward)(q, k, v, **kw)
 
@@ -88,8 +90,9 @@ def q_scaled_in_place(q, k, v, *, return_lse: bool = False, **kw: Any):
     """Computes from a copy of q, then stores the scaled q in the caller's tensor (`q.mul_(scale)`: a buffer
     reused to save memory). The call's own results are right. Activation checkpointing calls the forward again
     on the same q inside backward: reentrant checkpointing recomputes from the scaled q, so every gradient is
-    silently wrong; non-reentrant checkpointing sees the tensor's version change and raises. Visible under
-    `torch.utils.checkpoint` (and loud on split views of a fused projection, which refuse in-place writes)."""
+    silently wrong; non-reentrant checkpointing sees the tensor's version change and raises (pytorch/pytorch
+    documents that reentrant checkpointing does not detect it). Visible under `torch.utils.checkpoint` (and
+    loud on split views of a fused projection, which refuse in-place writes)."""
     plan, k, v = plan_call(REFERENCE_PARTS, q, k, v, **kw)
     out, lse = _QScaledInPlace.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
@@ -98,7 +101,9 @@ def q_scaled_in_place(q, k, v, *, return_lse: bool = False, **kw: Any):
 def inputs_assumed_contiguous(q, k, v, **kw: Any):
     """Reads q, k, v through strides it assumes (`as_strided` with contiguous strides, as code that hands raw
     pointers to a kernel does). Right on contiguous tensors; on views of a fused QKV projection or tensors
-    transposed from (b, h, s, d) it reads other tokens, heads or tensors, silently."""
+    transposed from (b, h, s, d) it reads other tokens, heads or tensors, silently. flash-attn accepts such
+    views (it needs only the last dimension contiguous) and passes their strides to its kernel. Visible on
+    the fused-qkv and transposed input forms."""
     return ring_attention(*(_as_contiguous(t) for t in (q, k, v)), **kw)
 
 
@@ -116,7 +121,8 @@ class _GradAsContiguous(torch.autograd.Function):
 
 def dout_assumed_contiguous(q, k, v, *, return_lse: bool = False, **kw: Any):
     """Its backward reads dout with the strides of a contiguous tensor. Right when the model's gradient comes
-    contiguous; a dout transposed from (b, h, s, d) is read as the wrong tokens and heads."""
+    contiguous; a dout transposed from (b, h, s, d) is read as the wrong tokens and heads. flash-attn's
+    backward makes such a dout contiguous first for this reason. Visible on the strided-dout input form."""
     out, lse = ring_attention(q, k, v, return_lse=True, **kw)
     out = _GradAsContiguous.apply(out)
     return (out, lse) if return_lse else out
@@ -152,7 +158,7 @@ qk_product_in_input_dtype = mutant(
     "qk-product-in-input-dtype",
     """Forms q.k in the input dtype and scales after (a plain `(q @ k.T) * scale` in fp16). Right on unit-scale
     values; the q and k of trained models reach products past fp16's 65504 while the scaled logits stay
-    finite, and then every row that sees such a key is NaN (HF GPT-2 reorders and upcasts this product for
-    it: `reorder_and_upcast_attn`). Visible on fp16 cases with qk-overflow values.""",
+    finite, and then every row that sees such a key is NaN (diffusers' `upcast_attention` and HF GPT-2's
+    `reorder_and_upcast_attn` upcast this product for it). Visible on fp16 cases with qk-overflow values.""",
     block_forward=fp16_product_forward,
 )

@@ -98,7 +98,8 @@ def _stale_accumulator(q, k, v, ctx):
         buf.add_(grad.float())
         return buf.to(grad.dtype).clone()
 
-    k.register_hook(hook)
+    if k.requires_grad:  # a forward-only call has no gradient to accumulate
+        k.register_hook(hook)
     return out
 
 

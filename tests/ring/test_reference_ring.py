@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from harness.calls import needs_backward
 from harness.case import make_case
 from harness.checks.report import details
 from harness.runner import run_case
@@ -44,6 +45,9 @@ SWEEP = [
 def test_reference_passes(ring_pool, case):
     r = run_case(case, ring_pool)
     assert r.verdict == "pass", "\n".join(details(r))
+    if not needs_backward(case.call):  # no_grad, inference_mode: out and lse judged, no gradient to leak through
+        assert r.leak is None and {c.tensor for c in r.checks} == {"out", "lse"}
+        return
     if case.mask.kind == "none":
         assert r.leak is None  # nothing is hidden: no leak check to run
     else:

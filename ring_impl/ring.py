@@ -357,8 +357,9 @@ def plan_call(
     return plan, k, v
 
 
-def make_ring_attention(parts: RingParts = REFERENCE_PARTS) -> Callable[..., Any]:
-    """A function with the `ring_attention` signature that runs the ring built from `parts`."""
+def make_ring_attention(parts: RingParts = REFERENCE_PARTS, forward_only: bool = False) -> Callable[..., Any]:
+    """A function with the `ring_attention` signature that runs the ring built from `parts`. `forward_only`:
+    the forward alone, without autograd (what context-parallel prefill runs); its output has no gradient."""
 
     def ring_attention(
         q: torch.Tensor,
@@ -380,33 +381,17 @@ def make_ring_attention(parts: RingParts = REFERENCE_PARTS) -> Callable[..., Any
         """
         plan, k, v = plan_call(parts, q, k, v, group=group, layout=layout, lengths=lengths, mask=mask,
                                softmax_scale=softmax_scale)
-        out, lse = _RingAttention.apply(q, k, v, parts, plan)
+        if forward_only:
+            with torch.no_grad():
+                out, lse = ring_forward(parts, plan, q, k, v)
+            out, lse = out.to(q.dtype), lse.float()
+        else:
+            out, lse = _RingAttention.apply(q, k, v, parts, plan)
         return (out, lse) if return_lse else out
 
     return ring_attention
 
 
 ring_attention = make_ring_attention(REFERENCE_PARTS)
+ring_attention_forward = make_ring_attention(REFERENCE_PARTS, forward_only=True)
 
-
-def ring_attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group: Any = None,
-    layout: str = "contiguous",
-    lengths: Sequence[int] | None = None,
-    mask: MaskSpec = NO_MASK,
-    softmax_scale: float | None = None,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The reference ring's forward alone, without autograd: what context-parallel prefill runs.
-
-    The same arguments and results as `ring_attention`; the output has no gradient."""
-    with torch.no_grad():
-        plan, k, v = plan_call(REFERENCE_PARTS, q, k, v, group=group, layout=layout, lengths=lengths, mask=mask,
-                               softmax_scale=softmax_scale)
-        out, lse = ring_forward(REFERENCE_PARTS, plan, q, k, v)
-    out, lse = out.to(q.dtype), lse.float()
-    return (out, lse) if return_lse else out

@@ -22,11 +22,10 @@ from ring_impl.mutants.base import mutant
 from ring_impl.ring import (
     REFERENCE_PARTS,
     BlockAt,
+    _RingAttention,
     make_ring_attention,
     plan_call,
     ring_attention,
-    ring_backward,
-    ring_forward,
     skip_empty_block,
 )
 
@@ -72,18 +71,11 @@ class _QScaledInPlace(torch.autograd.Function):
     def forward(ctx, q, k, v, plan):
         q0 = q.detach().clone()
         q.mul_(plan.scale)  # the bug: the caller's q holds the scaled q from now on
-        out, lse = ring_forward(REFERENCE_PARTS, plan, q0, k, v)
-        ctx.save_for_backward(q0, k, v, out, lse)
-        ctx.plan = plan
-        lse_out = lse.float()
-        ctx.mark_non_differentiable(lse_out)
-        return out.to(q.dtype), lse_out
+        return _RingAttention.forward(ctx, q0, k, v, REFERENCE_PARTS, plan)
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(REFERENCE_PARTS, ctx.plan, dout, (q, k, v, out, lse))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+    def backward(ctx, dout, dlse):
+        return *_RingAttention.backward(ctx, dout, dlse)[:3], None
 
 
 def q_scaled_in_place(q, k, v, *, return_lse: bool = False, **kw: Any):

@@ -124,15 +124,12 @@ def _forward_only_wrong(q, k, v, ctx):
     """The forward-only ring skipping causal blocks by rank order: wrong on zigzag and striped causal rows."""
     import dataclasses
 
+    from ring_impl import REFERENCE_PARTS, make_ring_attention
     from ring_impl.mutants.calls import skip_by_rank_order
-    from ring_impl.ring import REFERENCE_PARTS, plan_call, ring_forward
 
-    parts = dataclasses.replace(REFERENCE_PARTS, skip_block=skip_by_rank_order)
-    with torch.no_grad():
-        plan, k, v = plan_call(parts, q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths,
-                               mask=ctx.mask, softmax_scale=ctx.softmax_scale)
-        out, lse = ring_forward(parts, plan, q, k, v)
-    return out.to(q.dtype), lse.float()
+    ring = make_ring_attention(dataclasses.replace(REFERENCE_PARTS, skip_block=skip_by_rank_order), forward_only=True)
+    return ring(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
+                softmax_scale=ctx.softmax_scale, return_lse=True)
 
 
 forward_only = Impl("tests-forward-only", _forward_only, capabilities=FORWARD_ONLY)

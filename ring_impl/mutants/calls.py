@@ -57,7 +57,7 @@ def no_grad_path_causal_by_rank(q, k, v, **kw: Any):
     """Serving and evaluation take a forward-only path when no gradient is recorded (torch.no_grad,
     inference_mode, the first forward of reentrant checkpointing). Its causal block skipping goes by rank
     order, as a contiguous split allows, so zigzag and striped rows lose the blocks of later ranks. The
-    training path is the reference. No single public report: serving stacks keep prefill paths apart from
+    training path is the reference. There is no single public report: serving stacks keep prefill paths apart from
     training, and the harness never ran them before. Visible on forward-only calls of a causal zigzag or
     striped ring."""
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -109,7 +109,7 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
         ref_max = _finite_max(r64)
         grid_floor = GRID_FLOOR * max(ref.term_scale.get(name, {}).values(), default=0.0)
         allowed = tolerance.bound(name, case.dtype, base_err, ref_max, case.tolerance, case.world_size, lse_max,
-                                  ref.term_scale.get(name, 0.0))
+                                  ref.term_scale.get(name, 0.0), ref.term_scale.get("blocks", {}).get("max_v", 0.0))
         for rank, tensors in sorted(shards.items()):
             if name not in tensors:
                 continue

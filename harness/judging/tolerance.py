@@ -62,6 +62,10 @@ EPS = {"fp32": torch.finfo(torch.float32).eps, "fp16": torch.finfo(torch.float16
 # enters); derivation in the module docstring and docs/tolerance.md
 ROUNDINGS = {"out": {"terms": 3}, "lse": {"terms": 2}, "dq": {"terms": 3, "D": 4}, "dk": {"terms": 4, "D": 4},
              "dv": {"terms": 4}}
+# A ring merges W partial outputs in float32 as ring-flash-attn and torch's ring do: out - w (out - block_out).
+# Both subtractions round at the magnitude of the partial outputs, at most max|v| (the "blocks" scale), however
+# small the merged out: two float32 roundings per merge, W - 1 merges (docs/tolerance.md, "The merge's rounding")
+MERGE_ROUNDINGS = 2
 
 
 def factor(tensor: str, overrides: dict | None = None) -> float:
@@ -77,10 +81,12 @@ def unit(dtype: str) -> float:
 
 
 def bound(tensor: str, dtype: str, base_error: float, ref_absmax: float, overrides: dict | None = None,
-          world_size: int = 1, lse_absmax: float = 0.0, term_scale: float | Mapping[str, float] = 0.0) -> float:
+          world_size: int = 1, lse_absmax: float = 0.0, term_scale: float | Mapping[str, float] = 0.0,
+          block_scale: float = 0.0) -> float:
     """The largest allowed max-abs error for `tensor` on a ring of `world_size` ranks:
 
         k * base_error + u(dtype) * sum_c n_c * T_c + (W + max|lse|) * eps32 * max(max_c T_c, ref_absmax)
+        (+ for out: (W - 1) * eps32 * block_scale, the merges' cancellation: MERGE_ROUNDINGS)
 
     with T_c the tensor's term scales (`term_scale`: {class: scale} from oracle.TermScales, or one number
     for every class) and n_c = ROUNDINGS[tensor][c]; every T_c is at least ref_absmax."""
@@ -92,4 +98,6 @@ def bound(tensor: str, dtype: str, base_error: float, ref_absmax: float, overrid
     t = {c: max(float(scales.get(c, 0.0)), ref_absmax) for c in counts}
     rounding = unit(dtype) * sum(n * t[c] for c, n in counts.items())
     floor = rounding + (world_size + lse_absmax) * EPS["fp32"] * max(t.values()) + exp_error + 1e-30
+    if tensor == "out":
+        floor += MERGE_ROUNDINGS * max(world_size - 1, 0) * unit("fp32") * block_scale
     return factor(tensor, overrides) * base_error + floor

@@ -134,13 +134,14 @@ class RowsPart:
 @dataclass
 class KeysPart:
     """The keys pass of one share, one compute dtype: its keys' dk/dv from every query and (float64 only) the
-    term scales' column sums over every query (ds, pa, p: (B, Hkv, c)) and max|k|."""
+    term scales' column sums over every query (ds, pa, p: (B, Hkv, c)), max|k| and max|v|."""
 
     keys: torch.Tensor  # (c,) global key positions
     dk: torch.Tensor  # (B, c, Hkv, D) in the compute dtype
     dv: torch.Tensor
     cols: dict[str, torch.Tensor] = field(default_factory=dict)
     max_k: float = 0.0
+    max_v: float = 0.0
     seconds: float = 0.0
 
     def cpu(self) -> KeysPart:
@@ -527,11 +528,12 @@ def keys_part(fetch: Fetch, keys: torch.Tensor, share: int, query_blocks: Sequen
             del pb, drawb, p, ds, draw
         trim(0)
 
-    def part(dk, dv, out_dtype, cols, max_k):  # (B, c, Hkv, D)
+    def part(dk, dv, out_dtype, cols, max_k, max_v):  # (B, c, Hkv, D)
         dk, dv = (t.permute(0, 2, 1, 3).contiguous().to(out_dtype) for t in (dk, dv))
-        return KeysPart(keys, dk, dv, cols, max_k)
+        return KeysPart(keys, dk, dv, cols, max_k, max_v)
 
-    ref, base = part(dk, dv, torch.float64, cols, _amax(k)), part(rnd(dkb), rnd(dvb), dtype, {}, 0.0)
+    ref = part(dk, dv, torch.float64, cols, _amax(k), _amax(v))
+    base = part(rnd(dkb), rnd(dvb), dtype, {}, 0.0, 0.0)
     ref.seconds = time.perf_counter() - t0
     return ref, base
 
@@ -546,6 +548,7 @@ class TermScales:
     dk   terms   scale max|q| max_j sum_i |dS_ij|;   D   scale max|q| max_j sum_i p_ij A_i
     dv   terms   max|dout| max_j sum_i p_ij
     lse  terms   scale max|q| max|k|
+    blocks       max|v|: every block's partial out is a convex combination of v rows, so no larger
 
     A_i = sum_j p_ij sum_d |dout_id| |v_jd| bounds the error of D_i made by rounding P, partial outputs and
     out, and D itself (harness/judging/tolerance.py, docs/tolerance.md). The row maxima come from the shares'
@@ -556,6 +559,7 @@ class TermScales:
         self.maxima = {name: max((p.maxima.get(name, 0.0) for p in rows), default=0.0)
                        for name in ("out", "dq", "dq_d", "max_q", "max_dout")}
         self.max_k = max((p.max_k for p in keys), default=0.0)
+        self.max_v = max((p.max_v for p in keys), default=0.0)
         self.top = {name: max((float(p.cols[name].max()) for p in keys if p.cols[name].numel()), default=0.0)
                     for name in ("ds", "pa", "p")}
 
@@ -565,7 +569,7 @@ class TermScales:
         return {"out": {"terms": x["out"]}, "lse": {"terms": scale * mq * mk},
                 "dq": {"terms": scale * mk * x["dq"], "D": scale * mk * x["dq_d"]},
                 "dk": {"terms": scale * mq * self.top["ds"], "D": scale * mq * self.top["pa"]},
-                "dv": {"terms": mdo * self.top["p"]}}
+                "dv": {"terms": mdo * self.top["p"]}, "blocks": {"max_v": self.max_v}}
 
 
 def gather_stats(rows: Sequence[RowsPart], n: int) -> RowStats:

@@ -47,11 +47,12 @@ def matrix(caps: Capabilities, results: list, probe_results: list, not_probed: l
 
 def format_matrix(rows: list[MatrixRow]) -> list[str]:
     """The matrix as text lines, one per feature, with a header."""
-    lines = [f"{'feature':<20} {'declared':<9} {'passed':>6} {'failed':>6}  probe of an undeclared feature"]
+    w = max([20, *(len(row.feature) for row in rows)])
+    lines = [f"{'feature':<{w}} {'declared':<9} {'passed':>6} {'failed':>6}  probe of an undeclared feature"]
     for row in rows:
         probe = ", ".join(f"{n} x {PROBE_OUTCOMES.get(v, v)}" for v, n in sorted(row.probes.items()))
         if "not probed" in row.probes:
             probe = "not probed: no battery case changes this feature alone"
-        lines.append(f"{row.feature:<20} {'yes' if row.declared else 'no':<9} {row.passed:>6} {row.failed:>6}  "
+        lines.append(f"{row.feature:<{w}} {'yes' if row.declared else 'no':<9} {row.passed:>6} {row.failed:>6}  "
                      f"{probe or '-'}")
     return lines

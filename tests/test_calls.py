@@ -78,6 +78,8 @@ def test_a_forward_only_ring_gets_forward_only_calls_and_a_probe_of_backward():
     assert unsupported(fwd, serve) == [] and adapt(fwd, serve) == serve
     assert "backward" in case_features(train) and "call:inference-mode" in case_features(serve)
     assert feature_words("backward", fwd) == "a backward pass (a training or checkpointed call)"
+    assert adapt(fwd, train.replace(inputs="strided-dout")).inputs == "contiguous"  # no backward, no dout
+    assert adapt(fwd, train.replace(inputs="fused-qkv")).inputs == "fused-qkv"
 
 
 def test_a_ring_that_needs_contiguous_inputs_gets_them():

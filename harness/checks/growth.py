@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.calls import needs_backward
 from harness.case import Case, make_case
 from harness.checks.options import CheckOptions
 from harness.context import Capabilities
@@ -212,8 +213,9 @@ def growth_check(pool, opts: CheckOptions, caps: Capabilities, reporter,
                        else f"needs two ring sizes of {WORLD_SIZES} (declared {caps.world_sizes}, pool {pool.size})")
         reporter(f"growth check: skipped ({res.skipped})")
         return res
+    judged = "out/dq/dk/dv" if needs_backward(plans[0][worlds[0]].call) else "out (a forward-only ring)"
     reporter(f"growth check: {len(plans)} global cases at W = {', '.join(map(str, worlds))}; RMS error of "
-             f"out/dq/dk/dv at W over the larger of W = {', '.join(map(str, baseline_sizes(worlds)))} "
+             f"{judged} at W over the larger of W = {', '.join(map(str, baseline_sizes(worlds)))} "
              f"must stay <= x{GROWTH_LIMIT:g}")
     for cases in plans:
         c0 = cases[worlds[0]]

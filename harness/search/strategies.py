@@ -379,6 +379,8 @@ def model_call(draw, caps: Capabilities | None = None) -> dict:
     trained = draw(st.sampled_from(TRAINED_DRAWS))
     if needs_backward(call) and not caps.backward:
         call = "no-grad" if call == "train" else "inference-mode"
+    if form == "strided-dout" and not needs_backward(call):  # no backward, no dout
+        form = "contiguous"
     out = {"call": call, "inputs": form, "values": trained}
     return {k: v for k, v in out.items() if v not in ("train", "contiguous", None)}
 

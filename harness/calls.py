@@ -30,6 +30,11 @@ def needs_backward(call: str) -> bool:
     return call not in FORWARD_ONLY
 
 
+def useful_form(call: str, form: str) -> str:
+    """`form`, or contiguous where it would test nothing: a transposed dout in a call without a backward."""
+    return "contiguous" if form == "strided-dout" and not needs_backward(call) else form
+
+
 @dataclass
 class Presented:
     """The tensors handed to the ring, and the leaves their gradients land in."""

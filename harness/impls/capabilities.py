@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from harness.calls import needs_backward
+from harness.calls import needs_backward, useful_form
 from harness.context import Capabilities
 from ring_impl.masks import MASK_FEATURES, MaskSpec, fit
 
@@ -303,9 +303,9 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         changes["group_offset"] = 0
     if needs_backward(c.call) and not caps.backward:
         changes["call"] = "no-grad"
-    if c.inputs not in caps.input_forms or (c.inputs == "strided-dout" and not needs_backward(
-            changes.get("call", c.call))):  # no backward, no dout: the form would test nothing
-        changes["inputs"] = "contiguous"
+    form = useful_form(changes.get("call", c.call), c.inputs if c.inputs in caps.input_forms else "contiguous")
+    if form != c.inputs:
+        changes["inputs"] = form
     world = min(max(c.world_size, caps.world_sizes[0]), caps.world_sizes[1])
     total = max(c.total_len, world)
     if world != c.world_size:

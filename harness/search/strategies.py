@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from harness.calls import CALLS, INPUT_FORMS, needs_backward
+from harness.calls import CALLS, INPUT_FORMS, needs_backward, useful_form
 from harness.case import Case, make_case
 from harness.context import Capabilities
 from harness.dtypes import EXACT_INTEGERS
@@ -379,8 +379,7 @@ def model_call(draw, caps: Capabilities | None = None) -> dict:
     trained = draw(st.sampled_from(TRAINED_DRAWS))
     if needs_backward(call) and not caps.backward:
         call = "no-grad" if call == "train" else "inference-mode"
-    if form == "strided-dout" and not needs_backward(call):  # no backward, no dout
-        form = "contiguous"
+    form = useful_form(call, form)
     out = {"call": call, "inputs": form, "values": trained}
     return {k: v for k, v in out.items() if v not in ("train", "contiguous", None)}
 

@@ -22,7 +22,9 @@ CALLS = ("train", "no-grad", "inference-mode", "checkpoint-reentrant", "checkpoi
 FORWARD_ONLY = ("no-grad", "inference-mode")
 INPUT_FORMS = ("contiguous", "fused-qkv", "transposed", "strided-dout")
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+Forward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]
+]
 
 
 def needs_backward(call: str) -> bool:
@@ -31,7 +33,8 @@ def needs_backward(call: str) -> bool:
 
 
 def useful_form(call: str, form: str) -> str:
-    """`form`, or contiguous where it would test nothing: a transposed dout in a call without a backward."""
+    """`form`, or contiguous where it would test nothing: a transposed dout in a call without a
+    backward."""
     return "contiguous" if form == "strided-dout" and not needs_backward(call) else form
 
 
@@ -62,13 +65,15 @@ class Presented:
         return grads
 
 
-def present(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-            grad: bool) -> Presented:
+def present(
+    form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, grad: bool
+) -> Presented:
     """q, k, v (and dout) in `form`, with the same values as the contiguous shards given.
 
-    fused-qkv: views of one buffer, `unbind` of (b, s, 3, h, d) when the head counts agree, else `split`
-    of (b, s, hq + 2 hkv, d). transposed: views of (b, h, s, d) tensors. strided-dout: dout transposed
-    the same way. With `grad`, the leaves require gradients, as a model's parameters' outputs do."""
+    fused-qkv: views of one buffer, `unbind` of (b, s, 3, h, d) when the head counts agree, else
+    `split` of (b, s, hq + 2 hkv, d). transposed: views of (b, h, s, d) tensors. strided-dout: dout
+    transposed the same way. With `grad`, the leaves require gradients, as a model's parameters'
+    outputs do."""
     if form not in INPUT_FORMS:
         raise ValueError(f"unknown input form {form!r}")
     if form == "fused-qkv":
@@ -88,8 +93,9 @@ def present(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
     return Presented(*leaves, dout, leaves, form)
 
 
-def forward(call: str, fn: Forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(
+    call: str, fn: Forward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, lse) of `fn(q, k, v)` called the way `call` says."""
     if call == "train":
         return fn(q, k, v)

@@ -2,11 +2,9 @@
 
 Tensors are never stored: every rank rebuilds its shard of Q, K, V and dout from the seed.
 
-A sequence case (`CaseSequence`) is a list of cases run in order on the same fresh ranks, the last
-one the failing case with its recorded `result:`: the reproducer of a failure that depends on what
-ran before it in the same processes (a buffer cached across calls and not zeroed; issue #19). Its
-file is a top-level `sequence:` list of case mappings (each may say `leak_check: false`: that run
-skipped the causality-leak run, a second forward + backward), validated like a case file.
+A case file holds one case, or a sequence of them (a top-level `sequence:` list). This module reads
+both forms: for a sequence file, `load` gives its last member. The sequence as a type lives in
+`harness.case_sequence`.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ from ring_impl.layouts import LAYOUTS, split_lengths
 from ring_impl.masks import MASK_KINDS, MaskSpec, doc_starts_of, expr_from_dict
 
 FORMAT = 1
-# normal, large and near-tie stress the merge; the last three are the magnitudes of trained models (harness.inputs)
+# normal, large and near-tie stress the merge; the last three are the magnitudes of trained models
+# (harness.inputs)
 VALUE_KINDS = ("normal", "large", "near-tie", "outliers", "qk-overflow", "sink")
 TENSORS = ("out", "dq", "dk", "dv", "lse")
 MAX_WORLD = 64
@@ -77,14 +76,25 @@ class Case:
 
     @property
     def scale(self) -> float:
-        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        return (
+            self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        )
 
     def summary(self) -> str:
         """A short one-line description for tables."""
-        heads = f"h{self.heads_q}" if self.heads_q == self.heads_kv else f"h{self.heads_q}/{self.heads_kv}"
+        heads = (
+            f"h{self.heads_q}"
+            if self.heads_q == self.heads_kv
+            else f"h{self.heads_q}/{self.heads_kv}"
+        )
         mask = self.mask.describe()
-        # the total, then the per-rank lengths: `L16=4/rank` (even split), `L27=7,7,7,6` (one per rank)
-        per = (f"{self.seq_lens[0]}/rank" if len(set(self.seq_lens)) == 1 else ",".join(map(str, self.seq_lens)))
+        # the total, then the per-rank lengths: `L16=4/rank` (even split), `L27=7,7,7,6` (one per
+        # rank)
+        per = (
+            f"{self.seq_lens[0]}/rank"
+            if len(set(self.seq_lens)) == 1
+            else ",".join(map(str, self.seq_lens))
+        )
         lens = f"{self.total_len}={per}"
         extra = f" vals={self.values}" if self.values != "normal" else ""
         extra += f" off{self.group_offset}" if self.group_offset else ""
@@ -93,7 +103,8 @@ class Case:
         extra += f" call={self.call}" if self.call != "train" else ""
         extra += f" inputs={self.inputs}" if self.inputs != "contiguous" else ""
         return (
-            f"W{self.world_size} {self.layout} {mask} {self.dtype} b{self.batch} {heads} d{self.head_dim} "
+            f"W{self.world_size} {self.layout} {mask} {self.dtype} b{self.batch} {heads} "
+            f"d{self.head_dim} "
             f"L{lens}{extra}"
         )
 
@@ -138,58 +149,111 @@ def validate(c: Case) -> None:
         v = getattr(c, name)
         _need(_is_int(v) and v >= 1, name, f"must be a positive integer, got {v!r}")
     _need(c.world_size <= MAX_WORLD, "world_size", f"must be <= {MAX_WORLD}, got {c.world_size}")
-    _need(_is_int(c.group_offset) and c.group_offset >= 0, "group_offset",
-          f"must be an integer >= 0, got {c.group_offset!r}")
-    _need(c.heads_q % c.heads_kv == 0, "heads_kv",
-          f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})")
-    _need(isinstance(c.seq_lens, tuple) and all(_is_int(n) and n >= 0 for n in c.seq_lens), "seq_lens",
-          f"must be a list of integers >= 0, got {c.seq_lens!r}")
-    _need(len(c.seq_lens) == c.world_size, "seq_lens",
-          f"has {len(c.seq_lens)} entries but world_size is {c.world_size}")
+    _need(
+        _is_int(c.group_offset) and c.group_offset >= 0,
+        "group_offset",
+        f"must be an integer >= 0, got {c.group_offset!r}",
+    )
+    _need(
+        c.heads_q % c.heads_kv == 0,
+        "heads_kv",
+        f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})",
+    )
+    _need(
+        isinstance(c.seq_lens, tuple) and all(_is_int(n) and n >= 0 for n in c.seq_lens),
+        "seq_lens",
+        f"must be a list of integers >= 0, got {c.seq_lens!r}",
+    )
+    _need(
+        len(c.seq_lens) == c.world_size,
+        "seq_lens",
+        f"has {len(c.seq_lens)} entries but world_size is {c.world_size}",
+    )
     _need(c.total_len >= 1, "seq_lens", "the total sequence length must be at least 1")
-    _need(c.layout in LAYOUTS, "layout", f"unknown layout {c.layout!r}; expected one of {', '.join(LAYOUTS)}")
+    _need(
+        c.layout in LAYOUTS,
+        "layout",
+        f"unknown layout {c.layout!r}; expected one of {', '.join(LAYOUTS)}",
+    )
     _need(isinstance(c.mask, MaskSpec), "mask", f"must be a mask mapping, got {c.mask!r}")
     for starts in doc_starts_of(c.mask.expression()):
-        _need(starts[-1] < c.total_len, "mask",
-              f"document start {starts[-1]} is beyond the sequence (length {c.total_len})")
-    _need(c.dtype in DTYPES, "dtype", f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}")
-    _need(c.softmax_scale is None or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale)
-                                      and c.softmax_scale > 0),
-          "softmax_scale", f"must be a positive number or null, got {c.softmax_scale!r}")
-    _need(c.values in VALUE_KINDS, "values",
-          f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}")
-    _need(_is_int(c.seed) and 0 <= c.seed < 2**63, "seed", f"must be an integer in [0, 2**63), got {c.seed!r}")
-    _need(isinstance(c.impl, str) and c.impl != "", "impl", f"must be a non-empty string, got {c.impl!r}")
-    _need(isinstance(c.faults, tuple), "faults", f"must be a list of fault mappings, got {c.faults!r}")
+        _need(
+            starts[-1] < c.total_len,
+            "mask",
+            f"document start {starts[-1]} is beyond the sequence (length {c.total_len})",
+        )
+    _need(
+        c.dtype in DTYPES,
+        "dtype",
+        f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}",
+    )
+    _need(
+        c.softmax_scale is None
+        or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale) and c.softmax_scale > 0),
+        "softmax_scale",
+        f"must be a positive number or null, got {c.softmax_scale!r}",
+    )
+    _need(
+        c.values in VALUE_KINDS,
+        "values",
+        f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}",
+    )
+    _need(
+        _is_int(c.seed) and 0 <= c.seed < 2**63,
+        "seed",
+        f"must be an integer in [0, 2**63), got {c.seed!r}",
+    )
+    _need(
+        isinstance(c.impl, str) and c.impl != "",
+        "impl",
+        f"must be a non-empty string, got {c.impl!r}",
+    )
+    _need(
+        isinstance(c.faults, tuple), "faults", f"must be a list of fault mappings, got {c.faults!r}"
+    )
     parse_faults(c.faults, c.world_size)  # raises naming the field, e.g. 'faults[1].index'
     _need(isinstance(c.tolerance, dict), "tolerance", f"must be a mapping, got {c.tolerance!r}")
     for k, v in c.tolerance.items():
-        _need(k in TENSORS, "tolerance", f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}")
-        _need(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "tolerance",
-              f"factor for {k} must be a positive number, got {v!r}")
+        _need(
+            k in TENSORS,
+            "tolerance",
+            f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}",
+        )
+        _need(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            "tolerance",
+            f"factor for {k} must be a positive number, got {v!r}",
+        )
     _need(c.call in CALLS, "call", f"unknown call {c.call!r}; expected one of {', '.join(CALLS)}")
-    _need(c.inputs in INPUT_FORMS, "inputs",
-          f"unknown input form {c.inputs!r}; expected one of {', '.join(INPUT_FORMS)}")
-    _need(_is_number(c.deadline_s) and 0 < c.deadline_s <= 3600,
-          "deadline_s", f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}")
+    _need(
+        c.inputs in INPUT_FORMS,
+        "inputs",
+        f"unknown input form {c.inputs!r}; expected one of {', '.join(INPUT_FORMS)}",
+    )
+    _need(
+        _is_number(c.deadline_s) and 0 < c.deadline_s <= 3600,
+        "deadline_s",
+        f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}",
+    )
 
 
 # -- dict / YAML -----------------------------------------------------------------------------
 
 CASE_KEYS = {f.name for f in dataclasses.fields(Case)}
 FILE_KEYS = CASE_KEYS | {"format", "total_len", "result", "note", "expect"}
-# What replaying a saved case must give, stated once (the pytest plugin's corpus items and `replay`):
-# - pass (the default): a saved failure is a regression test: it fails while the bug is there and
-#   passes once it is fixed; the recorded `result:` is history, shown when it fails;
-# - reproduce: the case documents a known bug of its implementation (the mutant corpus, a
-#   third-party library's bug at a pinned version): it must reproduce its recorded verdict (and
-#   hashes on the same torch), and pass on the reference.
+# What replaying a saved case must give, stated once (the pytest plugin's corpus items and
+# `replay`): - pass (the default): a saved failure is a regression test: it fails while the bug is
+# there and passes once it is fixed; the recorded `result:` is history, shown when it fails; -
+# reproduce: the case documents a known bug of its implementation (the mutant corpus, a third-party
+# library's bug at a pinned version): it must reproduce its recorded verdict (and hashes on the same
+# torch), and pass on the reference.
 EXPECT = ("pass", "reproduce")
 
 
 def to_dict(c: Case) -> dict:
-    """Plain-data form (YAML/JSON friendly); the inverse of `from_dict`. `call` and `inputs` appear only when
-    they are not the plain training call on contiguous inputs, so older cases keep their keys and file names."""
+    """Plain-data form (YAML/JSON friendly); the inverse of `from_dict`. `call` and `inputs` appear
+    only when they are not the plain training call on contiguous inputs, so older cases keep their
+    keys and file names."""
     d = {
         "format": FORMAT,
         "impl": c.impl,
@@ -221,8 +285,8 @@ LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}
 
 
 def _mask_from_dict(d: Any) -> MaskSpec:
-    """A mask: one of the original kinds (`{kind: causal}`, `{kind: window, window: 3}`, `{kind: document,
-    doc_starts: [...], causal: false}`), or an expression of primitives and and / or / not
+    """A mask: one of the original kinds (`{kind: causal}`, `{kind: window, window: 3}`, `{kind:
+    document, doc_starts: [...], causal: false}`), or an expression of primitives and and / or / not
     (ring_impl.masks: `{and: [{kind: causal}, {kind: chunked, size: 8}]}`)."""
     if not isinstance(d, dict):
         raise HarnessError(f"case field 'mask': must be a mapping like {{kind: causal}}, got {d!r}")
@@ -233,19 +297,27 @@ def _mask_from_dict(d: Any) -> MaskSpec:
             raise HarnessError(f"case field 'mask': {e}") from None
     kind = d.get("kind", "none")
     if kind not in MASK_KINDS:
-        raise HarnessError(f"case field 'mask': unknown kind {kind!r}; expected one of {', '.join(MASK_KINDS)}")
+        raise HarnessError(
+            f"case field 'mask': unknown kind {kind!r}; expected one of {', '.join(MASK_KINDS)}"
+        )
     window = d.get("window")
     if kind == "window" and not (_is_int(window) and window >= 0):
         raise HarnessError(f"case field 'mask': window must be an integer >= 0, got {window!r}")
     starts = d.get("doc_starts", [])
     if kind == "document" and not (isinstance(starts, list) and all(_is_int(s) for s in starts)):
-        raise HarnessError(f"case field 'mask': doc_starts must be a list of integers, got {starts!r}")
+        raise HarnessError(
+            f"case field 'mask': doc_starts must be a list of integers, got {starts!r}"
+        )
     causal = d.get("causal", True)
     if not isinstance(causal, bool):
         raise HarnessError(f"case field 'mask': causal must be true or false, got {causal!r}")
     try:
-        return MaskSpec(kind=kind, window=window if kind == "window" else None,
-                        doc_starts=tuple(starts) if kind == "document" else (), causal=causal)
+        return MaskSpec(
+            kind=kind,
+            window=window if kind == "window" else None,
+            doc_starts=tuple(starts) if kind == "document" else (),
+            causal=causal,
+        )
     except ValueError as e:
         raise HarnessError(f"case field 'mask': {e}") from None
 
@@ -258,16 +330,22 @@ def from_dict(d: Any) -> Case:
     if unknown:
         raise HarnessError(f"unknown case field(s): {', '.join(sorted(map(str, unknown)))}")
     if d.get("expect", "pass") not in EXPECT:
-        raise HarnessError(f"case field 'expect': must be one of {', '.join(EXPECT)}, got {d.get('expect')!r}")
+        raise HarnessError(
+            f"case field 'expect': must be one of {', '.join(EXPECT)}, got {d.get('expect')!r}"
+        )
     fmt = d.get("format", FORMAT)
     if fmt != FORMAT:
-        raise HarnessError(f"case field 'format': unsupported case format {fmt!r} (this version reads {FORMAT})")
+        raise HarnessError(
+            f"case field 'format': unsupported case format {fmt!r} (this version reads {FORMAT})"
+        )
     fields = {k: v for k, v in d.items() if k in CASE_KEYS}
     if "mask" in fields:
         fields["mask"] = _mask_from_dict(fields["mask"])
     if "seq_lens" in fields:
         if not isinstance(fields["seq_lens"], list):
-            raise HarnessError(f"case field 'seq_lens': must be a list of integers, got {fields['seq_lens']!r}")
+            raise HarnessError(
+                f"case field 'seq_lens': must be a list of integers, got {fields['seq_lens']!r}"
+            )
         fields["seq_lens"] = tuple(fields["seq_lens"])
     if "faults" in fields:
         if not isinstance(fields["faults"], list):
@@ -283,7 +361,9 @@ def from_dict(d: Any) -> Case:
         if not (_is_int(total) and total >= 1):
             raise HarnessError(f"case field 'total_len': must be a positive integer, got {total!r}")
         if not (_is_int(w) and 1 <= w <= MAX_WORLD):
-            raise HarnessError(f"case field 'world_size': must be a positive integer <= {MAX_WORLD}, got {w!r}")
+            raise HarnessError(
+                f"case field 'world_size': must be a positive integer <= {MAX_WORLD}, got {w!r}"
+            )
         fields["seq_lens"] = tuple(split_lengths(total, w))
     elif "world_size" in fields and "seq_lens" not in fields:
         raise HarnessError("case needs 'seq_lens' (per-rank lengths) or 'total_len'")
@@ -301,12 +381,14 @@ def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise HarnessError(f"{source}:{where} malformed YAML ({getattr(e, 'problem', None) or e})") from None
+        raise HarnessError(
+            f"{source}:{where} malformed YAML ({getattr(e, 'problem', None) or e})"
+        ) from None
     if data is None:
         raise HarnessError(f"{source}: empty case file")
     try:
         if is_sequence(data):
-            return sequence_from_dict(data).last, data
+            return sequence_members(data)[-1][0], data
         return from_dict(data), data
     except HarnessError as e:
         raise HarnessError(f"{source}: {e}") from None
@@ -325,32 +407,47 @@ def load(path: str | os.PathLike) -> tuple[Case, dict]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """safe_dump, plus str-valued enums (a `Verdict` in a recorded result) written as their plain value."""
+    """safe_dump, plus str-valued enums (a `Verdict` in a recorded result) written as their plain
+    value."""
 
 
 _Dumper.add_multi_representer(enum.Enum, lambda d, v: d.represent_data(v.value))
 
 
-def dumps(c: Case, *, result: dict | None = None, note: str | None = None, expect: str | None = None) -> str:
+def dumps(
+    c: Case, *, result: dict | None = None, note: str | None = None, expect: str | None = None
+) -> str:
     """YAML text of a case, with an optional recorded result, `expect` and a leading comment."""
     d = to_dict(c)
     if expect is not None:
         d["expect"] = expect
     if result is not None:
         d["result"] = result
+    return yaml_text(d, note)
+
+
+def yaml_text(d: dict, note: str | None = None) -> str:
+    """The YAML text of a case file's mapping, `note` as a leading comment."""
     text = yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
     if note:
         text = "".join(f"# {line}\n" for line in note.splitlines()) + text
     return text
 
 
-def save(c: Case, path: str | os.PathLike, *, result: dict | None = None, note: str | None = None,
-         expect: str | None = None) -> Path:
+def save(
+    c: Case,
+    path: str | os.PathLike,
+    *,
+    result: dict | None = None,
+    note: str | None = None,
+    expect: str | None = None,
+) -> Path:
     """Atomic write (temp file + fsync + rename): a crash never leaves a half-written case."""
-    return _write(Path(path), dumps(c, result=result, note=note, expect=expect))
+    return write_atomic(Path(path), dumps(c, result=result, note=note, expect=expect))
 
 
-def _write(p: Path, text: str) -> Path:
+def write_atomic(p: Path, text: str) -> Path:
+    """Write `text` to `p` through a temp file, fsync and rename."""
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
@@ -367,48 +464,11 @@ def _write(p: Path, text: str) -> Path:
     return p
 
 
-# -- sequence cases -----------------------------------------------------------------------------
+# -- sequence files -----------------------------------------------------------------------------
 
 MAX_SEQUENCE = 256
 SEQUENCE_KEYS = {"format", "sequence", "expect", "note"}
 STEP_KEYS = (FILE_KEYS - {"expect", "note"}) | {"leak_check"}
-
-
-@dataclass(frozen=True)
-class Step:
-    """One member of a sequence: a case and whether its run included the leak run."""
-
-    case: Case
-    leak: bool = True
-
-
-@dataclass(frozen=True)
-class CaseSequence:
-    """Cases run in order on the same fresh ranks; the last one is the case that fails."""
-
-    steps: tuple[Step, ...]
-
-    def __post_init__(self) -> None:
-        if not self.steps:
-            raise HarnessError("a sequence needs at least one case")
-        if len(self.steps) > MAX_SEQUENCE:
-            raise HarnessError(f"a sequence has at most {MAX_SEQUENCE} cases, got {len(self.steps)}")
-
-    @property
-    def last(self) -> Case:
-        return self.steps[-1].case
-
-    @property
-    def pool_size(self) -> int:
-        return max(s.case.pool_size for s in self.steps)
-
-    def summary(self) -> str:
-        before = len(self.steps) - 1
-        return f"{self.last.summary()} after {before} earlier case{'s' if before != 1 else ''} on the same ranks"
-
-    def key(self) -> str:
-        blob = json.dumps([[to_dict(s.case), s.leak] for s in self.steps], sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def is_sequence(data: Any) -> bool:
@@ -424,19 +484,27 @@ def recorded_result(data: dict) -> dict:
     return data.get("result") or {}
 
 
-def sequence_from_dict(d: Any) -> CaseSequence:
-    """Validated CaseSequence from plain data; raises HarnessError naming the bad member and field."""
+def sequence_members(d: Any) -> list[tuple[Case, bool]]:
+    """A sequence file's members, validated: (case, whether its run included the leak run) each.
+    Raises HarnessError naming the bad member and field."""
     if not isinstance(d, dict):
         raise HarnessError(f"a sequence case must be a mapping, got {type(d).__name__}")
     unknown = set(d) - SEQUENCE_KEYS
     if unknown:
-        raise HarnessError(f"unknown sequence field(s): {', '.join(sorted(map(str, unknown)))} "
-                           f"(a sequence file has {', '.join(sorted(SEQUENCE_KEYS))}; case fields go in its members)")
+        raise HarnessError(
+            f"unknown sequence field(s): {', '.join(sorted(map(str, unknown)))} "
+            f"(a sequence file has {', '.join(sorted(SEQUENCE_KEYS))}; case fields "
+            "go in its members)"
+        )
     if d.get("expect", "pass") not in EXPECT:
-        raise HarnessError(f"case field 'expect': must be one of {', '.join(EXPECT)}, got {d.get('expect')!r}")
+        raise HarnessError(
+            f"case field 'expect': must be one of {', '.join(EXPECT)}, got {d.get('expect')!r}"
+        )
     fmt = d.get("format", FORMAT)
     if fmt != FORMAT:
-        raise HarnessError(f"case field 'format': unsupported case format {fmt!r} (this version reads {FORMAT})")
+        raise HarnessError(
+            f"case field 'format': unsupported case format {fmt!r} (this version reads {FORMAT})"
+        )
     members = d.get("sequence")
     if not isinstance(members, list) or not members:
         raise HarnessError(f"'sequence' must be a non-empty list of case mappings, got {members!r}")
@@ -446,57 +514,23 @@ def sequence_from_dict(d: Any) -> CaseSequence:
     for i, m in enumerate(members):
         where = f"sequence[{i}]"
         if not isinstance(m, dict):
-            raise HarnessError(f"{where}: a case must be a mapping of fields, got {type(m).__name__}")
+            raise HarnessError(
+                f"{where}: a case must be a mapping of fields, got {type(m).__name__}"
+            )
         unknown = set(m) - STEP_KEYS
         if unknown:
-            raise HarnessError(f"{where}: unknown case field(s): {', '.join(sorted(map(str, unknown)))}")
+            raise HarnessError(
+                f"{where}: unknown case field(s): {', '.join(sorted(map(str, unknown)))}"
+            )
         if "result" in m and i != len(members) - 1:
             raise HarnessError(f"{where}: only the last case of a sequence carries a 'result'")
         leak = m.get("leak_check", True)
         if not isinstance(leak, bool):
-            raise HarnessError(f"{where}: case field 'leak_check': must be true or false, got {leak!r}")
+            raise HarnessError(
+                f"{where}: case field 'leak_check': must be true or false, got {leak!r}"
+            )
         try:
-            steps.append(Step(from_dict({k: v for k, v in m.items() if k != "leak_check"}), leak))
+            steps.append((from_dict({k: v for k, v in m.items() if k != "leak_check"}), leak))
         except HarnessError as e:
             raise HarnessError(f"{where}: {e}") from None
-    return CaseSequence(tuple(steps))
-
-
-def sequence_to_dict(seq: CaseSequence, *, result: dict | None = None, expect: str | None = None) -> dict:
-    """Plain-data form of a sequence (the inverse of `sequence_from_dict`)."""
-    members = []
-    for i, s in enumerate(seq.steps):
-        m = {k: v for k, v in to_dict(s.case).items() if k != "format"}
-        if not s.leak:
-            m["leak_check"] = False
-        if result is not None and i == len(seq.steps) - 1:
-            m["result"] = result
-        members.append(m)
-    d: dict = {"format": FORMAT}
-    if expect is not None:
-        d["expect"] = expect
-    d["sequence"] = members
-    return d
-
-
-def load_sequence(path: str | os.PathLike) -> tuple[CaseSequence, dict]:
-    """Read a case file as a sequence: a sequence file's members, or a plain case file as a sequence of one."""
-    case, data = load(path)
-    if is_sequence(data):
-        return sequence_from_dict(data), data
-    return CaseSequence((Step(case),)), data
-
-
-def dumps_sequence(seq: CaseSequence, *, result: dict | None = None, note: str | None = None,
-                   expect: str | None = None) -> str:
-    d = sequence_to_dict(seq, result=result, expect=expect)
-    text = yaml.dump(d, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
-    if note:
-        text = "".join(f"# {line}\n" for line in note.splitlines()) + text
-    return text
-
-
-def save_sequence(seq: CaseSequence, path: str | os.PathLike, *, result: dict | None = None,
-                  note: str | None = None, expect: str | None = None) -> Path:
-    """Atomic write of a sequence case file (as `save`)."""
-    return _write(Path(path), dumps_sequence(seq, result=result, note=note, expect=expect))
+    return steps

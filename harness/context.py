@@ -8,7 +8,7 @@ autograd with the local dout and reads q/k/v `.grad`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -53,7 +53,11 @@ class RunContext:
         return sum(self.lengths)
 
 
-DEFAULT_TILES = (64, 128)  # flash-attention's common block sizes (query and key tiles of 64 or 128 tokens)
+# flash-attention's common block sizes (query and key tiles of 64 or 128 tokens)
+DEFAULT_TILES = (64, 128)
+DEVICES = ("cpu", "cuda")
+# `Capabilities(backends=...)`, the old name: each process-group backend stood for its device
+BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 
 
 @dataclass(frozen=True)
@@ -67,35 +71,73 @@ class Capabilities:
     uneven: bool = True
     world_sizes: tuple[int, int] = (1, 8)  # inclusive range
     backward: bool = True
-    backends: frozenset[str] = frozenset({"gloo", "nccl"})
+    devices: frozenset[str] = frozenset(DEVICES)  # where the ring's tensors may live: cpu, cuda
     returns_lse: bool = False
     head_dims: tuple[int, ...] | None = None  # None: any head_dim
     subgroups: bool = True  # False: the ring must be the whole world (global ranks 0..W-1)
-    zigzag_odd: bool = True  # False: in the zigzag layout every local length must be even (two equal chunks per rank)
-    heads_divisible_by_world: bool = False  # True: heads_q and heads_kv must be multiples of W (Ulysses head split)
+    # False: in the zigzag layout every local length must be even (two equal chunks per rank)
+    zigzag_odd: bool = True
+    # True: heads_q and heads_kv must be multiples of W (Ulysses head split)
+    heads_divisible_by_world: bool = False
     idle_ranks: bool = False  # True: a rank may hold no token at all (seq_lens with zeros, not all)
-    tiles: tuple[int, ...] = DEFAULT_TILES  # the kernel's tile sizes in tokens: the scale stage aims at their edges
-    input_forms: frozenset[str] = frozenset(INPUT_FORMS)  # the forms q, k, v, dout may come in (harness.calls)
+    # the kernel's tile sizes in tokens: the scale stage aims at their edges
+    tiles: tuple[int, ...] = DEFAULT_TILES
+    # the forms q, k, v, dout may come in (harness.calls)
+    input_forms: frozenset[str] = frozenset(INPUT_FORMS)
+    # the old name of `devices`: when given, it sets them (gloo means cpu, nccl means cuda)
+    backends: InitVar[Iterable[str] | None] = None
 
-    def __post_init__(self) -> None:
-        """Check every field and normalise it (any iterable of names -> frozenset; head_dims and tiles -> sorted
-        tuples); a wrong one raises ImplError naming the field, so a declaration mistake is exit 2, never a run."""
-        for name, known in (("layouts", LAYOUTS), ("masks", MASK_FEATURES), ("dtypes", DTYPES),
-                            ("backends", BACKENDS), ("input_forms", INPUT_FORMS)):
+    def __post_init__(self, backends: Iterable[str] | None) -> None:
+        """Check every field and normalise it (any iterable of names -> frozenset; head_dims and
+        tiles -> sorted tuples); a wrong one raises ImplError naming the field, so a declaration
+        mistake is exit 2, never a run."""
+        if backends is not None:
+            names = _names("backends", backends, tuple(BACKEND_DEVICES))
+            object.__setattr__(self, "devices", frozenset(BACKEND_DEVICES[n] for n in names))
+        for name, known in (
+            ("layouts", LAYOUTS),
+            ("masks", MASK_FEATURES),
+            ("dtypes", DTYPES),
+            ("devices", DEVICES),
+            ("input_forms", INPUT_FORMS),
+        ):
             object.__setattr__(self, name, _names(name, getattr(self, name), known))
-        for name in ("gqa", "uneven", "backward", "returns_lse", "subgroups", "zigzag_odd",
-                     "heads_divisible_by_world", "idle_ranks"):
+        for name in (
+            "gqa",
+            "uneven",
+            "backward",
+            "returns_lse",
+            "subgroups",
+            "zigzag_odd",
+            "heads_divisible_by_world",
+            "idle_ranks",
+        ):
             if not isinstance(getattr(self, name), bool):
-                raise ImplError(f"Capabilities.{name}: expected True or False, got {getattr(self, name)!r}")
+                raise ImplError(
+                    f"Capabilities.{name}: expected True or False, got {getattr(self, name)!r}"
+                )
         ws = self.world_sizes
-        if not (isinstance(ws, (tuple, list)) and len(ws) == 2 and all(_is_int(w) for w in ws)
-                and 1 <= ws[0] <= ws[1]):
-            raise ImplError(f"Capabilities.world_sizes: expected an inclusive range (lo, hi) of ring sizes with "
-                            f"1 <= lo <= hi, e.g. (1, 8); got {ws!r}")
+        if not (
+            isinstance(ws, (tuple, list))
+            and len(ws) == 2
+            and all(_is_int(w) for w in ws)
+            and 1 <= ws[0] <= ws[1]
+        ):
+            raise ImplError(
+                "Capabilities.world_sizes: expected an inclusive range (lo, hi) of "
+                "ring sizes with "
+                f"1 <= lo <= hi, e.g. (1, 8); got {ws!r}"
+            )
         object.__setattr__(self, "world_sizes", (int(ws[0]), int(ws[1])))
         if self.head_dims is not None:
-            object.__setattr__(self, "head_dims", _ints("head_dims", self.head_dims, "e.g. (64, 128)", 1 << 16))
-        object.__setattr__(self, "tiles", _ints("tiles", self.tiles, "tile sizes in tokens, e.g. (64, 128)", 1 << 16))
+            object.__setattr__(
+                self, "head_dims", _ints("head_dims", self.head_dims, "e.g. (64, 128)", 1 << 16)
+            )
+        object.__setattr__(
+            self,
+            "tiles",
+            _ints("tiles", self.tiles, "tile sizes in tokens, e.g. (64, 128)", 1 << 16),
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -106,7 +148,7 @@ class Capabilities:
             "uneven": self.uneven,
             "world_sizes": list(self.world_sizes),
             "backward": self.backward,
-            "backends": sorted(self.backends),
+            "devices": sorted(self.devices),
             "returns_lse": self.returns_lse,
             "head_dims": None if self.head_dims is None else list(self.head_dims),
             "subgroups": self.subgroups,
@@ -118,32 +160,39 @@ class Capabilities:
         }
 
 
-BACKENDS = ("gloo", "nccl")
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _names(field_name: str, value: Any, known: tuple[str, ...]) -> frozenset[str]:
-    """An iterable of known names (a set, tuple, list, ...) as a frozenset; one ImplError line otherwise."""
+    """An iterable of known names (a set, tuple, list, ...) as a frozenset; one ImplError line
+    otherwise."""
     if isinstance(value, str) or not isinstance(value, Iterable):
-        raise ImplError(f"Capabilities.{field_name}: expected a collection of names, e.g. {{{known[0]!r}}}; "
-                        f"got {value!r}")
+        raise ImplError(
+            f"Capabilities.{field_name}: expected a collection of names, e.g. "
+            f"{{{known[0]!r}}}; "
+            f"got {value!r}"
+        )
     names = list(value)
     bad = [n for n in names if not isinstance(n, str) or n not in known]
     if bad:
-        raise ImplError(f"Capabilities.{field_name}: unknown {field_name[:-1]} {bad[0]!r}; expected some of "
-                        f"{', '.join(known)}")
+        raise ImplError(
+            f"Capabilities.{field_name}: unknown {field_name[:-1]} {bad[0]!r}; "
+            "expected some of "
+            f"{', '.join(known)}"
+        )
     return frozenset(names)
 
 
 def _ints(field_name: str, value: Any, example: str, hi: int) -> tuple[int, ...]:
-    """Positive integers (one, or any collection of them) as a sorted tuple; one ImplError line otherwise."""
+    """Positive integers (one, or any collection of them) as a sorted tuple; one ImplError line
+    otherwise."""
     items = (value,) if _is_int(value) else value
     items = None if isinstance(items, str) or not isinstance(items, Iterable) else list(items)
     if not items or not all(_is_int(x) and 1 <= x <= hi for x in items):
-        raise ImplError(f"Capabilities.{field_name}: expected integers 1..{hi}, {example}; got {value!r}")
+        raise ImplError(
+            f"Capabilities.{field_name}: expected integers 1..{hi}, {example}; got {value!r}"
+        )
     return tuple(sorted(set(items)))
 
 
@@ -163,16 +212,24 @@ class Impl:
     capabilities: Capabilities = field(default_factory=Capabilities)
     version: str = "unknown"
     deterministic: bool = True
-    declared: bool = True  # False: a bare function; its capabilities are the defaults, not a declaration
+    # False: a bare function; its capabilities are the defaults, not a declaration
+    declared: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ImplError(f"Impl.name: expected a non-empty string, got {self.name!r}")
         if not callable(self.run):
-            raise ImplError(f"Impl {self.name!r}: run must be a callable run(q, k, v, ctx), got {self.run!r}")
+            raise ImplError(
+                f"Impl {self.name!r}: run must be a callable run(q, k, v, ctx), got {self.run!r}"
+            )
         if not isinstance(self.capabilities, Capabilities):
-            raise ImplError(f"Impl {self.name!r}: capabilities must be a harness.Capabilities(...), got "
-                            f"{type(self.capabilities).__name__}")
+            raise ImplError(
+                f"Impl {self.name!r}: capabilities must be a "
+                "harness.Capabilities(...), got "
+                f"{type(self.capabilities).__name__}"
+            )
         for name in ("deterministic", "declared"):
             if not isinstance(getattr(self, name), bool):
-                raise ImplError(f"Impl {self.name!r}: {name} must be True or False, got {getattr(self, name)!r}")
+                raise ImplError(
+                    f"Impl {self.name!r}: {name} must be True or False, got {getattr(self, name)!r}"
+                )

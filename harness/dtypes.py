@@ -15,7 +15,9 @@ __all__ = ["DTYPES", "DTYPE_NAMES", "EXACT_INTEGERS", "TORCH_DTYPES", "dtype_nam
 DTYPES: Final[tuple[str, ...]] = ("fp32", "fp16", "bf16")
 """The dtype names a case, a capability declaration or an option may use, in listing order."""
 
-TORCH_DTYPES: Final = MappingProxyType({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
+TORCH_DTYPES: Final = MappingProxyType(
+    {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+)
 """Dtype name -> torch dtype (read-only)."""
 
 DTYPE_NAMES: Final = MappingProxyType({t: n for n, t in TORCH_DTYPES.items()})
@@ -28,5 +30,6 @@ rounds beyond it (bf16: 257 -> 256)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The harness name of a torch dtype ('fp32', ...), or `str(dtype)` for one the harness does not use."""
+    """The harness name of a torch dtype ('fp32', ...), or `str(dtype)` for one the harness does not
+    use."""
     return DTYPE_NAMES.get(dtype, str(dtype))

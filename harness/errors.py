@@ -11,7 +11,8 @@
 
 `except RingHarnessError` catches all of them; the built-in bases are kept so that code catching
 `ValueError` (bad input) or `RuntimeError` (a run went wrong) keeps working. Errors from the
-implementations under test are not wrapped: they are what the harness observes, not what it raises.
+implementations under test are not wrapped: they are what the harness observes, not what it
+raises.
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ __all__ = [
 
 
 class RingHarnessError(Exception):
-    """The root: every exception the harness raises itself (never one raised by an implementation)."""
+    """The root: every exception the harness raises itself (never one raised by an
+    implementation)."""
 
 
 class HarnessError(RingHarnessError, ValueError):
-    """Bad input (case file, option, implementation name): the message names the problem on one line;
-    the CLI prints it and exits 2."""
+    """Bad input (case file, option, implementation name): the message names the problem on one
+    line; the CLI prints it and exits 2."""
 
 
 class ImplError(HarnessError):
-    """An implementation cannot be resolved (unknown name, refused import, broken entry point) or cannot
-    run as asked (outside its declared capabilities, unsupported library version); the message is one
-    line. Raised inside a rank it makes the run a fail-stop."""
+    """An implementation cannot be resolved (unknown name, refused import, broken entry point) or
+    cannot run as asked (outside its declared capabilities, unsupported library version); the
+    message is one line. Raised inside a rank it makes the run a fail-stop."""
 
 
 class MissingDependency(ImplError):
@@ -62,8 +64,9 @@ class ShapeError(RingHarnessError, RuntimeError):
 
 
 class Interrupted(RingHarnessError):
-    """SIGINT or SIGTERM asked to stop; raised at a safe point (a wait of the rank pool), never from inside a
-    signal handler (harness.interrupt). `signal` names it; the command line exits 128 + its number."""
+    """SIGINT or SIGTERM asked to stop; raised at a safe point (a wait of the rank pool), never from
+    inside a signal handler (harness.interrupt). `signal` names it; the command line exits 128 + its
+    number."""
 
     def __init__(self, signal: str, where: str = "") -> None:
         super().__init__(f"interrupted by {signal}" + (f" ({where})" if where else ""))

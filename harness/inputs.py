@@ -23,12 +23,13 @@ NEAR_TIE_NOISE = 1e-3
 # "outliers": a few channels of q, k and v carry values OUTLIER_GAIN times the others.
 OUTLIER_GAIN = 10.0
 OUTLIER_SHARE = 8  # one channel in 8, at least one
-# "qk-overflow": one channel of q and of k holds a shared constant, so that every raw product q.k passes
-# fp16's largest value while the scaled logits stay below half of it. The shift is the same for all keys.
+# "qk-overflow": one channel of q and of k holds a shared constant, so that every raw product q.k
+# passes fp16's largest value while the scaled logits stay below half of it. The shift is the same
+# for all keys.
 FP16_MAX = 65504.0
 OVERFLOW_PRODUCT = 1.25 * FP16_MAX
-# "sink": the first token's key dominates every row that sees it (logits ~SINK_LOGIT above the rest) and
-# its value is small, as attention sinks are
+# "sink": the first token's key dominates every row that sees it (logits ~SINK_LOGIT above the rest)
+# and its value is small, as attention sinks are
 SINK_LOGIT = 8.0
 SINK_VALUE = 0.05
 
@@ -68,7 +69,8 @@ def make(case: Case, name: str, positions: torch.Tensor) -> torch.Tensor:
 
 
 def outlier_channels(head_dim: int) -> slice:
-    """The channels that carry outliers (the last ones: fixed, so every rank and the oracle agree)."""
+    """The channels that carry outliers (the last ones: fixed, so every rank and the oracle
+    agree)."""
     n = max(1, head_dim // OUTLIER_SHARE)
     return slice(head_dim - n, head_dim)
 
@@ -80,8 +82,9 @@ def _outliers(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -
 
 
 def overflow_shift(case: Case) -> float:
-    """The constant each of q and k holds in its last channel: its square passes fp16's largest value, and
-    times the softmax scale stays below half of it (a large scale or a tiny head_dim lowers the product)."""
+    """The constant each of q and k holds in its last channel: its square passes fp16's largest
+    value, and times the softmax scale stays below half of it (a large scale or a tiny head_dim
+    lowers the product)."""
     return min(OVERFLOW_PRODUCT, 0.5 * FP16_MAX / case.scale) ** 0.5
 
 
@@ -92,8 +95,9 @@ def _qk_overflow(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor
 
 
 def _sink(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Every query leans along one direction u (the last channel); the first token's key is u grown until its
-    logit is SINK_LOGIT above the others; its value shrinks to SINK_VALUE of the others'."""
+    """Every query leans along one direction u (the last channel); the first token's key is u
+    grown until its logit is SINK_LOGIT above the others; its value shrinks to SINK_VALUE of the
+    others'."""
     first = positions == 0
     if name == "q":
         x[..., -1] = 1.0  # one unit along u
@@ -106,9 +110,10 @@ def _sink(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -> to
 
 
 TRAINED = {"outliers": _outliers, "qk-overflow": _qk_overflow, "sink": _sink}
-# Values on which plain attention in a 16-bit dtype is no correct computation: its raw q.k overflows fp16 and,
-# in bf16, rounds the shift to steps larger than the logits' spread. The oracle's base keeps those scores in
-# float32, as flash kernels do (harness.ranks.reference, docs/tolerance.md).
+# Values on which plain attention in a 16-bit dtype is no correct computation: its raw q.k overflows
+# fp16 and, in bf16, rounds the shift to steps larger than the logits' spread. The oracle's base
+# keeps those scores in float32, as flash kernels do (harness.oracle.numerics.ScoreRounding,
+# docs/oracle.md).
 FLASH_BASE_VALUES = ("qk-overflow",)
 
 
@@ -119,9 +124,9 @@ def make_global(case: Case) -> dict[str, torch.Tensor]:
 
 
 def leak_queries(case: Case) -> torch.Tensor:
-    """Query positions S for the causality-leak check: one or two short random runs of tokens, and a third
-    beyond the dtype's exact integers when the sequence passes them (where a position computed in the input
-    dtype rounds: a query there that sees a future key leaks).
+    """Query positions S for the causality-leak check: one or two short random runs of tokens, and a
+    third beyond the dtype's exact integers when the sequence passes them (where a position computed
+    in the input dtype rounds: a query there that sees a future key leaks).
 
     Short runs make most keys invisible under causal/window/document masks, so a leak shows.
     """

@@ -1,10 +1,10 @@
 """A stop request from SIGINT or SIGTERM, as a flag read at safe points.
 
-The signal handler only sets the flag: no exception is ever raised from inside a signal handler, so no
-lock (Popen's, a logging lock, the pool's) can be left held half-way. The rank pool polls the flag while
-it waits for ranks and raises `Interrupted` there; the checks' loops read it at every case boundary and
-finish with what ran. A second signal of the same kind while the first is handled restores the default
-action and re-sends itself: the user insisted.
+The signal handler only sets the flag: no exception is ever raised from inside a signal handler, so
+no lock (Popen's, a logging lock, the pool's) can be left held half-way. The rank pool polls the
+flag while it waits for ranks and raises `Interrupted` there; the checks' loops read it at every
+case boundary and finish with what ran. A second signal of the same kind while the first is handled
+restores the default action and re-sends itself: the user insisted.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def _handler(signum: int, frame) -> None:
 
 @contextlib.contextmanager
 def handlers() -> Iterator[None]:
-    """SIGINT and SIGTERM set the flag while the block runs (main thread only; elsewhere a no-op)."""
+    """SIGINT and SIGTERM set the flag while the block runs (main thread only; elsewhere a
+    no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,13 +1,11 @@
-"""pytest plugin (entry point `pytest11`): validate a ring attention implementation inside any
-project's test suite.
+"""The pytest plugin (entry point `pytest11`): check a ring attention inside any project's tests.
 
-Options: --ring-impl, --ring-world-size, --ring-max-examples, --ring-faults, --ring-shape, --ring-cases DIR,
---ring-device (cpu or cuda: W ranks on the visible GPUs, docs/gpu.md).
-Fixtures: `ring_pool` (one rank pool per pytest process, so each xdist worker has its own pool and
-FileStore) and `ring_check` (run cases against the configured implementation and assert).
-Marker: `@pytest.mark.ring_impl("name")` overrides the implementation for one test.
-Case files (*.yaml) under `--ring-cases` dirs (or the `ring_cases` ini option) become test items
-that replay the recorded case.
+Options: --ring-impl, --ring-world-size, --ring-max-examples, --ring-faults, --ring-shape,
+--ring-cases DIR and --ring-device (cpu or cuda, docs/gpu.md). Fixtures: `ring_pool`, one rank pool
+per pytest process, and `ring_check`, which runs cases and asserts. Marker:
+`@pytest.mark.ring_impl("name")` names the implementation for one test. Case files (*.yaml) under
+the `--ring-cases` folders or the `ring_cases` ini option become test items that replay the recorded
+case.
 """
 
 from __future__ import annotations
@@ -19,29 +17,67 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("ring-harness", "ring attention validation (ring-harness)")
-    g.addoption("--ring-impl", default=None, help="implementation to validate (built-in name or pkg.mod:attr)")
-    g.addoption("--ring-world-size", type=int, default=4, help="ring size for ring_check (default 4)")
-    g.addoption("--ring-max-examples", type=int, default=None, help="property-based examples per ring_check")
-    g.addoption("--ring-faults", default=None,
-                help="benign fault kinds ring_check.battery() also runs as its fault stage, on every rank and op: "
-                     "comma list of early-read, send-reuse, delay, straggler")
-    g.addoption("--ring-shape", default=None, metavar="SPEC",
-                help="your training shape, e.g. b1,hq32,hkv8,d128,L8192,W8: ring_check.battery() runs the layout x "
-                     "mask x dtype basics and the growth check at exactly that shape (refused up front when it cannot "
-                     "fit)")
-    g.addoption("--ring-cases", action="append", default=[], metavar="DIR",
-                help="directory of case YAML files to replay as tests (repeatable)")
-    g.addoption("--ring-device", default=None, choices=("cpu", "cuda"),
-                help="where the pool's ranks compute: cpu, or cuda (W gloo ranks on the visible GPUs, P2P staged "
-                     "through pinned host memory; docs/gpu.md)")
-    g.addoption("--ring-stage-p2p", action="store_true", default=False,
-                help="stage P2P through host buffers on CPU ranks too, as --ring-device cuda does")
-    parser.addini("ring_cases", "directories of case YAML files to replay as tests", type="paths", default=[])
+    g.addoption(
+        "--ring-impl",
+        default=None,
+        help="implementation to validate (built-in name or pkg.mod:attr)",
+    )
+    g.addoption(
+        "--ring-world-size", type=int, default=4, help="ring size for ring_check (default 4)"
+    )
+    g.addoption(
+        "--ring-max-examples", type=int, default=None, help="property-based examples per ring_check"
+    )
+    g.addoption(
+        "--ring-faults",
+        default=None,
+        help="benign fault kinds ring_check.battery() also runs as its fault stage, on "
+        "every rank and op: "
+        "comma list of early-read, send-reuse, delay, straggler",
+    )
+    g.addoption(
+        "--ring-shape",
+        default=None,
+        metavar="SPEC",
+        help="your training shape, e.g. b1,hq32,hkv8,d128,L8192,W8: ring_check.battery() "
+        "runs the layout x "
+        "mask x dtype basics and the growth check at exactly that shape (refused up "
+        "front when it cannot "
+        "fit)",
+    )
+    g.addoption(
+        "--ring-cases",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory of case YAML files to replay as tests (repeatable)",
+    )
+    g.addoption(
+        "--ring-device",
+        default=None,
+        choices=("cpu", "cuda"),
+        help="where the pool's ranks compute: cpu, or cuda (W gloo ranks on the visible "
+        "GPUs, P2P staged "
+        "through pinned host memory; docs/gpu.md)",
+    )
+    g.addoption(
+        "--ring-stage-p2p",
+        action="store_true",
+        default=False,
+        help="stage P2P through host buffers on CPU ranks too, as --ring-device cuda does",
+    )
+    parser.addini(
+        "ring_cases", "directories of case YAML files to replay as tests", type="paths", default=[]
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "ring_impl(name): run ring_check against this implementation")
-    config.addinivalue_line("markers", "extra: needs an optional third-party implementation (a case file's ring)")
+    config.addinivalue_line(
+        "markers", "ring_impl(name): run ring_check against this implementation"
+    )
+    config.addinivalue_line(
+        "markers", "extra: needs an optional third-party implementation (a case file's ring)"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -53,11 +89,19 @@ def ring_pool(request: pytest.FixtureRequest):
 class RingChecker:
     """Callable fixture object: `ring_check(case)`, `.battery()`, `.property()`; fails the test on a
     failure and saves each failing case (YAML under `save_dir`, as `ring-harness check` does). Cases
-    follow the implementation's declared capabilities, like the default check: the battery is adapted
-    to the nearest declared features, the property-based run draws only from them."""
+    follow the implementation's declared capabilities, like the default check: the battery is
+    adapted to the nearest declared features, the property-based run draws only from them."""
 
-    def __init__(self, pool, impl: str, world_size: int, max_examples: int | None, faults: str | None,
-                 save_dir: str = "ring-harness-failures", shape: str | None = None) -> None:
+    def __init__(
+        self,
+        pool,
+        impl: str,
+        world_size: int,
+        max_examples: int | None,
+        faults: str | None,
+        save_dir: str = "ring-harness-failures",
+        shape: str | None = None,
+    ) -> None:
         self.pool = pool
         self.impl = impl
         self.world_size = world_size
@@ -94,8 +138,8 @@ class RingChecker:
         pytest.fail("\n".join(lines), pytrace=False)
 
     def __call__(self, case, impl: str | None = None):
-        """Run one case and fail the test unless its verdict is `pass` (the failing case is saved). A case with
-        a feature the implementation does not declare is skipped, naming the feature."""
+        """Run one case and fail the test unless its verdict is `pass` (the failing case is saved).
+        A case with a feature the implementation does not declare is skipped, naming the feature."""
         from harness.impls import registry
         from harness.impls.capabilities import feature_words, unsupported
 
@@ -103,32 +147,51 @@ class RingChecker:
         caps = registry.resolve(name, allow_import=self._allow_import(name)).capabilities
         missing = unsupported(caps, case)
         if missing:
-            words = "; ".join(feature_words(f, caps, heads_q=case.heads_q, heads_kv=case.heads_kv,
-                                            lengths=case.seq_lens) for f in missing)
+            words = "; ".join(
+                feature_words(
+                    f, caps, heads_q=case.heads_q, heads_kv=case.heads_kv, lengths=case.seq_lens
+                )
+                for f in missing
+            )
             pytest.skip(f"{name} does not declare {words}: {case.summary()}")
         r = self.run(case, impl)
         if not r.passed:
             self._fail([r])
         return r
 
-    def property(self, max_examples: int | None = None, time_budget_s: float | None = None, save_dir=None):
-        """A property-based run (hypothesis, shrinking, saved YAML) over the declared capabilities; fails
-        with the shrunk case. Budget: `max_examples`, else --ring-max-examples, else the ci profile."""
+    def property(
+        self, max_examples: int | None = None, time_budget_s: float | None = None, save_dir=None
+    ):
+        """A property-based run (hypothesis, shrinking, saved YAML) over the declared capabilities;
+        fails with the shrunk case. Budget: `max_examples`, else --ring-max-examples, else the ci
+        profile."""
         from harness.search.fuzz import fuzz
 
         n = max_examples if max_examples is not None else self.max_examples
-        out = fuzz(self.impl, self.pool, max_examples=n, time_budget_s=time_budget_s, caps=self._caps(),
-                   save_dir=save_dir or self.save_dir, allow_import=self._allow_import(self.impl))
+        out = fuzz(
+            self.impl,
+            self.pool,
+            max_examples=n,
+            time_budget_s=time_budget_s,
+            caps=self._caps(),
+            save_dir=save_dir or self.save_dir,
+            allow_import=self._allow_import(self.impl),
+        )
         if not out.passed:
             r = out.shrunk or out.found
-            pytest.fail(f"property-based run found {r.verdict}: {r.case.summary()} "
-                        f"(saved {out.shrunk_path or out.found_path})", pytrace=False)
+            pytest.fail(
+                f"property-based run found {r.verdict}: {r.case.summary()} "
+                f"(saved {out.shrunk_path or out.found_path})",
+                pytrace=False,
+            )
         return out
 
-    def at_shape(self, shape: str | None = None, dtype: str | None = None, budget_s: float = 3600.0):
-        """The layout x mask x dtype basics and the growth check at exactly `shape` (default --ring-shape), after
-        the estimate (a shape that cannot fit, or exceeds `budget_s`, fails the test with the estimate); fail
-        listing every failing case."""
+    def at_shape(
+        self, shape: str | None = None, dtype: str | None = None, budget_s: float = 3600.0
+    ):
+        """The layout x mask x dtype basics and the growth check at exactly `shape` (default
+        --ring-shape), after the estimate (a shape that cannot fit, or exceeds `budget_s`, fails the
+        test with the estimate); fail listing every failing case."""
         import io
 
         from harness.checks.check import run_check
@@ -136,8 +199,13 @@ class RingChecker:
         from harness.checks.report import Reporter
         from harness.errors import HarnessError
 
-        opts = CheckOptions(impl=self.impl, shape=shape or self.shape, dtype=dtype, shape_budget=budget_s,
-                            save_dir=self.save_dir).validate()
+        opts = CheckOptions(
+            impl=self.impl,
+            shape=shape or self.shape,
+            dtype=dtype,
+            shape_budget=budget_s,
+            save_dir=self.save_dir,
+        ).validate()
         log = io.StringIO()
         try:
             res = run_check(self.pool, opts, reporter=Reporter(log))
@@ -152,24 +220,31 @@ class RingChecker:
         return res
 
     def battery(self, dtype: str | None = None):
-        """Run the default fixed battery adapted to the declared capabilities (and, with --ring-faults,
-        the fault stage with those benign kinds); fail listing every failing case. With --ring-shape: the
-        basics and the growth check at that shape instead (`at_shape`)."""
-        from harness.checks.check import battery_plan, fault_stage_cases
+        """Run the default fixed battery adapted to the declared capabilities (and, with
+        --ring-faults, the fault stage with those benign kinds); fail listing every failing case.
+        With --ring-shape: the basics and the growth check at that shape instead (`at_shape`)."""
         from harness.checks.options import FAULT_STAGE_KINDS, CheckOptions, parse_kinds
+        from harness.checks.stages import battery as battery_stage
+        from harness.checks.stages import faults as fault_stage
         from harness.judging.verdicts import fault_ok
 
         if self.shape:
             return self.at_shape(dtype=dtype)
 
         caps = self._caps()
-        cases, _ = battery_plan(CheckOptions(impl=self.impl, world_size=self.world_size, dtype=dtype), caps)
+        cases, _ = battery_stage.plan(
+            CheckOptions(impl=self.impl, world_size=self.world_size, dtype=dtype), caps
+        )
         results = [self.run(c) for c in cases]
         bad = [r for r in results if not r.passed]
-        kinds = parse_kinds(self.faults, FAULT_STAGE_KINDS, "--ring-faults", ()) if self.faults else ()
+        kinds = (
+            parse_kinds(self.faults, FAULT_STAGE_KINDS, "--ring-faults", ()) if self.faults else ()
+        )
         if kinds:
             lo, hi = caps.world_sizes
-            stage = fault_stage_cases(kinds, self.impl, caps, max_world=min(hi, 8), deadline_s=8.0, dtype=dtype)
+            stage = fault_stage.plan(
+                kinds, self.impl, caps, max_world=min(hi, 8), deadline_s=8.0, dtype=dtype
+            )
             fault_results = [self.run(c) for c in stage if c.world_size >= lo]
             results += fault_results
             bad += [r for r in fault_results if not fault_ok(r)]
@@ -182,13 +257,23 @@ class RingChecker:
 def ring_check(request: pytest.FixtureRequest, ring_pool) -> RingChecker:
     """Run cases against --ring-impl (or the test's ring_impl marker) on the session's rank pool."""
     marker = request.node.get_closest_marker("ring_impl")
-    impl = marker.args[0] if marker and marker.args else request.config.getoption("--ring-impl") or "reference"
-    return RingChecker(ring_pool, impl, request.config.getoption("--ring-world-size"),
-                       request.config.getoption("--ring-max-examples"), request.config.getoption("--ring-faults"),
-                       shape=request.config.getoption("--ring-shape"))
+    impl = (
+        marker.args[0]
+        if marker and marker.args
+        else request.config.getoption("--ring-impl") or "reference"
+    )
+    return RingChecker(
+        ring_pool,
+        impl,
+        request.config.getoption("--ring-world-size"),
+        request.config.getoption("--ring-max-examples"),
+        request.config.getoption("--ring-faults"),
+        shape=request.config.getoption("--ring-shape"),
+    )
 
 
 # -- case files as test items -----------------------------------------------------------------
+
 
 def _case_dirs(config: pytest.Config) -> list[Path]:
     dirs = [Path(d) for d in config.getoption("--ring-cases")] + list(config.getini("ring_cases"))
@@ -207,13 +292,14 @@ class CaseFile(pytest.File):
     def collect(self):
         item = CaseItem.from_parent(self, name=self.path.stem)
         if _needs_extra(self.path):
-            item.add_marker("extra")  # `-m extra` selects it with the adapter tests that need a library
+            # `-m extra` selects it with the adapter tests that need a library
+            item.add_marker("extra")
         yield item
 
 
 def _needs_extra(path: Path) -> bool:
-    """Whether a case file names a built-in whose library is an optional extra. A file that does not load
-    says False here: its item fails with the reason when it runs."""
+    """Whether a case file names a built-in whose library is an optional extra. A file that does not
+    load says False here: its item fails with the reason when it runs."""
     from harness import case as case_mod
     from harness.errors import HarnessError
     from harness.impls import registry
@@ -226,12 +312,13 @@ def _needs_extra(path: Path) -> bool:
 
 
 class CaseItem(pytest.Item):
-    """Replays one saved case on --ring-impl (or on the implementation the case names, a built-in), by its
-    `expect` field (harness.case.EXPECT): a saved failure must pass once its bug is fixed (the default); a
-    `reproduce` case (the mutant corpus, a library's known bug) must reproduce its recorded verdict; under
-    --ring-impl every case must pass. A case that cannot run here fails with the reason. One exception:
-    without --ring-impl, a case of a built-in whose optional extra is not installed is skipped, naming the
-    extra (the project's own corpus on the README's install, docs/ci.md)."""
+    """Replays one saved case on --ring-impl (or on the implementation the case names, a built-in),
+    by its `expect` field (harness.case.EXPECT): a saved failure must pass once its bug is fixed
+    (the default); a `reproduce` case (the mutant corpus, a library's known bug) must reproduce its
+    recorded verdict; under --ring-impl every case must pass. A case that cannot run here fails with
+    the reason. One exception: without --ring-impl, a case of a built-in whose optional extra is not
+    installed is skipped, naming the extra (the project's own corpus on the README's install,
+    docs/ci.md)."""
 
     def runtest(self) -> None:
         from harness import case as case_mod
@@ -243,8 +330,12 @@ class CaseItem(pytest.Item):
         given = self.config.getoption("--ring-impl")
         impl = given or case.impl
         if registry.is_module_path(impl) and not given:
-            raise CaseReplayFailed(f"cannot run: it names implementation {impl!r}, a module path, and a case file "
-                                   f"never imports code; pass --ring-impl {impl} (or your fixed ring)")
+            raise CaseReplayFailed(
+                f"cannot run: it names implementation {impl!r}, a module path, "
+                "and a case file "
+                f"never imports code; pass --ring-impl {impl} (or your fixed "
+                "ring)"
+            )
         allow_import = registry.is_module_path(impl)
         try:
             caps = registry.resolve(impl, allow_import=allow_import).capabilities
@@ -254,13 +345,19 @@ class CaseItem(pytest.Item):
             pytest.skip(f"{self.path.name}: {e}")
         except registry.ImplError as e:  # an unknown name
             raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
-        missing = unsupported(caps, case) if impl != case.impl else []  # its own: as recorded (probe findings too)
+        # its own: as recorded (probe findings too)
+        missing = unsupported(caps, case) if impl != case.impl else []
         if missing:
-            words = "; ".join(feature_words(f, caps, heads_q=case.heads_q, heads_kv=case.heads_kv,
-                                            lengths=case.seq_lens) for f in missing)
+            words = "; ".join(
+                feature_words(
+                    f, caps, heads_q=case.heads_q, heads_kv=case.heads_kv, lengths=case.seq_lens
+                )
+                for f in missing
+            )
             raise CaseReplayFailed(f"cannot run on {impl}: it does not declare {words}")
-        problems = replay_expectations(self.path, _session_pool(self.session), impl=given,
-                                       allow_import=allow_import)
+        problems = replay_expectations(
+            self.path, _session_pool(self.session), impl=given, allow_import=allow_import
+        )
         if problems:
             raise CaseReplayFailed("\n".join(problems))
 
@@ -285,7 +382,9 @@ def _session_pool(session: pytest.Session):
         from harness.ranks.pool import RankPool
 
         opt = session.config.getoption
-        pool = RankPool(size=1, placement=placement_of(opt("--ring-device"), opt("--ring-stage-p2p")))
+        pool = RankPool(
+            size=1, placement=placement_of(opt("--ring-device"), opt("--ring-stage-p2p"))
+        )
         session._ring_harness_pool = pool
         session.config.add_cleanup(pool.close)
     return pool

@@ -1,10 +1,9 @@
-"""What one case run produced: its verdict (one of `Verdict`), per-rank/per-tensor checks, errors,
-stacks and hashes (`CaseResult`), and the `result:` block a saved case file records about it
-(versions, backend, verdict, errors and tolerances, a hash of every output shard for bit-for-bit
-replay).
+"""What one case run produced, and the record a saved case file keeps of it.
 
-Every part of the harness that reads or writes a verdict imports it from here; the rules that
-decide one live in `harness.judging.verdicts`.
+`CaseResult` holds the verdict, one of `Verdict`, with per-rank and per-tensor checks, errors,
+stacks and hashes. The `result:` block of a case file records versions, platform, verdict, errors,
+tolerances and a hash of every output shard, for replay bit for bit. The rules that decide a
+verdict live in `harness.judging.verdicts`.
 """
 
 from __future__ import annotations
@@ -61,8 +60,10 @@ class TensorCheck:
     nonfinite: int
     position: dict  # {"batch", "token" (global), "head"} of the worst error
     passed: bool
-    nonfinite_kinds: str = ""  # "NaN", "+inf", "-inf" (comma list) when `nonfinite` values came back
-    grid: str = ""  # a narrower dtype every value lies on (precision lost on the way: judge.coarse_grid)
+    # "NaN", "+inf", "-inf" (comma list) when `nonfinite` values came back
+    nonfinite_kinds: str = ""
+    # a narrower dtype every value lies on (precision lost on the way: judge.coarse_grid)
+    grid: str = ""
     grid_values: int = 0  # how many nonzero values were looked at for `grid`
 
     @property
@@ -88,10 +89,10 @@ class LeakCheck:
         return not self.leaks
 
 
-
 @dataclass
 class CaseResult:
-    """The outcome of one case: verdict, per-rank/per-tensor checks, errors, stacks, hashes, timings."""
+    """The outcome of one case: verdict, per-rank/per-tensor checks, errors, stacks, hashes,
+    timings."""
 
     case: Case
     impl: str
@@ -105,8 +106,10 @@ class CaseResult:
     hashes: dict[int, dict[str, str]] = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
-    maps: dict[str, torch.Tensor] = field(default_factory=dict)  # tensor -> (batch, token, head) abs error
-    shards: dict[int, dict[str, torch.Tensor]] | None = None  # group rank -> outputs, with keep_shards
+    # tensor -> (batch, token, head) abs error
+    maps: dict[str, torch.Tensor] = field(default_factory=dict)
+    # group rank -> outputs, with keep_shards
+    shards: dict[int, dict[str, torch.Tensor]] | None = None
 
     @property
     def passed(self) -> bool:
@@ -122,16 +125,28 @@ class CaseResult:
 
     def to_dict(self) -> dict:
         return {
-            "case": case_mod.to_dict(self.case), "summary": self.case.summary(), "impl": self.impl,
-            "verdict": str(self.verdict), "detail": self.detail,
+            "case": case_mod.to_dict(self.case),
+            "summary": self.case.summary(),
+            "impl": self.impl,
+            "verdict": str(self.verdict),
+            "detail": self.detail,
             "worst_ratio": {t: self.worst(t) for t in TENSORS if self.worst(t) is not None},
             "checks": [c.to_dict() for c in self.checks],
-            "leak": None if self.leak is None else {"queries": self.leak.queries, "hidden_keys": self.leak.hidden_keys,
-                                                    "leaks": self.leak.leaks, "passed": self.leak.passed},
-            "errors": self.errors, "hung": self.hung, "dead": self.dead, "hashes": self.hashes,
-            "timings": self.timings, **({"extra": self.extra} if self.extra else {}),
+            "leak": None
+            if self.leak is None
+            else {
+                "queries": self.leak.queries,
+                "hidden_keys": self.leak.hidden_keys,
+                "leaks": self.leak.leaks,
+                "passed": self.leak.passed,
+            },
+            "errors": self.errors,
+            "hung": self.hung,
+            "dead": self.dead,
+            "hashes": self.hashes,
+            "timings": self.timings,
+            **({"extra": self.extra} if self.extra else {}),
         }
-
 
 
 def harness_version() -> str:
@@ -150,7 +165,9 @@ def cpu_platform() -> str:
     vendor = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            vendor = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+            vendor = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), ""
+            )
     except OSError:
         pass
     vendor = vendor or platform.processor() or "unknown"
@@ -159,8 +176,13 @@ def cpu_platform() -> str:
 
 def result_record(r: CaseResult, impl_version: str = "unknown", backend: str = "gloo") -> dict:
     """The `result:` block of a case file."""
-    versions = {"torch": str(torch.__version__), "ring-harness": harness_version(), "impl": impl_version,
-                "python": platform.python_version(), "platform": cpu_platform()}
+    versions = {
+        "torch": str(torch.__version__),
+        "ring-harness": harness_version(),
+        "impl": impl_version,
+        "python": platform.python_version(),
+        "platform": cpu_platform(),
+    }
     if r.extra.get("kernel"):  # the flash-attn kernel the ranks used, e.g. "cpu-standin"
         versions["kernel"] = r.extra["kernel"]
     return {
@@ -168,9 +190,17 @@ def result_record(r: CaseResult, impl_version: str = "unknown", backend: str = "
         "detail": r.detail,
         "versions": versions,
         "backend": backend,
-        "checks": [{"tensor": c.tensor, "rank": c.rank, "error": float(c.error), "allowed": float(c.allowed),
-                    "ratio": float(c.ratio) if c.ratio != float("inf") else "inf", "position": c.position}
-                   for c in r.checks],
+        "checks": [
+            {
+                "tensor": c.tensor,
+                "rank": c.rank,
+                "error": float(c.error),
+                "allowed": float(c.allowed),
+                "ratio": float(c.ratio) if c.ratio != float("inf") else "inf",
+                "position": c.position,
+            }
+            for c in r.checks
+        ],
         "leak": None if r.leak is None else {"queries": r.leak.queries, "leaks": r.leak.leaks},
         "errors": {int(k): v for k, v in r.errors.items()},
         "hashes": {int(k): dict(v) for k, v in r.hashes.items()},
@@ -182,10 +212,18 @@ def failure_path(directory: str | os.PathLike, r: CaseResult, name: str | None =
     return Path(directory) / f"{stem}.yaml"
 
 
-def save_result(r: CaseResult, directory: str | os.PathLike, *, name: str | None = None, note: str | None = None,
-                impl_version: str = "unknown", backend: str = "gloo", extra: dict | None = None) -> Path:
-    """Write the case and its recorded result (plus `extra` keys, e.g. its localisation) atomically; returns the
-    path."""
+def save_result(
+    r: CaseResult,
+    directory: str | os.PathLike,
+    *,
+    name: str | None = None,
+    note: str | None = None,
+    impl_version: str = "unknown",
+    backend: str = "gloo",
+    extra: dict | None = None,
+) -> Path:
+    """Write the case and its recorded result (plus `extra` keys, e.g. its localisation) atomically;
+    returns the path."""
     text_note = note or f"{r.verdict}: {r.case.summary()}\n{r.detail}"
     rec = result_record(r, impl_version, backend)
     rec.update(extra or {})

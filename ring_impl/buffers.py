@@ -16,7 +16,11 @@ class DoubleBuffer:
     """Two flat slots holding `parts` tensors of shape `shapes[owner]` each (e.g. k and v)."""
 
     def __init__(
-        self, shapes: Sequence[tuple[int, ...]], parts: int, dtype: torch.dtype, device: torch.device
+        self,
+        shapes: Sequence[tuple[int, ...]],
+        parts: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.shapes = [tuple(s) for s in shapes]
         self.parts = parts
@@ -28,7 +32,8 @@ class DoubleBuffer:
         return self.slots[slot][: self.parts * math.prod(self.shapes[owner])]
 
     def views(self, slot: int, owner: int) -> tuple[torch.Tensor, ...]:
-        """Owner's block in `slot` as `parts` tensors of its shape (views: writes land in the slot)."""
+        """Owner's block in `slot` as `parts` tensors of its shape (views: writes land in the
+        slot)."""
         shape = self.shapes[owner]
         n = math.prod(shape)
         flat = self.flat(slot, owner)

@@ -21,18 +21,18 @@ class RingPeers:
     """This rank's place in the ring: group rank, group size and the neighbours' GLOBAL ranks."""
 
     rank: int
-    world: int
+    world_size: int
     send_to: int
     recv_from: int
 
 
-def ring_peers(group: Any, rank: int, world: int) -> RingPeers:
+def ring_peers(group: Any, rank: int, world_size: int) -> RingPeers:
     """Neighbours of group rank `rank`, translated to global ranks for torch.distributed P2P."""
     return RingPeers(
         rank=rank,
-        world=world,
-        send_to=dist.get_global_rank(group, (rank + 1) % world),
-        recv_from=dist.get_global_rank(group, (rank - 1) % world),
+        world_size=world_size,
+        send_to=dist.get_global_rank(group, (rank + 1) % world_size),
+        recv_from=dist.get_global_rank(group, (rank - 1) % world_size),
     )
 
 
@@ -62,11 +62,15 @@ class RingComm:
 
     def _post_send(self, t: torch.Tensor) -> None:
         if t.numel():
-            self._sends.append(dist.isend(t, dst=self.peers.send_to, group=self.group, tag=self.tag))
+            self._sends.append(
+                dist.isend(t, dst=self.peers.send_to, group=self.group, tag=self.tag)
+            )
 
     def _post_recv(self, t: torch.Tensor) -> None:
         if t.numel():
-            self._recvs.append(dist.irecv(t, src=self.peers.recv_from, group=self.group, tag=self.tag))
+            self._recvs.append(
+                dist.irecv(t, src=self.peers.recv_from, group=self.group, tag=self.tag)
+            )
 
     def wait(self) -> None:
         """Complete every posted transfer: received data is readable, sent buffers are reusable.
@@ -88,7 +92,7 @@ class LocalComm(RingComm):
     """The ring of one rank (no process group): the previous and next rank are this rank."""
 
     def __init__(self) -> None:
-        super().__init__(None, RingPeers(rank=0, world=1, send_to=0, recv_from=0))
+        super().__init__(None, RingPeers(rank=0, world_size=1, send_to=0, recv_from=0))
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         recv.copy_(send)

@@ -1,4 +1,5 @@
-"""Block attention kernel: one (query shard, key/value block) pair, forward and backward, in float32.
+"""Block attention kernel: one (query shard, key/value block) pair, forward and backward, in
+float32.
 
 The ring calls these for every block. Forward returns the block's normalised output and its
 log-sum-exp so blocks can be merged; backward is the flash-attention backward computed from the
@@ -30,11 +31,12 @@ import torch
 
 KvHeads = Callable[[int, int], torch.Tensor]
 
-# the tile budget in score entries (B x Hq x tile_q x tile_k): 4 Mi entries, a 16 MiB float32 matrix and
-# ~100 MiB of backward workspace on CPU (the ring's 1024 x 1024 x h4 blocks of the speed benchmark are
-# one tile). Environment override (tests, small machines): RING_TILE_SCORES.
+# the tile budget in score entries (B x Hq x tile_q x tile_k): 4 Mi entries, a 16 MiB float32 matrix
+# and ~100 MiB of backward workspace on CPU (the ring's 1024 x 1024 x h4 blocks of the speed
+# benchmark are one tile). Environment override (tests, small machines): RING_TILE_SCORES.
 CPU_TILE_SCORES = 1 << 22
-GPU_TILE_SCORES = (1 << 22, 1 << 28)  # clamp of free memory / 512 bytes (~1/20 of it for the workspace)
+# clamp of free memory / 512 bytes (~1/20 of it for the workspace)
+GPU_TILE_SCORES = (1 << 22, 1 << 28)
 TILE_ENV = "RING_TILE_SCORES"
 MIN_TILE = 16
 
@@ -42,7 +44,9 @@ MIN_TILE = 16
 def gqa_kv_heads(heads_q: int, heads_kv: int) -> torch.Tensor:
     """Key/value head used by each query head: h // (Hq / Hkv), flash-attn's GQA/MQA convention."""
     if heads_kv < 1 or heads_q % heads_kv:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+        raise ValueError(
+            f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})"
+        )
     return torch.arange(heads_q) // (heads_q // heads_kv)
 
 
@@ -52,8 +56,8 @@ def gqa_kv_heads(heads_q: int, heads_kv: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class TileMask:
     """A block's mask computed tile by tile: `tile(q_slice, k_slice)` is the bool (tq, tk) mask of
-    those queries and keys, or None (all allowed). The ring hands one to the kernel for blocks larger
-    than a tile, so no (Lq, Lk) mask is ever built."""
+    those queries and keys, or None (all allowed). The ring hands one to the kernel for blocks
+    larger than a tile, so no (Lq, Lk) mask is ever built."""
 
     fn: Callable[[slice, slice], torch.Tensor | None]
     shape: tuple[int, int]
@@ -80,13 +84,15 @@ def tile_scores(device: torch.device | str | None = None) -> int:
 
 
 def tile_for(batch_heads: int, budget: int) -> int:
-    """Tile side in tokens: the largest power of two t with batch_heads * t * t <= budget (>= MIN_TILE)."""
+    """Tile side in tokens: the largest power of two t with batch_heads * t * t <= budget (>=
+    MIN_TILE)."""
     t = math.isqrt(max(1, budget // max(1, batch_heads)))
     return max(MIN_TILE, 1 << (t.bit_length() - 1) if t else 0)
 
 
 def needs_tiles(batch: int, heads_q: int, len_q: int, len_k: int, device=None) -> bool:
-    """True when the block's score matrix exceeds the device's tile budget (the kernel then tiles)."""
+    """True when the block's score matrix exceeds the device's tile budget (the kernel then
+    tiles)."""
     return batch * heads_q * len_q * len_k > tile_scores(device)
 
 
@@ -128,7 +134,9 @@ def _expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: KvHea
     return q.float(), k.float().index_select(2, idx), v.float().index_select(2, idx), idx
 
 
-def _scores(qf: torch.Tensor, kf: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+def _scores(
+    qf: torch.Tensor, kf: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Scaled scores (B, Hq, Lq, Lk); masked entries are -inf."""
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
     if mask is not None:
@@ -212,7 +220,9 @@ def _forward_tiled(qf, kf, vf, scale, mask_tile, t):
         visible = l > 0
         m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         out[:, qs] = (acc / torch.where(visible, l, torch.ones_like(l))).transpose(1, 2)
-        lse[:, :, qs] = torch.where(visible, m_safe + torch.log(l), torch.full_like(l, float("-inf"))).squeeze(-1)
+        lse[:, :, qs] = torch.where(
+            visible, m_safe + torch.log(l), torch.full_like(l, float("-inf"))
+        ).squeeze(-1)
     return out, lse
 
 
@@ -265,7 +275,8 @@ def _backward_whole(do, qf, kf, vf, lse, delta, scale, mask):
 
 
 def _backward_tiled(do, qf, kf, vf, lse, delta, scale, mask_tile, t):
-    """The same products tile by tile; dq, dk, dv summed over tiles in float32, scaled once at the end."""
+    """The same products tile by tile; dq, dk, dv summed over tiles in float32, scaled once at the
+    end."""
     finite = torch.isfinite(lse).unsqueeze(-1)
     lse_safe = torch.where(finite, lse.unsqueeze(-1), torch.zeros_like(lse.unsqueeze(-1)))
     dq = torch.zeros_like(qf)

@@ -81,7 +81,9 @@ def positions(layout: str, lengths: Sequence[int], rank: int) -> torch.Tensor:
     return all_positions(layout, lengths)[rank]
 
 
-def shard(x: torch.Tensor, layout: str, lengths: Sequence[int], rank: int, dim: int = 1) -> torch.Tensor:
+def shard(
+    x: torch.Tensor, layout: str, lengths: Sequence[int], rank: int, dim: int = 1
+) -> torch.Tensor:
     """The slice of a global tensor (sequence along `dim`) that `rank` holds, contiguous."""
     total = sum(int(n) for n in lengths)
     if x.shape[dim] != total:
@@ -98,7 +100,9 @@ def unshard(
     pos = all_positions(layout, lengths)
     for r, (s, p) in enumerate(zip(shards, pos, strict=True)):
         if s.shape[dim] != p.numel():
-            raise ValueError(f"rank {r} shard has {s.shape[dim]} tokens, layout expects {p.numel()}")
+            raise ValueError(
+                f"rank {r} shard has {s.shape[dim]} tokens, layout expects {p.numel()}"
+            )
     cat = torch.cat(list(shards), dim=dim)
     inverse = torch.empty(cat.shape[dim], dtype=torch.long)
     inverse[torch.cat(pos)] = torch.arange(cat.shape[dim])

@@ -1,14 +1,12 @@
-"""Attention masks decided by the global positions of query and key tokens: one module owns them.
+"""The mask language: attention masks as pure data over global query and key positions.
 
-Because a mask is a function of global positions only, one kernel serves every layout and every
-uneven split: a block's mask is `allowed(spec, q_positions, k_positions)`, and the same predicate gives
-the oracle's explicit mask, the reference ring's per-block decision (`block_decision`: skip / full /
-partial), the leak check's "may see" relation (`visible_keys`), the case summary (`describe`), and flex
-attention's mask_mod (`evaluate` on two 0-d positions, its tables made once by `lookups`).
+A mask is a function of global positions only. So one kernel serves every layout and every uneven
+split. What a mask allows is computed in `ring_impl.mask_eval`; this module only says what a mask
+is.
 
-A mask is a `MaskSpec`. The four original kinds (none, causal, window, document) stay as they were
-(old case files load and replay unchanged); any other mask is kind "expr": an `Expr` tree of named
-primitives combined with and / or / not / per-document. Pure data, never code:
+A mask is a `MaskSpec`. The four original kinds (none, causal, window, document) stay as they
+were. Old case files load and replay unchanged. Any other mask is kind "expr": an `Expr` tree of
+named primitives combined with and / or / not / per-document. Pure data, never code:
 
   full                       every key
   causal                     k <= q
@@ -25,21 +23,19 @@ primitives combined with and / or / not / per-document. Pure data, never code:
   per-document(starts, m)    q and k in the same document, and m holds for their positions relative to
                              the document's start (per-document chunks, prefixes, dilation, ...)
 
-An expression written exactly as an original kind is stored as that kind (`MaskSpec.of`): `{kind: full}` is
-`{kind: none}`, `{kind: window, left: 3, right: 0}` is `{kind: window, window: 3}`, `{and: [{kind: document,
-starts: S}, {kind: causal}]}` is `{kind: document, doc_starts: S, causal: true}`.
+An expression written exactly as an original kind is stored as that kind (`MaskSpec.of`): `{kind:
+full}` is `{kind: none}`, `{kind: window, left: 3, right: 0}` is `{kind: window, window: 3}`,
+`{and: [{kind: document, starts: S}, {kind: causal}]}` is `{kind: document, doc_starts: S,
+causal: true}`.
 
-Rows that see nothing (a query no key is visible to) are allowed: their out is 0, lse is -inf, dq is 0,
-and keys no query sees get dk = dv = 0 (README "Masks").
+Rows that see nothing (a query no key is visible to) are allowed: their out is 0, lse is -inf, dq
+is 0, and keys no query sees get dk = dv = 0 (README "Masks").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 MASK_KINDS = ("none", "causal", "window", "document")  # the original kinds (capability names too)
 SPEC_KINDS = (*MASK_KINDS, "expr")
@@ -56,23 +52,21 @@ PRIMITIVES: dict[str, tuple[str, ...]] = {  # name -> parameters, in order
 }
 COMBINATORS = ("and", "or", "not", "per-document")
 EXPR = "expr"  # the capability of reading a general expression at all (`MaskSpec.expr`)
-# a window that reaches right of the diagonal (window(l, r) with r > 0): a capability of its own, because
-# flash-attn-style rings take a causal (left, 0) window in every layout but a two-sided one only where each
-# rank's queries and keys line up (bottom-right aligned), which an all-gather ring's pieces do not
+# a window that reaches right of the diagonal (window(l, r) with r > 0): a capability of its own,
+# because flash-attn-style rings take a causal (left, 0) window in every layout but a two-sided one
+# only where each rank's queries and keys line up (bottom-right aligned), which an all-gather ring's
+# pieces do not
 WINDOW_RIGHT = "window-right"
 # every capability name a mask can need: an implementation declares the ones it supports
 MASK_FEATURES = tuple(dict.fromkeys((*MASK_KINDS, EXPR, *PRIMITIVES, WINDOW_RIGHT, *COMBINATORS)))
 MAX_BLOCK_TABLE = 4096  # entries of a blocks() table
-DECISION_CHUNK = 1 << 20  # entries of the block mask evaluated at once by block_decision
-
-SKIP, FULL, PARTIAL = "skip", "full", "partial"
 
 
 @dataclass(frozen=True)
 class Expr:
     """A mask expression: a primitive (`op` in PRIMITIVES, `params` its values in order) or a
-    combinator (`op` in COMBINATORS, `args` its operands; `not` has exactly one; `per-document` has one and
-    its document starts as `params`)."""
+    combinator (`op` in COMBINATORS, `args` its operands; `not` has exactly one; `per-document` has
+    one and its document starts as `params`)."""
 
     op: str
     params: tuple[Any, ...] = ()
@@ -93,13 +87,19 @@ class Expr:
                 raise ValueError(f"{self.op} needs at least one operand")
             return
         if self.op not in PRIMITIVES:
-            raise ValueError(f"unknown mask primitive {self.op!r}; expected one of {', '.join(PRIMITIVES)} "
-                             f"(or and / or / not)")
+            raise ValueError(
+                f"unknown mask primitive {self.op!r}; expected one of "
+                f"{', '.join(PRIMITIVES)} "
+                f"(or and / or / not)"
+            )
         if self.args:
             raise ValueError(f"{self.op} takes parameters, not operands")
         names = PRIMITIVES[self.op]
         if len(self.params) != len(names):
-            raise ValueError(f"{self.op} takes {len(names)} parameter(s) ({', '.join(names)}), got {len(self.params)}")
+            raise ValueError(
+                f"{self.op} takes {len(names)} parameter(s) ({', '.join(names)}), got "
+                f"{len(self.params)}"
+            )
         object.__setattr__(self, "params", _checked(self.op, self.params))
 
     def param(self, name: str) -> Any:
@@ -162,7 +162,9 @@ def _checked(op: str, params: tuple[Any, ...]) -> tuple[Any, ...]:
     if op == "document":
         starts = params[0]
         if not isinstance(starts, (list, tuple)) or not starts:
-            raise ValueError(f"document: starts must be a non-empty list of integers, got {starts!r}")
+            raise ValueError(
+                f"document: starts must be a non-empty list of integers, got {starts!r}"
+            )
         starts = tuple(_int(op, "starts", s, 0) for s in starts)
         if starts[0] != 0:
             raise ValueError(f"document: starts must begin with 0, got {list(starts)}")
@@ -171,10 +173,19 @@ def _checked(op: str, params: tuple[Any, ...]) -> tuple[Any, ...]:
         return (starts,)
     if op == "blocks":
         size, pairs = _int(op, "size", params[0], 1), params[1]
-        if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
-            raise ValueError(f"blocks: pairs must be a list of [query block, key block] pairs, got {pairs!r}")
-        pairs = tuple(sorted({(_int(op, "pairs", p[0], 0), _int(op, "pairs", p[1], 0)) for p in pairs}))
-        if pairs and (max(p[0] for p in pairs) + 1) * (max(p[1] for p in pairs) + 1) > MAX_BLOCK_TABLE:
+        if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs
+        ):
+            raise ValueError(
+                f"blocks: pairs must be a list of [query block, key block] pairs, got {pairs!r}"
+            )
+        pairs = tuple(
+            sorted({(_int(op, "pairs", p[0], 0), _int(op, "pairs", p[1], 0)) for p in pairs})
+        )
+        if (
+            pairs
+            and (max(p[0] for p in pairs) + 1) * (max(p[1] for p in pairs) + 1) > MAX_BLOCK_TABLE
+        ):
             raise ValueError(f"blocks: the table may have at most {MAX_BLOCK_TABLE} entries")
         return size, pairs
     return ()
@@ -215,13 +226,17 @@ class MaskSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in SPEC_KINDS:
-            raise ValueError(f"unknown mask kind {self.kind!r}; expected one of {', '.join(SPEC_KINDS)}")
+            raise ValueError(
+                f"unknown mask kind {self.kind!r}; expected one of {', '.join(SPEC_KINDS)}"
+            )
         if self.kind == "window" and (self.window is None or int(self.window) < 0):
             raise ValueError(f"window mask needs a window >= 0, got {self.window!r}")
         if self.kind == "document":
             starts = tuple(int(s) for s in self.doc_starts)
             if not starts or starts[0] != 0:
-                raise ValueError(f"document mask needs doc_starts beginning with 0, got {list(starts)}")
+                raise ValueError(
+                    f"document mask needs doc_starts beginning with 0, got {list(starts)}"
+                )
             if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
                 raise ValueError(f"doc_starts must be strictly increasing, got {list(starts)}")
             object.__setattr__(self, "doc_starts", starts)
@@ -230,7 +245,8 @@ class MaskSpec:
 
     @staticmethod
     def of(e: Expr) -> MaskSpec:
-        """The spec of an expression: one of the original kinds when it says exactly that, else kind expr."""
+        """The spec of an expression: one of the original kinds when it says exactly that, else kind
+        expr."""
         legacy = _as_legacy(e)
         return legacy if legacy is not None else MaskSpec(EXPR, expr=e)
 
@@ -265,7 +281,14 @@ class MaskSpec:
             return frozenset({self.kind})
         leaves = self.expr.leaves()
         right = any(leaf.op == "window" and leaf.params[1] > 0 for leaf in leaves)
-        return frozenset({EXPR, *(leaf.op for leaf in leaves), *self.expr.combinators(), *([WINDOW_RIGHT] * right)})
+        return frozenset(
+            {
+                EXPR,
+                *(leaf.op for leaf in leaves),
+                *self.expr.combinators(),
+                *([WINDOW_RIGHT] * right),
+            }
+        )
 
     def describe(self) -> str:
         """The case summary's mask word: none, causal, window5, doc3nc, or the expression."""
@@ -284,7 +307,11 @@ class MaskSpec:
             return {"kind": "window", "window": int(self.window)}
         if self.kind == EXPR:
             return expr_to_dict(self.expr)
-        return {"kind": "document", "doc_starts": list(self.doc_starts), "causal": bool(self.causal)}
+        return {
+            "kind": "document",
+            "doc_starts": list(self.doc_starts),
+            "causal": bool(self.causal),
+        }
 
 
 def _causal(e: Expr) -> bool:
@@ -332,7 +359,11 @@ def expr_to_dict(e: Expr) -> dict:
         return {e.op: [expr_to_dict(a) for a in e.args]}
     d: dict[str, Any] = {"kind": e.op}
     for name, v in zip(PRIMITIVES[e.op], e.params, strict=True):
-        d[name] = [list(p) for p in v] if name == "pairs" else (list(v) if isinstance(v, tuple) else v)
+        if name == "pairs":
+            v = [list(p) for p in v]
+        elif isinstance(v, tuple):
+            v = list(v)
+        d[name] = v
     return d
 
 
@@ -345,16 +376,21 @@ def _at(where: str, msg: str) -> str:
 
 
 def expr_from_dict(d: Any, where: str = "", depth: int = 0) -> Expr:
-    """An expression from plain data; ValueError naming where (e.g. `and[1]: chunked: size must be ...`)."""
+    """An expression from plain data; ValueError naming where (e.g. `and[1]: chunked: size must be
+    ...`)."""
     if depth > MAX_DEPTH:
         raise ValueError(_at(where, f"nested deeper than {MAX_DEPTH}"))
     if not isinstance(d, dict):
-        raise ValueError(_at(where, f"must be a mapping like {{kind: causal}} or {{and: [...]}}, got {d!r}"))
+        raise ValueError(
+            _at(where, f"must be a mapping like {{kind: causal}} or {{and: [...]}}, got {d!r}")
+        )
     combo = [k for k in COMBINATORS if k in d]
     if combo:
         if len(d) != 1:
             keys = sorted(map(str, d))
-            raise ValueError(_at(where, f"a combinator mapping has exactly one key ({combo[0]}), got {keys}"))
+            raise ValueError(
+                _at(where, f"a combinator mapping has exactly one key ({combo[0]}), got {keys}")
+            )
         op = combo[0]
         if op == "not":
             return not_(expr_from_dict(d["not"], f"{where}.not" if where else "not", depth + 1))
@@ -370,21 +406,40 @@ def expr_from_dict(d: Any, where: str = "", depth: int = 0) -> Expr:
                 raise ValueError(_at(path, str(e))) from None
         items = d[op]
         if not isinstance(items, list) or not items:
-            raise ValueError(_at(f"{where}.{op}" if where else op, f"must be a non-empty list of masks, got {items!r}"))
+            raise ValueError(
+                _at(
+                    f"{where}.{op}" if where else op,
+                    f"must be a non-empty list of masks, got {items!r}",
+                )
+            )
         path = f"{where}.{op}" if where else op
-        e = Expr(op, args=tuple(expr_from_dict(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(items)))
+        e = Expr(
+            op,
+            args=tuple(expr_from_dict(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(items)),
+        )
         if e.size() > MAX_NODES:
             raise ValueError(_at(where, f"more than {MAX_NODES} nodes"))
         return e
     op = d.get("kind")
     if op not in PRIMITIVES:
-        raise ValueError(_at(where, f"unknown kind {op!r}; expected one of {', '.join(PRIMITIVES)} "
-                         f"(or a mapping with one key: and, or, not)"))
+        raise ValueError(
+            _at(
+                where,
+                f"unknown kind {op!r}; expected one of {', '.join(PRIMITIVES)} "
+                f"(or a mapping with one key: and, or, not)",
+            )
+        )
     names = PRIMITIVES[op]
     unknown = set(d) - {"kind", *names}
     if unknown:
-        raise ValueError(_at(where, f"unknown key(s) {', '.join(sorted(map(str, unknown)))} for {op} "
-                         f"(takes {', '.join(names) or 'nothing'})"))
+        raise ValueError(
+            _at(
+                where,
+                f"unknown key(s) {', '.join(sorted(map(str, unknown)))} for "
+                f"{op} "
+                f"(takes {', '.join(names) or 'nothing'})",
+            )
+        )
     missing = [n for n in names if n not in d]
     if missing:
         raise ValueError(_at(where, f"{op} needs {', '.join(missing)}"))
@@ -392,194 +447,6 @@ def expr_from_dict(d: Any, where: str = "", depth: int = 0) -> Expr:
         return Expr(op, tuple(d[n] for n in names))
     except ValueError as e:
         raise ValueError(_at(where, f"{e}")) from None
-
-
-# -- evaluation -----------------------------------------------------------------------------------
-
-
-def doc_ids(spec: MaskSpec | Sequence[int], pos: torch.Tensor) -> torch.Tensor:
-    """Document index of each global position (from a document mask's starts, or the starts themselves)."""
-    starts = spec.doc_starts if isinstance(spec, MaskSpec) else tuple(spec)
-    return torch.searchsorted(torch.tensor(starts, dtype=torch.long, device=pos.device), pos, right=True) - 1
-
-
-def _block_table(size: int, pairs: tuple[tuple[int, int], ...], qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
-    if not pairs:
-        return torch.zeros(qb.shape[0], kb.shape[1], dtype=torch.bool, device=qb.device)
-    nq, nk = max(p[0] for p in pairs) + 1, max(p[1] for p in pairs) + 1
-    table = torch.zeros(nq + 1, nk + 1, dtype=torch.bool, device=qb.device)  # row/col nq, nk: outside
-    idx = torch.tensor(pairs, dtype=torch.long, device=qb.device)
-    table[idx[:, 0], idx[:, 1]] = True
-    return table[qb.clamp(max=nq), kb.clamp(max=nk)]
-
-
-Leaf = Callable[[Expr, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
-
-
-@dataclass(frozen=True)
-class Lookups:
-    """Tensors made once for `evaluate` inside a compiled kernel, where a tensor made by the function itself
-    does not lower (flex attention's `mask_mod`: `lookups`): for each document-starts tuple of an expression
-    the document index and the document's start of every position 0..total-1, for each block table its
-    flattened table."""
-
-    docs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]
-    blocks: dict[tuple[int, tuple[tuple[int, int], ...]], tuple[torch.Tensor, int, int]]
-
-
-def lookups(e: Expr, total: int, device: torch.device | str = "cpu") -> Lookups:
-    """The `Lookups` of expression `e` for positions 0..total-1 (relative positions of per-document operands
-    are in that range too)."""
-    pos = torch.arange(max(1, total), dtype=torch.long, device=device)
-    docs = {}
-    for starts in doc_starts_of(e):
-        ids = doc_ids(starts, pos)
-        docs[starts] = (ids, torch.tensor(starts, dtype=torch.long, device=device)[ids])
-    blocks = {}
-    for node in _nodes(e):
-        if node.op == "blocks":
-            size, pairs = node.params
-            nq = max((p[0] for p in pairs), default=0) + 1
-            nk = max((p[1] for p in pairs), default=0) + 1
-            qb, kb = torch.arange(nq + 1, device=device).view(-1, 1), torch.arange(nk + 1, device=device).view(1, -1)
-            blocks[node.params] = (_block_table(size, pairs, qb, kb).reshape(-1).contiguous(), nq, nk)
-    return Lookups(docs, blocks)
-
-
-def _nodes(e: Expr) -> list[Expr]:
-    return [e] + [n for a in e.args for n in _nodes(a)]
-
-
-def _docs(starts: tuple[int, ...], pos: torch.Tensor, tables: Lookups | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(document index, document start) of each position."""
-    if tables is not None:
-        ids, first = tables.docs[starts]
-        return ids[pos], first[pos]
-    ids = doc_ids(starts, pos)
-    return ids, torch.tensor(starts, dtype=torch.long, device=pos.device)[ids]
-
-
-def evaluate(e: Expr, qp: torch.Tensor, kp: torch.Tensor, leaf: Leaf | None = None,
-             tables: Lookups | None = None) -> torch.Tensor:
-    """Bool mask of the expression for query positions qp (Lq, 1) and key positions kp (1, Lk): (Lq, Lk); or
-    for any two broadcastable position tensors, e.g. two 0-d ones (flex attention's mask_mod: pointwise ops
-    only, no view of a result whose shape is already right, and with `tables` no tensor made here).
-    `leaf` may take over a primitive (return its mask, or None to leave it alone): the mutants' hook."""
-    shape = torch.broadcast_shapes(qp.shape, kp.shape)
-    op = e.op
-    if op == "and" or op == "or":
-        out = evaluate(e.args[0], qp, kp, leaf, tables)
-        for a in e.args[1:]:
-            nxt = evaluate(a, qp, kp, leaf, tables)
-            out = (out & nxt) if op == "and" else (out | nxt)
-        return out
-    if op == "not":
-        return ~evaluate(e.args[0], qp, kp, leaf, tables)
-    if op == "per-document":  # the same document, and the operand on positions relative to its start
-        (dq, sq), (dk, sk) = _docs(e.params[0], qp, tables), _docs(e.params[0], kp, tables)
-        return (dq == dk) & evaluate(e.args[0], qp - sq, kp - sk, leaf, tables)
-    if leaf is not None:
-        got = leaf(e, qp, kp)
-        if got is not None:
-            return got if got.shape == shape else got.expand(shape)
-    if op == "full":
-        m = (qp == qp) | (kp == kp)
-    elif op == "causal":
-        m = kp <= qp
-    elif op == "inverse-causal":
-        m = kp >= qp
-    elif op == "window":
-        m = (kp >= qp - e.param("left")) & (kp <= qp + e.param("right"))
-    elif op == "chunked":
-        c = e.param("size")
-        m = (qp // c) == (kp // c)
-    elif op == "dilated":
-        s, r, o = e.params
-        m = ((qp // s) == (kp // s)) & ((qp % s) % r == o) & ((kp % s) % r == o)
-    elif op == "prefix":
-        m = kp < e.param("length")
-    elif op == "document":
-        m = _docs(e.params[0], qp, tables)[0] == _docs(e.params[0], kp, tables)[0]
-    elif tables is not None:  # blocks, from the flattened table
-        size, _ = e.params
-        table, nq, nk = tables.blocks[e.params]
-        m = table[(qp // size).clamp(max=nq) * (nk + 1) + (kp // size).clamp(max=nk)]
-    else:  # blocks
-        size, pairs = e.params
-        m = _block_table(size, pairs, qp // size, kp // size)
-    return m if m.shape == shape else m.expand(shape)
-
-
-def allowed(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-    """Bool (len_q, len_k): True where query may attend key. None means everything is allowed."""
-    if spec.kind == "none":
-        return None
-    qp = q_pos.view(-1, 1)
-    kp = k_pos.view(1, -1)
-    if spec.kind == "causal":
-        return kp <= qp
-    if spec.kind == "window":
-        return (kp <= qp) & (kp >= qp - int(spec.window))
-    if spec.kind == EXPR:
-        return evaluate(spec.expr, qp, kp).contiguous()
-    same = doc_ids(spec, q_pos).view(-1, 1) == doc_ids(spec, k_pos).view(1, -1)
-    return same & (kp <= qp) if spec.causal else same
-
-
-def block_decision(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int = DECISION_CHUNK) -> str:
-    """SKIP (no query of the block may see any key of it), FULL (every query sees every key) or
-    PARTIAL, from global positions. The mask is evaluated a slab of query rows at a time (at most
-    `chunk` entries), so the decision never holds more than that, whatever the block's size."""
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return SKIP
-    if spec.kind == "none":
-        return FULL
-    if spec.kind == "causal":
-        if bool(k_pos.min() > q_pos.max()):
-            return SKIP
-        return FULL if bool(k_pos.max() <= q_pos.min()) else PARTIAL
-    rows = max(1, chunk // k_pos.numel())
-    any_seen, all_seen = False, True
-    for i in range(0, q_pos.numel(), rows):
-        m = allowed(spec, q_pos[i : i + rows], k_pos)
-        any_seen = any_seen or bool(m.any())
-        all_seen = all_seen and bool(m.all())
-        if any_seen and not all_seen:
-            return PARTIAL
-    return FULL if all_seen else SKIP
-
-
-def block_is_empty(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """True when no query of the block may see any key of it, so the block can be skipped."""
-    return block_decision(spec, q_pos, k_pos) == SKIP
-
-
-def full_mask(spec: MaskSpec, total: int) -> torch.Tensor | None:
-    """The (total, total) mask of the whole sequence, for single-device references."""
-    pos = torch.arange(total, dtype=torch.long)
-    return allowed(spec, pos, pos)
-
-
-def visible_keys(spec: MaskSpec, queries: Sequence[int] | torch.Tensor, total: int) -> torch.Tensor:
-    """Bool (total,): keys that at least one of `queries` may attend."""
-    q = torch.as_tensor(queries, dtype=torch.long).view(-1)
-    m = allowed(spec, q, torch.arange(total, dtype=torch.long))
-    if m is None:
-        return torch.ones(total, dtype=torch.bool)
-    return m.any(dim=0)
-
-
-def empty_rows(spec: MaskSpec, total: int, chunk: int = DECISION_CHUNK) -> torch.Tensor:
-    """Bool (total,): queries that may see no key at all (their out is 0 and lse -inf)."""
-    keys = torch.arange(total, dtype=torch.long)
-    out = torch.zeros(total, dtype=torch.bool)
-    if spec.kind == "none" or total == 0:
-        return out
-    rows = max(1, chunk // max(1, total))
-    for i in range(0, total, rows):
-        m = allowed(spec, keys[i : i + rows], keys)
-        out[i : i + rows] = ~m.any(dim=1)
-    return out
 
 
 def _map_nodes(e: Expr, fn) -> Expr:
@@ -598,7 +465,11 @@ def doc_starts_of(e: Expr) -> list[tuple[int, ...]]:
 def fit(spec: MaskSpec, total: int) -> MaskSpec:
     """The mask for a sequence cut to `total` tokens: document starts at or beyond it dropped."""
     if spec.kind == "document":
-        return MaskSpec("document", doc_starts=tuple(s for s in spec.doc_starts if s < total), causal=spec.causal)
+        return MaskSpec(
+            "document",
+            doc_starts=tuple(s for s in spec.doc_starts if s < total),
+            causal=spec.causal,
+        )
     if spec.kind != EXPR:
         return spec
 

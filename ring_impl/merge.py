@@ -19,5 +19,8 @@ def merge(
     diff = torch.where(both_empty, torch.zeros_like(lse), block_lse - lse)
     w_block = torch.where(both_empty, torch.zeros_like(diff), torch.sigmoid(diff))
     w_old = torch.where(both_empty, torch.zeros_like(diff), torch.sigmoid(-diff))
-    new_out = w_old.transpose(1, 2).unsqueeze(-1) * out + w_block.transpose(1, 2).unsqueeze(-1) * block_out
+    new_out = (
+        w_old.transpose(1, 2).unsqueeze(-1) * out
+        + w_block.transpose(1, 2).unsqueeze(-1) * block_out
+    )
     return new_out, torch.logaddexp(lse, block_lse)

@@ -35,7 +35,9 @@ def _worst_growth(res) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--impls", default="reference,flash-ring,torch-ring,torch-ring-alltoall")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--time-budget", type=float, default=300.0)
@@ -45,13 +47,21 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     worst: dict[str, dict[str, dict[str, float]]] = {}
     totals: dict[str, int] = {}
-    print("| implementation | seed | battery + fault stage + growth | property-based cases | failures | stop "
-          "| growth worst | seconds |")
+    print(
+        "| implementation | seed | battery + fault stage + growth | property-based cases | "
+        "failures | stop "
+        "| growth worst | seconds |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for impl in a.impls.split(","):
         for seed in (int(s) for s in a.seeds.split(",")):
-            opts = CheckOptions(impl=impl, profile="nightly", seed=seed, time_budget=a.time_budget,
-                                save_dir=str(logs / f"failures-{impl}-{seed}"))
+            opts = CheckOptions(
+                impl=impl,
+                profile="nightly",
+                seed=seed,
+                time_budget=a.time_budget,
+                save_dir=str(logs / f"failures-{impl}-{seed}"),
+            )
             t0 = time.perf_counter()
             with open(logs / f"{impl}-seed{seed}.log", "w", encoding="utf-8") as fh:
                 res = check(opts, reporter=Reporter(fh))
@@ -60,8 +70,12 @@ def main() -> None:
             totals[impl] = totals.get(impl, 0) + n_prop
             fails = len(res.failures) + len(res.findings)
             stop = res.prop.stop if res.prop else res.stopped or "-"
-            print(f"| {impl} | {seed} | {len(res.results)} + {len(res.fault_results)} + {n_growth} | {n_prop} | "
-                  f"{fails} | {stop} | {_worst_growth(res)} | {time.perf_counter() - t0:.0f} |", flush=True)
+            print(
+                f"| {impl} | {seed} | {len(res.results)} + {len(res.fault_results)} + {n_growth} "
+                f"| {n_prop} | "
+                f"{fails} | {stop} | {_worst_growth(res)} | {time.perf_counter() - t0:.0f} |",
+                flush=True,
+            )
             for dt, per in worst_ratios(res).items():
                 cell = worst.setdefault(impl, {}).setdefault(dt, {})
                 for t, x in per.items():
@@ -74,7 +88,9 @@ def main() -> None:
     for impl, per_dt in worst.items():
         for dt in ("fp32", "fp16", "bf16"):
             if dt in per_dt:
-                cells = " | ".join(f"{per_dt[dt][t]:.3f}" if t in per_dt[dt] else "-" for t in TENSORS)
+                cells = " | ".join(
+                    f"{per_dt[dt][t]:.3f}" if t in per_dt[dt] else "-" for t in TENSORS
+                )
                 print(f"| {impl} | {dt} | {cells} |")
 
 

@@ -1,15 +1,16 @@
-"""Judge one long case end to end with `ring-harness replay` (issues #12 and #21) and report its wall time and
-every process's peak memory: the parent (which assembles the oracle and judges) and each rank (which runs the
-ring, then computes its share of the oracle under `--oracle ranks`).
+"""Judge one long case end to end with `ring-harness replay` (issues #12 and #21) and report its
+wall time and every process's peak memory: the parent (which assembles the oracle and judges) and
+each rank (which runs the ring, then computes its share of the oracle under `--oracle ranks`).
 
     python scripts/long_case.py                          # 32,768 tokens, W=4, zigzag causal bf16 h4 d64
     python scripts/long_case.py --tokens 65536 --world 8  # judged, or refused up front with the estimate
     python scripts/long_case.py --oracle local           # the single-process oracle, for comparison
 
-The case is written to a temporary YAML file and replayed through `harness.checks.replay.replay` (what the
-command line runs). Peak memory: the largest resident set sampled every SAMPLE_S seconds for this process and
-each of its child processes (the ranks), plus the parent's own kernel high-water mark (VmHWM). Exit status: the
-replay's (0 pass, 1 fail), 2 when the case is refused (too large: the memory estimate is printed).
+The case is written to a temporary YAML file and replayed through `harness.checks.replay.replay`
+(what the command line runs). Peak memory: the largest resident set sampled every SAMPLE_S
+seconds for this process and each of its child processes (the ranks), plus the parent's own
+kernel high-water mark (VmHWM). Exit status: the replay's (0 pass, 1 fail), 2 when the case is
+refused (too large: the memory estimate is printed).
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ class Sampler:
                 if rss > self.peaks.get(pid, 0):
                     self.peaks[pid] = rss
                     try:
-                        self.names[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+                        self.names[pid] = (
+                            Path(f"/proc/{pid}/cmdline")
+                            .read_bytes()
+                            .replace(b"\0", b" ")
+                            .decode()[:120]
+                        )
                     except OSError:
                         pass
             self._stop.wait(SAMPLE_S)
@@ -92,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--oracle", choices=("ranks", "local"), default="ranks")
-    p.add_argument("--deadline", type=float, default=3600.0, help="the case's deadline for the ring (s)")
+    p.add_argument(
+        "--deadline", type=float, default=3600.0, help="the case's deadline for the ring (s)"
+    )
     a = p.parse_args(argv)
 
     from harness import case as case_mod
@@ -101,9 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     from harness.errors import HarnessError, RingHarnessError
     from harness.ranks import oom
 
-    case = case_mod.make_case(world_size=a.world, total_len=a.tokens, layout="zigzag", mask={"kind": "causal"},
-                              dtype=a.dtype, heads_q=a.heads, heads_kv=a.heads, head_dim=a.head_dim, seed=5,
-                              deadline_s=a.deadline)
+    case = case_mod.make_case(
+        world_size=a.world_size,
+        total_len=a.tokens,
+        layout="zigzag",
+        mask={"kind": "causal"},
+        dtype=a.dtype,
+        heads_q=a.heads,
+        heads_kv=a.heads,
+        head_dim=a.head_dim,
+        seed=5,
+        deadline_s=a.deadline,
+    )
     est = oom.estimate(case, oracle=a.oracle)
     print(f"case: {case.summary()}; estimate: {est.words()}", flush=True)
     with tempfile.TemporaryDirectory() as d:
@@ -121,12 +138,22 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         wall = time.perf_counter() - t0
     gib = 1 << 30
-    print(f"wall {wall:.0f} s (oracle {a.oracle}); verdict {rp.result.verdict}; timings: "
-          + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(rp.result.timings.items())
-                      if isinstance(v, float) and k.endswith("_s")))
+    print(
+        f"wall {wall:.0f} s (oracle {a.oracle}); verdict {rp.result.verdict}; timings: "
+        + ", ".join(
+            f"{k} {v:.1f} s"
+            for k, v in sorted(rp.result.timings.items())
+            if isinstance(v, float) and k.endswith("_s")
+        )
+    )
     me = os.getpid()
-    print(f"peak RSS: parent {s.peaks.get(me, 0) / gib:.2f} GiB (VmHWM {_kib(_status(me).get('VmHWM')) / gib:.2f} GiB)")
-    ranks = sorted(pid for pid in s.peaks if pid != me and "harness.ranks.worker" in s.names.get(pid, ""))
+    print(
+        f"peak RSS: parent {s.peaks.get(me, 0) / gib:.2f} GiB (VmHWM "
+        f"{_kib(_status(me).get('VmHWM')) / gib:.2f} GiB)"
+    )
+    ranks = sorted(
+        pid for pid in s.peaks if pid != me and "harness.ranks.worker" in s.names.get(pid, "")
+    )
     for pid in ranks:
         print(f"peak RSS: rank process {pid} {s.peaks[pid] / gib:.2f} GiB")
     return 0 if rp.result.passed else 1

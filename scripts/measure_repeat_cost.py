@@ -18,11 +18,17 @@ with RankPool(8) as pool:
     for _ in range(3):
         for rep in (True, False):
             t0 = time.perf_counter()
-            run_check(pool, CheckOptions(max_examples=0, fault_stage=(), repeat=rep), reporter=ListReporter())
+            run_check(
+                pool,
+                CheckOptions(max_examples=0, fault_stage=(), repeat=rep),
+                reporter=ListReporter(),
+            )
             times[rep].append(time.perf_counter() - t0)
 b_on, b_off = statistics.median(times[True]), statistics.median(times[False])
-print(f"battery stage: repeat on {b_on:.1f} s, off {b_off:.1f} s (medians of 3, interleaved): "
-      f"repeat adds {b_on - b_off:.1f} s")
+print(
+    f"battery stage: repeat on {b_on:.1f} s, off {b_off:.1f} s (medians of 3, interleaved): "
+    f"repeat adds {b_on - b_off:.1f} s"
+)
 # the default check's wall time (ci profile: battery + fault stage + 45 s property budget + shrink)
 t0 = time.perf_counter()
 with RankPool(8) as pool:

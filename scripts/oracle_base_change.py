@@ -1,14 +1,16 @@
-"""How a change of the oracle (issue #12: onto the ranks, then split by rows and by keys) changed what judging
-allows: for every case of the battery (and the medium cases), the tolerance bound of each tensor with the oracle of
-a git revision before the change (its `harness/judging/oracle.py` and `harness/ranks/reference.py`, loaded from
-`git show`) against the current oracle, and the largest difference of the float64 references.
+"""How a change of the oracle (issue #12: onto the ranks, then split by rows and by keys) changed
+what judging allows: for every case of the battery (and the medium cases), the tolerance bound of
+each tensor with the oracle of a git revision before the change against the current oracle, and the
+largest difference of the exact (float64) outputs. The old oracle is loaded from `git show`: its
+`harness/judging/oracle.py` and `harness/ranks/reference.py` for a revision before the oracle had
+its own package, else its `harness/oracle/` modules (OLD_LAYOUT, PACKAGE).
 
     python scripts/oracle_base_change.py [--rev 183d356]
 
-The float64 reference moves by float64 rounding only (other tiles and sum order). The base (the case's dtype)
-rounds where plain attention under autograd rounds (harness.ranks.reference's docstring), now in tiles of queries
-x keys, so its error moves by which elements happen to round the other way: `bound new/old` below 1 is tighter,
-above 1 looser.
+The exact outputs move by float64 rounding only (other tiles and sum order). The base (the case's
+dtype) rounds where plain attention under autograd rounds (docs/oracle.md), now in tiles of queries
+x keys, so its error moves by which elements happen to round the other way: `bound new/old` below 1
+is tighter, above 1 looser.
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ import torch
 from harness import inputs
 from harness.bench.overhead import medium_cases
 from harness.dtypes import TORCH_DTYPES
-from harness.judging import oracle, tolerance
-from harness.judging.judge import _diff, _finite_max
+from harness.judging import tolerance
+from harness.judging.tensor_checks import _diff, _finite_max
+from harness.oracle import assemble
 from harness.search.battery import default_battery
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")
+# (share code, assembly) of a revision before the oracle had its own package
+OLD_LAYOUT = ("harness/ranks/reference.py", "harness/judging/oracle.py")
+# the oracle's package since then: the modules `attention` needs, each after those it imports
+PACKAGE = "harness/oracle"
+PACKAGE_MODULES = ("tiles", "numerics", "shares", "assemble")
 
 
 def _load(name: str, text: str):
@@ -45,74 +53,144 @@ def _load(name: str, text: str):
 
 
 def _show(rev: str, path: str) -> str | None:
-    got = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
+    got = subprocess.run(
+        ["git", "show", f"{rev}:{path}"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     return got.stdout if got.returncode == 0 else None
 
 
 def _old_oracle(rev: str):
-    """`harness/judging/oracle.py` of `rev`, importing that revision's `harness/ranks/reference.py` (its share
-    code, where it has one) instead of today's."""
-    shares = _show(rev, "harness/ranks/reference.py")
+    """The oracle of `rev` as a module with `attention`: its assembly module, importing that
+    revision's share code instead of today's."""
+    if _show(rev, f"{PACKAGE}/assemble.py") is not None:
+        return _old_package(rev)
+    return _old_layout(rev)
+
+
+def _old_layout(rev: str):
+    """`harness/judging/oracle.py` of `rev`, importing that revision's `harness/ranks/reference.py`
+    (its share code, where it has one)."""
+    shares_path, oracle_path = OLD_LAYOUT
+    shares = _show(rev, shares_path)
+    import harness.ranks as ranks_pkg
+
     saved = sys.modules.get("harness.ranks.reference")
+    saved_attr = getattr(ranks_pkg, "reference", None)
     try:
         if shares is not None:
             old = _load("old_reference", shares)
             sys.modules["harness.ranks.reference"] = old
-            import harness.ranks as ranks_pkg
-
-            saved_attr, ranks_pkg.reference = getattr(ranks_pkg, "reference", None), old
-        mod = _load("old_oracle", _show(rev, "harness/judging/oracle.py"))
+            ranks_pkg.reference = old
+        mod = _load("old_oracle", _show(rev, oracle_path))
     finally:
-        if saved is not None:
-            sys.modules["harness.ranks.reference"] = saved
-        if shares is not None:
-            ranks_pkg.reference = saved_attr
+        _restore(sys.modules, "harness.ranks.reference", saved)
+        _restore(vars(ranks_pkg), "reference", saved_attr)
     return mod
 
 
-def _bounds(case, ref, base) -> dict[str, float]:
-    """Each tensor's bound as `harness.judging.judge.check_tensors` computes it (finite maxima, -inf == -inf)."""
-    lse_max = _finite_max(ref.lse)
+def _old_package(rev: str):
+    """`harness/oracle/assemble.py` of `rev`, importing that revision's other modules of the
+    package."""
+    import harness.oracle as pkg
+
+    names = [f"harness.oracle.{m}" for m in PACKAGE_MODULES]
+    saved = {n: sys.modules.get(n) for n in names}
+    saved_attrs = {m: getattr(pkg, m, None) for m in PACKAGE_MODULES}
+    try:
+        for m, name in zip(PACKAGE_MODULES, names, strict=True):
+            text = _show(rev, f"{PACKAGE}/{m}.py")
+            if text is None:  # a revision without this module
+                continue
+            mod = _load(f"old_oracle_{m}", text)
+            sys.modules[name] = mod
+            setattr(pkg, m, mod)
+    finally:
+        for name, old in saved.items():
+            _restore(sys.modules, name, old)
+        for m, old in saved_attrs.items():
+            _restore(vars(pkg), m, old)
+    return mod
+
+
+def _restore(where: dict, name: str, saved) -> None:
+    """Put back what `where[name]` held (nothing: remove it)."""
+    if saved is None:
+        where.pop(name, None)
+    else:
+        where[name] = saved
+
+
+def _bounds(case, exact, base) -> dict[str, float]:
+    """Each tensor's bound as `harness.judging.tensor_checks.check_tensors` computes it (finite
+    maxima, -inf == -inf)."""
+    lse_max = _finite_max(exact.lse)
     out = {}
     for name in TENSORS:
-        r64 = getattr(ref, name)
-        err = float(_diff(getattr(base, name).to(torch.float64), r64).nan_to_num(nan=float("inf")).max())
-        out[name] = tolerance.bound(name, case.dtype, err, _finite_max(r64), case.tolerance, case.world_size,
-                                    lse_max, ref.term_scale.get(name, 0.0))
+        r64 = getattr(exact, name)
+        err = float(
+            _diff(getattr(base, name).to(torch.float64), r64).nan_to_num(nan=float("inf")).max()
+        )
+        out[name] = tolerance.bound(
+            name,
+            case.dtype,
+            err,
+            _finite_max(r64),
+            case.tolerance,
+            case.world_size,
+            lse_max,
+            exact.term_scale.get(name, 0.0),
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rev", default="183d356", help="the revision to compare with (183d356: the row shares, before "
-                   "the two passes; a751728~1: the single-process oracle)")
-    p.add_argument("--medium", type=int, default=2, help="also this many medium cases (W=4, L=2048)")
+    p.add_argument(
+        "--rev",
+        default="183d356",
+        help="the revision to compare with (183d356: the "
+        "row shares, before "
+        "the two passes; a751728~1: the single-process oracle)",
+    )
+    p.add_argument(
+        "--medium", type=int, default=2, help="also this many medium cases (W=4, L=2048)"
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     old = _old_oracle(a.rev)
     cases = default_battery(4) + medium_cases(a.medium, 2048)
     ratios: dict[str, list[float]] = {t: [] for t in TENSORS}
-    worst_ref, skipped = 0.0, 0
+    worst_exact, skipped = 0.0, 0
     for c in cases:
         g = inputs.make_global(c)
         args = (g["q"], g["k"], g["v"], g["dout"], c.mask, c.scale)
-        oref, obase = old.attention(*args, compute=torch.float64), old.attention(*args, compute=TORCH_DTYPES[c.dtype])
-        nref, nbase = oracle.local(c)
+        oexact = old.attention(*args, compute=torch.float64)
+        obase = old.attention(*args, compute=TORCH_DTYPES[c.dtype])
+        nexact, nbase = assemble.local(c)
         for t in TENSORS:
-            x, y = getattr(nref, t), getattr(oref, t)
+            x, y = getattr(nexact, t), getattr(oexact, t)
             fin = torch.isfinite(y)
             if fin.any():
-                worst_ref = max(worst_ref, float(((x - y).abs()[fin] / y.abs().max()).max()))
-        bo, bn = _bounds(c, oref, obase), _bounds(c, nref, nbase)
-        if not all(map(math.isfinite, bo.values())):  # an oracle older than #16: NaN on rows that see no key
+                worst_exact = max(worst_exact, float(((x - y).abs()[fin] / y.abs().max()).max()))
+        bo, bn = _bounds(c, oexact, obase), _bounds(c, nexact, nbase)
+        # an oracle older than #16: NaN on rows that see no key
+        if not all(map(math.isfinite, bo.values())):
             skipped += 1
             continue
         for t in TENSORS:
             ratios[t].append(bn[t] / bo[t])
-    print(f"{len(cases)} cases (the W=4 battery + {a.medium} medium); old oracle: {a.rev}; {skipped} skipped "
-          "(rows that see no key: the old oracle's bounds were not finite)")
-    print(f"float64 reference: largest |new - old| / max|old| over every tensor and case: {worst_ref:.2e}")
+    print(
+        f"{len(cases)} cases (the W=4 battery + {a.medium} medium); old oracle: {a.rev}; "
+        f"{skipped} skipped "
+        "(rows that see no key: the old oracle's bounds were not finite)"
+    )
+    print(
+        "exact (float64) outputs: largest |new - old| / max|old| over every tensor and case: "
+        f"{worst_exact:.2e}"
+    )
     print("tolerance bound new / old per tensor: min, median, max")
     for t in TENSORS:
         r = sorted(ratios[t])

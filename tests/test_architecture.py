@@ -12,12 +12,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT = shutil.which("lint-imports")
-pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is a dev dependency: pip install -e '.[dev]'")
+pytestmark = pytest.mark.skipif(
+    LINT is None, reason="import-linter is a dev dependency: pip install -e '.[dev]'"
+)
 
 
 def _lint(cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([LINT, "--no-cache"], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(cwd)})
+    return subprocess.run(
+        [LINT, "--no-cache"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(cwd)},
+    )
 
 
 def _copy(tmp: Path) -> Path:
@@ -33,11 +41,25 @@ def test_contracts_hold_on_the_tree(tmp_path):
     assert "0 broken" in p.stdout
 
 
-@pytest.mark.parametrize(("module", "planted", "contract"), [
-    ("harness/ranks/worker.py", "from harness.judging import oracle", "Rank-side code never imports"),
-    ("harness/judging/tolerance.py", "from harness.checks import report", "Layers"),
-    ("harness/case.py", "from harness.commands import cli", "Layers"),
-])
+@pytest.mark.parametrize(
+    ("module", "planted", "contract"),
+    [
+        (
+            "harness/ranks/worker.py",
+            "from harness.judging import verdicts",
+            "Rank-side code never imports",
+        ),
+        # the ranks compute the oracle's shares: the oracle is rank-side code, below the ranks
+        (
+            "harness/oracle/shares.py",
+            "from harness.checks import report",
+            "Rank-side code never imports",
+        ),
+        ("harness/oracle/tiles.py", "from harness.ranks import pool", "Layers"),
+        ("harness/judging/tolerance.py", "from harness.checks import report", "Layers"),
+        ("harness/case.py", "from harness.commands import cli", "Layers"),
+    ],
+)
 def test_a_planted_upward_import_breaks_a_contract(tmp_path, module, planted, contract):
     root = _copy(tmp_path)
     path = root / module

@@ -1,5 +1,5 @@
-"""The suite's time budget (tests/budget.py): the sum of test durations is printed with the slowest tests,
-and a run whose sum passes --time-budget fails even when every test passed."""
+"""The suite's time budget (tests/budget.py): the sum of test durations is printed with the slowest
+tests, and a run whose sum passes --time-budget fails even when every test passed."""
 
 from __future__ import annotations
 

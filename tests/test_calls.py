@@ -1,5 +1,6 @@
-"""The calls and input forms of a case (harness.calls), the value kinds of trained models (harness.inputs),
-and what the capability rule does with them (issue #40). No ranks: a single process."""
+"""The calls and input forms of a case (harness.calls), the value kinds of trained models
+(harness.inputs), and what the capability rule does with them (issue #40). No ranks: a single
+process."""
 
 from __future__ import annotations
 
@@ -50,8 +51,13 @@ def test_each_call_runs_the_forward_its_way(call):
     if calls.needs_backward(call):
         out.sum().backward()
         assert x.leaves[0].grad is not None
-    first = {"train": (True, False), "no-grad": (False, False), "inference-mode": (False, True),
-             "checkpoint-reentrant": (False, False), "checkpoint": (True, False)}[call]
+    first = {
+        "train": (True, False),
+        "no-grad": (False, False),
+        "inference-mode": (False, True),
+        "checkpoint-reentrant": (False, False),
+        "checkpoint": (True, False),
+    }[call]
     assert seen[0] == first
     assert len(seen) == (2 if call.startswith("checkpoint") else 1)  # the recompute inside backward
 
@@ -59,7 +65,9 @@ def test_each_call_runs_the_forward_its_way(call):
 def test_call_and_inputs_are_case_fields_kept_out_of_old_files():
     plain = make_case(world_size=2, total_len=6)
     assert "call" not in case_mod.to_dict(plain) and "inputs" not in case_mod.to_dict(plain)
-    c = make_case(world_size=2, total_len=6, call="checkpoint-reentrant", inputs="fused-qkv", values="sink")
+    c = make_case(
+        world_size=2, total_len=6, call="checkpoint-reentrant", inputs="fused-qkv", values="sink"
+    )
     back, _ = case_mod.loads(case_mod.dumps(c))
     assert back == c and "call=checkpoint-reentrant inputs=fused-qkv" in c.summary()
     with pytest.raises(HarnessError, match="case field 'call'"):
@@ -78,7 +86,8 @@ def test_a_forward_only_ring_gets_forward_only_calls_and_a_probe_of_backward():
     assert unsupported(fwd, serve) == [] and adapt(fwd, serve) == serve
     assert "backward" in case_features(train) and "call:inference-mode" in case_features(serve)
     assert feature_words("backward", fwd) == "a backward pass (a training or checkpointed call)"
-    assert adapt(fwd, train.replace(inputs="strided-dout")).inputs == "contiguous"  # no backward, no dout
+    # no backward, no dout
+    assert adapt(fwd, train.replace(inputs="strided-dout")).inputs == "contiguous"
     assert adapt(fwd, train.replace(inputs="fused-qkv")).inputs == "fused-qkv"
 
 
@@ -100,7 +109,8 @@ def test_qk_overflow_passes_fp16_range_while_scaled_logits_stay_finite(head_dim,
     raw = torch.einsum("bqhd,bkhd->bhqk", q, k)
     scaled = raw.abs().max() * c.scale
     assert scaled < 0.51 * inputs.FP16_MAX
-    if c.scale <= 0.4:  # head_dim 7 and up; a larger scale holds the product so the logits stay in range
+    # head_dim 7 and up; a larger scale holds the product so the logits stay in range
+    if c.scale <= 0.4:
         assert raw.abs().min() > inputs.FP16_MAX
 
 
@@ -114,4 +124,4 @@ def test_a_sink_takes_most_of_every_row_and_outliers_sit_in_their_channels():
     o = make_case(world_size=2, total_len=40, values="outliers", head_dim=16)
     x = inputs.make(o, "k", pos)
     ch = inputs.outlier_channels(16)
-    assert float(x[..., ch].abs().mean()) > 5 * float(x[..., :ch.start].abs().mean())
+    assert float(x[..., ch].abs().mean()) > 5 * float(x[..., : ch.start].abs().mean())

@@ -11,10 +11,23 @@ from ring_impl.masks import MaskSpec
 
 
 def test_round_trip_every_field(tmp_path):
-    c = make_case(world_size=3, seq_lens=(5, 1, 17), layout="zigzag", heads_q=4, heads_kv=2, head_dim=12,
-                  mask={"kind": "document", "doc_starts": [0, 4, 9], "causal": False}, dtype="bf16",
-                  softmax_scale=0.25, values="large", seed=99, group_offset=1, tolerance={"dq": 4.0},
-                  deadline_s=12.5, faults=({"kind": "delay", "rank": 1},))
+    c = make_case(
+        world_size=3,
+        seq_lens=(5, 1, 17),
+        layout="zigzag",
+        heads_q=4,
+        heads_kv=2,
+        head_dim=12,
+        mask={"kind": "document", "doc_starts": [0, 4, 9], "causal": False},
+        dtype="bf16",
+        softmax_scale=0.25,
+        values="large",
+        seed=99,
+        group_offset=1,
+        tolerance={"dq": 4.0},
+        deadline_s=12.5,
+        faults=({"kind": "delay", "rank": 1},),
+    )
     path = case_mod.save(c, tmp_path / "c.yaml", result={"verdict": "pass"}, note="a note")
     loaded, data = case_mod.load(path)
     assert loaded == c
@@ -28,27 +41,36 @@ def test_total_len_resolves_to_even_split():
     assert c.mask == MaskSpec("causal")
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("world_size: 2\nseq_lens: [3, 3]\nheads_q: 3\nheads_kv: 2\n", "'heads_kv'"),
-    ("world_size: 2\nseq_lens: [3]\n", "'seq_lens'"),
-    ("world_size: 2\nseq_lens: [0, 0]\n", "at least 1"),
-    ("world_size: 2\nseq_lens: [3, -1]\n", "'seq_lens'"),
-    ("world_size: 2\nseq_lens: [3, 3]\nlayout: spiral\n", "unknown layout 'spiral'"),
-    ("world_size: 2\nseq_lens: [3, 3]\ndtype: fp8\n", "unknown dtype 'fp8'"),
-    ("world_size: 2\nseq_lens: [3, 3]\nmask: {kind: window}\n", "window must be an integer"),
-    ("world_size: 2\nseq_lens: [3, 3]\nmask: {kind: document, doc_starts: [0, 9]}\n", "beyond the sequence"),
-    ("world_size: 2\nseq_lens: [3, 3]\nmask: {kind: document, doc_starts: [1, 3]}\n", "beginning with 0"),
-    ("world_size: 2\nseq_lens: [3, 3]\ncolour: red\n", "unknown case field(s): colour"),
-    ("world_size: two\nseq_lens: [3, 3]\n", "'world_size'"),
-    ("world_size: 2\nseq_lens: [3, 3]\ntolerance: {out: -1}\n", "'tolerance'"),
-    ("world_size: 2\nseq_lens: [3, 3]\nsoftmax_scale: .nan\n", "'softmax_scale'"),
-    ("world_size: 2\nseq_lens: [3, 3]\ndeadline_s: 0\n", "'deadline_s'"),
-    ("world_size: 2\nseq_lens: [3, 3]\nformat: 7\n", "unsupported case format"),
-    ("world_size: 2\ntotal_len: 6\nseq_lens: [3, 3]\n", "exclusive"),
-    ("- just\n- a list\n", "must be a mapping"),
-    ("", "empty case file"),
-    ("world_size: [1, 2\n", "malformed YAML"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("world_size: 2\nseq_lens: [3, 3]\nheads_q: 3\nheads_kv: 2\n", "'heads_kv'"),
+        ("world_size: 2\nseq_lens: [3]\n", "'seq_lens'"),
+        ("world_size: 2\nseq_lens: [0, 0]\n", "at least 1"),
+        ("world_size: 2\nseq_lens: [3, -1]\n", "'seq_lens'"),
+        ("world_size: 2\nseq_lens: [3, 3]\nlayout: spiral\n", "unknown layout 'spiral'"),
+        ("world_size: 2\nseq_lens: [3, 3]\ndtype: fp8\n", "unknown dtype 'fp8'"),
+        ("world_size: 2\nseq_lens: [3, 3]\nmask: {kind: window}\n", "window must be an integer"),
+        (
+            "world_size: 2\nseq_lens: [3, 3]\nmask: {kind: document, doc_starts: [0, 9]}\n",
+            "beyond the sequence",
+        ),
+        (
+            "world_size: 2\nseq_lens: [3, 3]\nmask: {kind: document, doc_starts: [1, 3]}\n",
+            "beginning with 0",
+        ),
+        ("world_size: 2\nseq_lens: [3, 3]\ncolour: red\n", "unknown case field(s): colour"),
+        ("world_size: two\nseq_lens: [3, 3]\n", "'world_size'"),
+        ("world_size: 2\nseq_lens: [3, 3]\ntolerance: {out: -1}\n", "'tolerance'"),
+        ("world_size: 2\nseq_lens: [3, 3]\nsoftmax_scale: .nan\n", "'softmax_scale'"),
+        ("world_size: 2\nseq_lens: [3, 3]\ndeadline_s: 0\n", "'deadline_s'"),
+        ("world_size: 2\nseq_lens: [3, 3]\nformat: 7\n", "unsupported case format"),
+        ("world_size: 2\ntotal_len: 6\nseq_lens: [3, 3]\n", "exclusive"),
+        ("- just\n- a list\n", "must be a mapping"),
+        ("", "empty case file"),
+        ("world_size: [1, 2\n", "malformed YAML"),
+    ],
+)
 def test_bad_case_gets_one_clear_line(text, needle):
     with pytest.raises(HarnessError) as e:
         case_mod.loads(text, "bad.yaml")
@@ -84,7 +106,8 @@ def test_key_is_stable_and_sensitive():
 
 
 def test_summary_states_the_total_and_the_per_rank_lengths():
-    """`L[1]` at W2 read as one token in total (issue #18): the summary says the total, then per rank."""
+    """`L[1]` at W2 read as one token in total (issue #18): the summary says the total, then per
+    rank."""
     from harness.case import make_case
 
     assert make_case(world_size=2, total_len=2).summary().endswith(" L2=1/rank")

@@ -1,4 +1,5 @@
-"""Per-token seeded inputs: a rank's shard is bit-identical to slicing the parent's global tensor."""
+"""Per-token seeded inputs: a rank's shard is bit-identical to slicing the parent's global
+tensor."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ from ring_impl.layouts import all_positions
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("values", ["normal", "large", "near-tie"])
 def test_shard_equals_global_slice(layout, values):
-    c = make_case(world_size=3, seq_lens=(70, 1, 90), layout=layout, heads_q=4, heads_kv=2, dtype="bf16",
-                  values=values, seed=7)
+    c = make_case(
+        world_size=3,
+        seq_lens=(70, 1, 90),
+        layout=layout,
+        heads_q=4,
+        heads_kv=2,
+        dtype="bf16",
+        values=values,
+        seed=7,
+    )
     g = inputs.make_global(c)
     for pos in all_positions(layout, c.seq_lens):
         for name in inputs.NAMES:
@@ -43,8 +52,9 @@ def test_leak_queries_are_short_runs_inside_the_sequence():
 
 
 def test_leak_queries_add_a_run_past_the_dtypes_exact_integers_and_keep_the_others():
-    """Past 256 (bf16) / 2048 (fp16) a position computed in the input dtype rounds: one run of queries is there,
-    drawn after the first two, so a case that stays within the exact integers keeps its queries."""
+    """Past 256 (bf16) / 2048 (fp16) a position computed in the input dtype rounds: one run of
+    queries is there, drawn after the first two, so a case that stays within the exact integers
+    keeps its queries."""
     short = make_case(world_size=2, total_len=250, mask={"kind": "causal"}, dtype="bf16", seed=3)
     long = short.replace(seq_lens=(300, 300))
     a, b = inputs.leak_queries(short).tolist(), inputs.leak_queries(long).tolist()

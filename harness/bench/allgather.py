@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from harness.context import Capabilities, Impl, RunContext
 from ring_impl.kernel import block_backward, block_forward
-from ring_impl.masks import allowed
+from ring_impl.mask_eval import allowed
 
 
 def _gather(x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
@@ -24,7 +24,8 @@ def _gather(x: torch.Tensor, ctx: RunContext) -> torch.Tensor:
     lmax = max(ctx.lengths)
     pad = x.new_zeros(x.shape[:2] + (lmax,) + x.shape[3:])
     pad[:, :, : x.shape[2]] = x
-    out = x.new_empty((ctx.world_size * pad.shape[0],) + tuple(pad.shape[1:]))  # ranks stacked along dim 0
+    # ranks stacked along dim 0
+    out = x.new_empty((ctx.world_size * pad.shape[0],) + tuple(pad.shape[1:]))
     if ctx.world_size == 1:
         out.copy_(pad)
     else:
@@ -59,14 +60,16 @@ class _AllGatherAttention(torch.autograd.Function):
         grads = dk.new_zeros((ctx.world_size, 2) + dk.shape[:1] + (lmax,) + dk.shape[2:])
         start = 0
         for r, n in enumerate(ctx.lengths):
-            grads[r, 0, :, :n] = dk[:, start:start + n]
-            grads[r, 1, :, :n] = dv[:, start:start + n]
+            grads[r, 0, :, :n] = dk[:, start : start + n]
+            grads[r, 1, :, :n] = dv[:, start : start + n]
             start += n
         mine = grads.new_empty(grads.shape[1:])
         if ctx.world_size == 1:
             mine.copy_(grads[0])
         else:
-            dist.reduce_scatter_tensor(mine, grads.view((-1,) + tuple(grads.shape[2:])), group=ctx.group)
+            dist.reduce_scatter_tensor(
+                mine, grads.view((-1,) + tuple(grads.shape[2:])), group=ctx.group
+            )
         n = ctx.lengths[ctx.rank]
         dtype = q.dtype
         return dq.to(dtype), mine[0, :, :n].to(dtype), mine[1, :, :n].to(dtype), None
@@ -79,4 +82,6 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext):
 
 def impl() -> Impl:
     """`harness.bench.allgather:impl`: the all-gather baseline as a harness implementation."""
-    return Impl(name="allgather-cp", run=run, capabilities=Capabilities(returns_lse=True), version="bench")
+    return Impl(
+        name="allgather-cp", run=run, capabilities=Capabilities(returns_lse=True), version="bench"
+    )

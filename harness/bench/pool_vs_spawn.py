@@ -2,9 +2,9 @@
 
 The same small cases (W=4, total length <= 256) run (a) on one warm RankPool, (b) on a fresh
 RankPool per case, its workers fresh interpreters, (c) under torch.multiprocessing.spawn per case
-(rendezvous, run, tear down: what per-test multi-process harnesses do) and (d) on a fresh RankPool per
-case whose workers are forked from the zygote (what a fresh-rank confirmation costs now). Blocks of
-pool cases are interleaved with the others. Per-case overhead = the case's wall time minus its
+(rendezvous, run, tear down: what per-test multi-process harnesses do) and (d) on a fresh RankPool
+per case whose workers are forked from the zygote (what a fresh-rank confirmation costs now). Blocks
+of pool cases are interleaved with the others. Per-case overhead = the case's wall time minus its
 in-rank compute (the slowest rank's forward + backward, leak run included); every case is judged the
 same way on every path.
 """
@@ -22,18 +22,23 @@ import torch
 
 from harness.bench.timing import Figure, Target, fmt, load_line, median, proc_cpu_s, self_cpu_s
 from harness.case import Case, make_case, to_dict
-from harness.judging.oracle import references
 from harness.judging.verdicts import judge
+from harness.oracle import cache
+from harness.oracle.mode import oracle_threads
 from harness.ranks import zygote
 from harness.ranks.pool import PoolReply, RankPool
 from harness.result import CaseResult
-from harness.runner import oracle_threads, run_case
+from harness.runner import run_case
 from ring_impl.masks import MaskSpec
 
 WORLD = 4
 LENGTHS = (64, 128, 192, 256)
-MASKS = (MaskSpec("causal"), MaskSpec("none"), MaskSpec("window", window=24),
-         MaskSpec("document", doc_starts=(0, 29, 70)))
+MASKS = (
+    MaskSpec("causal"),
+    MaskSpec("none"),
+    MaskSpec("window", window=24),
+    MaskSpec("document", doc_starts=(0, 29, 70)),
+)
 LAYOUTS = ("zigzag", "contiguous", "striped")
 DTYPES = ("fp32", "bf16", "fp32", "fp16")
 
@@ -43,30 +48,49 @@ def small_cases(n: int, seed0: int = 1) -> list[Case]:
     out = []
     for i in range(n):
         gqa = i % 2 == 1
-        out.append(make_case(world_size=WORLD, total_len=LENGTHS[i % len(LENGTHS)], layout=LAYOUTS[i % 3],
-                             mask=MASKS[i % len(MASKS)], dtype=DTYPES[i % len(DTYPES)],
-                             heads_q=4 if gqa else 2, heads_kv=2, head_dim=32 if gqa else 16,
-                             seed=seed0 + i, deadline_s=120.0))
+        out.append(
+            make_case(
+                world_size=WORLD,
+                total_len=LENGTHS[i % len(LENGTHS)],
+                layout=LAYOUTS[i % 3],
+                mask=MASKS[i % len(MASKS)],
+                dtype=DTYPES[i % len(DTYPES)],
+                heads_q=4 if gqa else 2,
+                heads_kv=2,
+                head_dim=32 if gqa else 16,
+                seed=seed0 + i,
+                deadline_s=120.0,
+            )
+        )
     return out
 
 
 def rank_compute_s(r: CaseResult) -> float:
     """The slowest rank's in-rank compute: forward + backward, plus the leak run's."""
-    per = [v.get("forward_s", 0.0) + v.get("backward_s", 0.0) + v.get("leak_s", 0.0)
-           for k, v in r.timings.items() if k.startswith("rank") and isinstance(v, dict)]
+    per = [
+        v.get("forward_s", 0.0) + v.get("backward_s", 0.0) + v.get("leak_s", 0.0)
+        for k, v in r.timings.items()
+        if k.startswith("rank") and isinstance(v, dict)
+    ]
     return max(per) if per else 0.0
 
 
 # -- (c) torch.multiprocessing.spawn per case ------------------------------------------------------
 def _spawn_rank(rank: int, size: int, workdir: str, msg: dict) -> None:
-    """One spawned rank: rendezvous, run the case exactly as a pool worker would, write the reply."""
+    """One spawned rank: rendezvous, run the case exactly as a pool worker would, write the
+    reply."""
     import torch.distributed as dist
 
-    from harness.ranks.worker import Groups, handle_case
+    from harness.ranks.execute import Groups, handle_case
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(workdir, "store"), size), rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(os.path.join(workdir, "store"), size),
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         reply = handle_case(msg, rank, Groups("gloo"), torch.device("cpu"), {}, workdir)
     finally:
@@ -76,21 +100,33 @@ def _spawn_rank(rank: int, size: int, workdir: str, msg: dict) -> None:
 
 
 def spawn_case(case: Case) -> CaseResult:
-    """Run and judge one case on freshly spawned ranks (torch.multiprocessing.spawn); none outlive it."""
+    """Run and judge one case on freshly spawned ranks (torch.multiprocessing.spawn); none outlive
+    it."""
     import torch.multiprocessing as mp
 
     workdir = tempfile.mkdtemp(prefix="ring-bench-spawn-")
-    msg = {"op": "run", "case": to_dict(case), "impl": case.impl, "allow_import": False, "leak": True,
-           "case_id": 1}
+    msg = {
+        "op": "run",
+        "case": to_dict(case),
+        "impl": case.impl,
+        "allow_import": False,
+        "leak": True,
+        "case_id": 1,
+    }
     t0 = time.monotonic()
-    ctx = mp.start_processes(_spawn_rank, args=(case.pool_size, workdir, msg), nprocs=case.pool_size,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _spawn_rank,
+        args=(case.pool_size, workdir, msg),
+        nprocs=case.pool_size,
+        join=False,
+        start_method="spawn",
+    )
     try:
         threads = torch.get_num_threads()
         torch.set_num_threads(oracle_threads(case.world_size))
         try:
             o0 = time.perf_counter()
-            references(case)  # overlapped with the ranks, as run_case does
+            pair = cache.outputs(case)  # overlapped with the ranks, as run_case does
             oracle_s = time.perf_counter() - o0
         finally:
             torch.set_num_threads(threads)
@@ -103,7 +139,7 @@ def spawn_case(case: Case) -> CaseResult:
             with open(os.path.join(workdir, f"reply-{r}.pkl"), "rb") as f:
                 replies[r] = pickle.load(f)
         reply = PoolReply(replies=replies, wall_s=time.monotonic() - t0, restarted=True)
-        return judge(case, case.impl, reply, oracle_s)
+        return judge(case, case.impl, reply, pair, oracle_s)
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -141,7 +177,8 @@ def run(quick: bool = False) -> Figure:
     """Measure the figure; `quick` runs a handful of cases (smoke test)."""
     n_pool, rounds = (8, 1) if quick else (80, 4)
     cases = small_cases(n_pool)
-    spawn_cases = small_cases(rounds, seed0=10_000)  # other seeds: no oracle cache hits across paths
+    # other seeds: no oracle cache hits across paths
+    spawn_cases = small_cases(rounds, seed0=10_000)
     walls: dict[str, list[float]] = {"pool": [], "fresh-pool": [], "mp.spawn": [], "forked": []}
     over: dict[str, list[float]] = {k: [] for k in walls}
     verdicts: dict[str, int] = {}
@@ -151,43 +188,72 @@ def run(quick: bool = False) -> Figure:
         pool.start()
         for c in small_cases(2, seed0=20_000):  # warm-up: first calls, lazily created groups
             run_case(c, pool)
-        forked_pool_case(small_cases(1, seed0=30_000)[0])  # warm-up: the zygote's own start is paid once
+        # warm-up: the zygote's own start is paid once
+        forked_pool_case(small_cases(1, seed0=30_000)[0])
         for i in range(rounds):
             c0 = self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids())
             t0 = time.perf_counter()
-            for c in cases[i * block:(i + 1) * block]:
+            for c in cases[i * block : (i + 1) * block]:
                 wall, r = _timed(lambda c: run_case(c, pool), c)
                 walls["pool"].append(wall)
                 over["pool"].append(wall - rank_compute_s(r))
                 verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
             pool_wall += time.perf_counter() - t0
             pool_cpu += self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids()) - c0
-            order = (("fresh-pool", fresh_pool_case), ("mp.spawn", spawn_case), ("forked", forked_pool_case))
-            for name, fn in (order if i % 2 == 0 else order[::-1]):
+            order = (
+                ("fresh-pool", fresh_pool_case),
+                ("mp.spawn", spawn_case),
+                ("forked", forked_pool_case),
+            )
+            for name, fn in order if i % 2 == 0 else order[::-1]:
                 wall, r = _timed(fn, spawn_cases[i])
                 walls[name].append(wall)
                 over[name].append(wall - rank_compute_s(r))
                 verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
     n_done = block * rounds
     med = {k: median(v) for k, v in over.items()}
-    spawn_name = min(("fresh-pool", "mp.spawn"), key=lambda k: med[k])  # the cheaper spawn: the harder bound
+    # the cheaper spawn: the harder bound
+    spawn_name = min(("fresh-pool", "mp.spawn"), key=lambda k: med[k])
     ratio = med["pool"] / med[spawn_name]
     rate = n_done / pool_wall
     cpu_case = pool_cpu / n_done
     cores = os.cpu_count() or 1
-    fig = Figure("pool_vs_spawn", f"persistent pool vs fresh ranks per case ({n_done} pool cases, "
-                                  f"{len(spawn_cases)} per spawn path; W={WORLD}, L={'/'.join(map(str, LENGTHS))})")
+    fig = Figure(
+        "pool_vs_spawn",
+        f"persistent pool vs fresh ranks per case ({n_done} pool cases, "
+        f"{len(spawn_cases)} per spawn path; W={WORLD}, "
+        f"L={'/'.join(map(str, LENGTHS))})",
+    )
     for k in walls:
-        fig.lines.append(f"{k:<10} per case: wall {fmt(median(walls[k]) * 1e3)} ms, overhead (wall - in-rank "
-                         f"compute) {fmt(med[k] * 1e3)} ms  [median of {len(walls[k])}]")
-    fig.lines.append(f"pool: {fmt(rate)} cases/s measured; CPU (parent + ranks) {fmt(cpu_case * 1e3)} ms/case "
-                     f"-> {fmt(cores / cpu_case)} cases/s if the {cores} cores were the harness's alone")
+        fig.lines.append(
+            f"{k:<10} per case: wall {fmt(median(walls[k]) * 1e3)} ms, overhead (wall "
+            "- in-rank "
+            f"compute) {fmt(med[k] * 1e3)} ms  [median of {len(walls[k])}]"
+        )
+    fig.lines.append(
+        f"pool: {fmt(rate)} cases/s measured; CPU (parent + ranks) "
+        f"{fmt(cpu_case * 1e3)} ms/case "
+        f"-> {fmt(cores / cpu_case)} cases/s if the {cores} cores were the harness's "
+        "alone"
+    )
     fig.lines.append(f"verdicts: {verdicts}")
     fig.lines.append(load_line())
-    fig.targets = [Target(f"pool / {spawn_name} per-case overhead", ratio, "<=", 0.05),
-                   Target("small cases/s on the pool", rate, ">=", 10.0),
-                   Target(f"forked / {spawn_name} per-case overhead (fresh ranks forked from a zygote)",
-                          med["forked"] / med[spawn_name], "<=", 0.25)]
-    fig.data = {"walls": walls, "overheads": over, "pool_cases_per_s": rate, "cpu_per_case_s": cpu_case,
-                "verdicts": verdicts, "load": os.getloadavg()}
+    fig.targets = [
+        Target(f"pool / {spawn_name} per-case overhead", ratio, "<=", 0.05),
+        Target("small cases/s on the pool", rate, ">=", 10.0),
+        Target(
+            f"forked / {spawn_name} per-case overhead (fresh ranks forked from a zygote)",
+            med["forked"] / med[spawn_name],
+            "<=",
+            0.25,
+        ),
+    ]
+    fig.data = {
+        "walls": walls,
+        "overheads": over,
+        "pool_cases_per_s": rate,
+        "cpu_per_case_s": cpu_case,
+        "verdicts": verdicts,
+        "load": os.getloadavg(),
+    }
     return fig

@@ -30,16 +30,29 @@ class Target:
 
     @property
     def met(self) -> bool:
-        return {"<": self.value < self.bound, "<=": self.value <= self.bound, ">=": self.value >= self.bound}[self.op]
+        return {
+            "<": self.value < self.bound,
+            "<=": self.value <= self.bound,
+            ">=": self.value >= self.bound,
+        }[self.op]
 
     def line(self) -> str:
         """e.g. 'pool / spawn per-case overhead = 0.012  target <= 0.05  MET'."""
-        return (f"{self.label} = {fmt(self.value)}{self.unit}   target {self.op} {fmt(self.bound)}{self.unit}   "
-                f"{'MET' if self.met else 'MISSED'}")
+        return (
+            f"{self.label} = {fmt(self.value)}{self.unit}   target {self.op} "
+            f"{fmt(self.bound)}{self.unit}   "
+            f"{'MET' if self.met else 'MISSED'}"
+        )
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "value": self.value, "op": self.op, "bound": self.bound, "unit": self.unit,
-                "met": self.met}
+        return {
+            "label": self.label,
+            "value": self.value,
+            "op": self.op,
+            "bound": self.bound,
+            "unit": self.unit,
+            "met": self.met,
+        }
 
 
 @dataclass
@@ -60,8 +73,14 @@ class Figure:
         return out
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "title": self.title, "lines": self.lines,
-                "targets": [t.to_dict() for t in self.targets], "data": self.data, "seconds": self.seconds}
+        return {
+            "name": self.name,
+            "title": self.title,
+            "lines": self.lines,
+            "targets": [t.to_dict() for t in self.targets],
+            "data": self.data,
+            "seconds": self.seconds,
+        }
 
 
 def fmt(x: float) -> str:
@@ -85,7 +104,7 @@ def interleaved(fns: dict[str, Callable[[], float | None]], reps: int) -> dict[s
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(reps):
-        order = names[i % len(names):] + names[: i % len(names)]
+        order = names[i % len(names) :] + names[: i % len(names)]
         for n in order:
             t0 = time.perf_counter()
             got = fns[n]()
@@ -110,21 +129,33 @@ def self_cpu_s() -> float:
 
 
 def load_line() -> str:
-    """The machine's load averages and core count, printed with timings measured on a shared host."""
+    """The machine's load averages and core count, printed with timings measured on a shared
+    host."""
     one, five, _ = os.getloadavg()
     return f"host: {os.cpu_count()} cores, load average {one:.1f} (1 min) / {five:.1f} (5 min)"
 
 
-def in_fresh_process(module: str, args: list[str], what: str, timeout_s: float = 1800.0,
-                     env: dict[str, str] | None = None) -> dict:
-    """Run `python -m module *args --parent PID` in a fresh process of its own session (one torch thread, this
-    checkout first on PYTHONPATH, `env` added; killed as a group past `timeout_s`) and return the JSON object it
-    prints last: a figure measured with its own baseline and high-water mark."""
+def in_fresh_process(
+    module: str,
+    args: list[str],
+    what: str,
+    timeout_s: float = 1800.0,
+    env: dict[str, str] | None = None,
+) -> dict:
+    """Run `python -m module *args --parent PID` in a fresh process of its own session (one torch
+    thread, this checkout first on PYTHONPATH, `env` added; killed as a group past `timeout_s`) and
+    return the JSON object it prints last: a figure measured with its own baseline and high-water
+    mark."""
     root = str(Path(__file__).resolve().parents[2])
     full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [root, full.get("PYTHONPATH")]))
-    p = subprocess.Popen([sys.executable, "-m", module, *args, "--parent", str(os.getpid())], env=full,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", module, *args, "--parent", str(os.getpid())],
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout_s)
     finally:

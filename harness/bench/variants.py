@@ -27,24 +27,41 @@ def _local_comm(group, peers, tag: int) -> LocalComm:
 
 def _stub_forward(q, k, v, scale, mask=None, *, kv_heads=None):
     b, n, h, _ = q.shape
-    return q.new_zeros((b, n, h, v.shape[-1]), dtype=torch.float32), q.new_zeros((b, h, n), dtype=torch.float32)
+    return q.new_zeros((b, n, h, v.shape[-1]), dtype=torch.float32), q.new_zeros(
+        (b, h, n), dtype=torch.float32
+    )
 
 
 def _stub_backward(dout, q, k, v, out, lse, scale, mask=None, *, kv_heads=None):
     f32 = torch.float32
-    return q.new_zeros(q.shape, dtype=f32), k.new_zeros(k.shape, dtype=f32), v.new_zeros(v.shape, dtype=f32)
+    return (
+        q.new_zeros(q.shape, dtype=f32),
+        k.new_zeros(k.shape, dtype=f32),
+        v.new_zeros(v.shape, dtype=f32),
+    )
 
 
 NO_TRANSFERS = dataclasses.replace(REFERENCE_PARTS, comm=_local_comm)
-TRANSFERS_ONLY = dataclasses.replace(REFERENCE_PARTS, block_forward=_stub_forward, block_backward=_stub_backward)
+TRANSFERS_ONLY = dataclasses.replace(
+    REFERENCE_PARTS, block_forward=_stub_forward, block_backward=_stub_backward
+)
 
 
 def _impl(name: str, parts) -> Impl:
     attn = make_ring_attention(parts)
 
     def run(q, k, v, ctx: RunContext):
-        return attn(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
-                    softmax_scale=ctx.softmax_scale, return_lse=True)
+        return attn(
+            q,
+            k,
+            v,
+            group=ctx.group,
+            layout=ctx.layout,
+            lengths=ctx.lengths,
+            mask=ctx.mask,
+            softmax_scale=ctx.softmax_scale,
+            return_lse=True,
+        )
 
     return Impl(name=name, run=run, capabilities=REFERENCE_CAPABILITIES, version="bench")
 

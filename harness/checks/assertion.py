@@ -1,4 +1,5 @@
-"""`assert_ring_close`: one call for a user's own test, in the spirit of `torch.testing.assert_close`.
+"""`assert_ring_close`: one call for a user's own test, in the spirit of
+`torch.testing.assert_close`.
 
     from harness import assert_ring_close
     assert_ring_close("mypkg.attn:my_ring")                       # the fixed battery, adapted
@@ -6,12 +7,13 @@
     assert_ring_close("mypkg.attn:my_ring", "cases/my-bug.yaml")   # one saved case
     assert_ring_close("mypkg.attn:my_ring", make_case(world_size=4, total_len=29, mask={"kind": "causal"}))
 
-Runs the case (or the default fixed battery, adapted to the implementation's declared capabilities,
-as `ring-harness check` does) on a rank pool (yours, or one opened and closed here) and raises an
-AssertionError whose message is the localised report of every failing case: the verdict and case,
-the worst error per rank and tensor with its global position, where the errors concentrate (rank or
-chunk boundaries, the causal diagonal, one ring step) and, with `save_dir`, the saved YAML that
-`ring-harness replay` re-runs. Returns the results when every case passes. No pytest needed.
+Runs the case (or the default fixed battery, adapted to the implementation's declared
+capabilities, as `ring-harness check` does) on a rank pool (yours, or one opened and closed here)
+and raises an AssertionError whose message is the localised report of every failing case: the
+verdict and case, the worst error per rank and tensor with its global position, where the errors
+concentrate (rank or chunk boundaries, the causal diagonal, one ring step) and, with `save_dir`,
+the saved YAML that `ring-harness replay` re-runs. Returns the results when every case passes. No
+pytest needed.
 """
 
 from __future__ import annotations
@@ -25,20 +27,28 @@ from harness.errors import HarnessError
 from harness.result import CaseResult
 
 
-def _cases(impl: str, case: Case | str | os.PathLike | None, world_size: int, dtype: str | None,
-           allow_import: bool) -> list[Case]:
-    from harness.checks.check import battery_plan
+def _cases(
+    impl: str,
+    case: Case | str | os.PathLike | None,
+    world_size: int,
+    dtype: str | None,
+    allow_import: bool,
+) -> list[Case]:
     from harness.checks.options import CheckOptions
+    from harness.checks.stages import battery
     from harness.impls import registry
 
     if case is None:
         caps = registry.resolve(impl, allow_import=allow_import).capabilities
-        return battery_plan(CheckOptions(impl=impl, world_size=world_size, dtype=dtype), caps)[0]
+        return battery.plan(CheckOptions(impl=impl, world_size=world_size, dtype=dtype), caps)[0]
     if isinstance(case, Case):
         return [case]
     if isinstance(case, (str, os.PathLike)):
         return [case_mod.load(Path(case))[0]]
-    raise HarnessError(f"assert_ring_close: case must be a Case, a case file path or None, got {type(case).__name__}")
+    raise HarnessError(
+        "assert_ring_close: case must be a Case, a case file path or None, got "
+        f"{type(case).__name__}"
+    )
 
 
 def failure_message(results: list[CaseResult], pool, impl: str, saved: dict[int, str]) -> str:
@@ -49,29 +59,39 @@ def failure_message(results: list[CaseResult], pool, impl: str, saved: dict[int,
     bad = [r for r in results if not r.passed]
     lines = [f"{impl}: {len(bad)} of {len(results)} case(s) failed against float64 attention"]
     for i, r in enumerate(bad):
-        lines.append(f"{r.verdict}: {r.case.summary()}" + (f" (saved {saved[i]})" if i in saved else ""))
+        lines.append(
+            f"{r.verdict}: {r.case.summary()}" + (f" (saved {saved[i]})" if i in saved else "")
+        )
         lines += report.details(r)
         if r.checks:
             lines += localise.lines(localise.localise(r, pool, probes=False))
     return "\n".join(lines)
 
 
-def assert_ring_close(impl, case: Case | str | os.PathLike | None = None, *, pool=None,
-                      world_size: int = 4, dtype: str | None = None, save_dir: str | None = None
-                      ) -> list[CaseResult]:
-    """Assert that `impl` (a built-in name, "package.module:attr", or an Impl or run function defined at the top
-    level of an importable module: the ranks import it) matches float64 attention on `case` (a Case, a case file,
-    or None: the default battery); see the module docstring. Raises AssertionError with the localised report,
-    HarnessError on bad input."""
+def assert_ring_close(
+    impl,
+    case: Case | str | os.PathLike | None = None,
+    *,
+    pool=None,
+    world_size: int = 4,
+    dtype: str | None = None,
+    save_dir: str | None = None,
+) -> list[CaseResult]:
+    """Assert that `impl` (a built-in name, "package.module:attr", or an Impl or run function
+    defined at the top level of an importable module: the ranks import it) matches float64 attention
+    on `case` (a Case, a case file, or None: the default battery); see the module docstring. Raises
+    AssertionError with the localised report, HarnessError on bad input."""
     from harness.impls import registry
     from harness.ranks.pool import RankPool
     from harness.result import save_result
     from harness.runner import run_case
 
-    if not isinstance(impl, str):  # an Impl or a run function: by its module-level name, which the ranks import
+    # an Impl or a run function: by its module-level name, which the ranks import
+    if not isinstance(impl, str):
         impl = registry.module_path_of(impl)
     allow_import = registry.is_module_path(impl)
-    registry.resolve(impl, allow_import=allow_import)  # unknown name, missing extra: one clear error
+    # unknown name, missing extra: one clear error
+    registry.resolve(impl, allow_import=allow_import)
     cases = _cases(impl, case, world_size, dtype, allow_import)
     own = pool is None
     if own:

@@ -1,5 +1,5 @@
-"""The capability matrix `check` prints: per feature, declared or not, how many battery cases used it
-and passed or failed, and what a probe of an undeclared feature really did (`PROBE_OUTCOMES`)."""
+"""The capability matrix `check` prints: per feature, declared or not, how many battery cases used
+it and passed or failed, and what a probe of an undeclared feature really did (`PROBE_OUTCOMES`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from harness.judging.verdicts import PROBE_OUTCOMES
 
 @dataclass
 class MatrixRow:
-    """One row of the capability matrix: a feature, whether it is declared, and how runs using it went."""
+    """One row of the capability matrix: a feature, whether it is declared, and how runs using it
+    went."""
 
     feature: str
     declared: bool
@@ -22,9 +23,11 @@ class MatrixRow:
     probes: dict[str, int] = field(default_factory=dict)  # verdict -> count, for undeclared probes
 
 
-def matrix(caps: Capabilities, results: list, probe_results: list, not_probed: list[str] = ()) -> list[MatrixRow]:
-    """Aggregate case results by feature; probe results are cases using exactly one undeclared feature;
-    `not_probed`: undeclared features the battery uses that no case isolates."""
+def matrix(
+    caps: Capabilities, results: list, probe_results: list, not_probed: list[str] = ()
+) -> list[MatrixRow]:
+    """Aggregate case results by feature; probe results are cases using exactly one undeclared
+    feature; `not_probed`: undeclared features the battery uses that no case isolates."""
     rows: dict[str, MatrixRow] = {}
     probed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in results:
@@ -48,11 +51,17 @@ def matrix(caps: Capabilities, results: list, probe_results: list, not_probed: l
 def format_matrix(rows: list[MatrixRow]) -> list[str]:
     """The matrix as text lines, one per feature, with a header."""
     w = max([20, *(len(row.feature) for row in rows)])
-    lines = [f"{'feature':<{w}} {'declared':<9} {'passed':>6} {'failed':>6}  probe of an undeclared feature"]
+    lines = [
+        f"{'feature':<{w}} {'declared':<9} {'passed':>6} {'failed':>6}  probe of an undeclared feature"
+    ]
     for row in rows:
-        probe = ", ".join(f"{n} x {PROBE_OUTCOMES.get(v, v)}" for v, n in sorted(row.probes.items()))
+        probe = ", ".join(
+            f"{n} x {PROBE_OUTCOMES.get(v, v)}" for v, n in sorted(row.probes.items())
+        )
         if "not probed" in row.probes:
             probe = "not probed: no battery case changes this feature alone"
-        lines.append(f"{row.feature:<{w}} {'yes' if row.declared else 'no':<9} {row.passed:>6} {row.failed:>6}  "
-                     f"{probe or '-'}")
+        lines.append(
+            f"{row.feature:<{w}} {'yes' if row.declared else 'no':<9} {row.passed:>6} {row.failed:>6}  "
+            f"{probe or '-'}"
+        )
     return lines

@@ -1,6 +1,7 @@
-"""The fault battery (`ring-harness check --faults KINDS`): run its cases (harness.search.fault_battery),
-tally every verdict by fault kind, probe the pool's healing after each failed case, measure the
-straggler slowdown, and check that no worker process was left behind (checked, not assumed)."""
+"""The fault battery (`ring-harness check --faults KINDS`): run its cases
+(harness.search.fault_battery), tally every verdict by fault kind, probe the pool's healing after
+each failed case, measure the straggler slowdown, and check that no worker process was left behind
+(checked, not assumed)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from harness.impls import registry
 from harness.impls.capabilities import adapt
 from harness.judging.verdicts import case_expected
 from harness.ranks.leftovers import leftover_workers
-from harness.result import VERDICTS, save_result
+from harness.result import VERDICTS, Verdict, save_result
 from harness.runner import run_case
 from harness.search import fault_battery as gen
 from ring_impl.masks import MaskSpec
@@ -35,12 +36,19 @@ class BatteryOutcome:
     over_deadline: list[str] = field(default_factory=list)
     pids: set[int] = field(default_factory=set)
     seconds: float = 0.0
-    leftovers: list[str] = field(default_factory=list)  # worker processes still alive after the battery
+    # worker processes still alive after the battery
+    leftovers: list[str] = field(default_factory=list)
     hangs: int = 0
 
     @property
     def passed(self) -> bool:
-        return not (self.unexpected() or self.hangs or self.over_deadline or self.heal_failures or self.leftovers)
+        return not (
+            self.unexpected()
+            or self.hangs
+            or self.over_deadline
+            or self.heal_failures
+            or self.leftovers
+        )
 
     def table(self) -> dict[str, Counter]:
         out: dict[str, Counter] = {}
@@ -52,9 +60,16 @@ class BatteryOutcome:
         return [(k, r) for k, r in self.rows if not r.extra.get("as_expected", False)]
 
 
-def run_battery(cases: list[Case], pool, impl: str, *, allow_import: bool = False,
-                on_result: Callable[[int, str, object], None] | None = None, heal: bool = True,
-                out: BatteryOutcome | None = None) -> BatteryOutcome:
+def run_battery(
+    cases: list[Case],
+    pool,
+    impl: str,
+    *,
+    allow_import: bool = False,
+    on_result: Callable[[int, str, object], None] | None = None,
+    heal: bool = True,
+    out: BatteryOutcome | None = None,
+) -> BatteryOutcome:
     """Run every case; after a case that broke the pool (or its group), a fault-free run of the same
     case must pass on the healed pool. Worker pids are recorded for the leftover check."""
     out = BatteryOutcome() if out is None else out
@@ -66,26 +81,51 @@ def run_battery(cases: list[Case], pool, impl: str, *, allow_import: bool = Fals
         out.rows.append((kind, r))
         slack = 3.0  # stack collection and reply transfer after the deadline
         if r.timings.get("wall_s", 0.0) > c.deadline_s + slack:
-            out.over_deadline.append(f"case {i} ({kind}): {r.timings['wall_s']:.1f} s > deadline {c.deadline_s:g} s")
+            out.over_deadline.append(
+                f"case {i} ({kind}): {r.timings['wall_s']:.1f} s > deadline {c.deadline_s:g} s"
+            )
         if on_result is not None:
             on_result(i, kind, r)
         if heal and (pool.broken or pool.fresh_group):
-            probe = run_case(c.replace(faults=()), pool, impl, allow_import=allow_import, leak=False)
+            probe = run_case(
+                c.replace(faults=()), pool, impl, allow_import=allow_import, leak=False
+            )
             out.pids.update(pool.pids())
             r.extra["heal"] = probe.verdict
             if not probe.passed:
-                out.heal_failures.append(f"case {i} ({kind}): fault-free rerun was {probe.verdict}: {probe.detail}")
+                out.heal_failures.append(
+                    f"case {i} ({kind}): fault-free rerun was {probe.verdict}: {probe.detail}"
+                )
     out.seconds = time.perf_counter() - start
     return out
 
 
-def measure_straggler(pool, impl: str, *, factor: float = 4.0, world: int = 2, rank: int = 1, reps: int = 5,
-                      allow_import: bool = False, tokens_per_rank: int = 512) -> dict:
+def measure_straggler(
+    pool,
+    impl: str,
+    *,
+    factor: float = 4.0,
+    world_size: int = 2,
+    rank: int = 1,
+    reps: int = 5,
+    allow_import: bool = False,
+    tokens_per_rank: int = 512,
+) -> dict:
     """Ring time (slowest rank's forward + backward) with one rank `factor` times slower at compute,
     against the fault-free ring: the straggler slowdown of the whole ring, medians over `reps`
     (after one warm-up run of each)."""
-    base = make_case(world_size=world, total_len=world * tokens_per_rank, layout="zigzag", mask=MaskSpec("causal"),
-                     heads_q=4, heads_kv=4, head_dim=32, seed=7, impl=impl, deadline_s=120.0)
+    base = make_case(
+        world_size=world_size,
+        total_len=world_size * tokens_per_rank,
+        layout="zigzag",
+        mask=MaskSpec("causal"),
+        heads_q=4,
+        heads_kv=4,
+        head_dim=32,
+        seed=7,
+        impl=impl,
+        deadline_s=120.0,
+    )
     slow = base.replace(faults=(make_fault("straggler", rank=rank, factor=factor),))
     times: dict[str, list[float]] = {"base": [], "slow": []}
     verdicts = []
@@ -93,15 +133,29 @@ def measure_straggler(pool, impl: str, *, factor: float = 4.0, world: int = 2, r
         for name, c in (("base", base), ("slow", slow)):
             r = run_case(c, pool, impl, allow_import=allow_import, leak=False)
             verdicts.append(r.verdict)
-            per_rank = [v.get("forward_s", 0.0) + v.get("backward_s", 0.0)
-                        for k, v in r.timings.items() if k.startswith("rank") and isinstance(v, dict)]
+            per_rank = [
+                v.get("forward_s", 0.0) + v.get("backward_s", 0.0)
+                for k, v in r.timings.items()
+                if k.startswith("rank") and isinstance(v, dict)
+            ]
             if i > 0:  # the first run of each warms up (lazy init, first connections)
                 times[name].append(max(per_rank) if per_rank else float("nan"))
     b, s = statistics.median(times["base"]), statistics.median(times["slow"])
-    b_min, s_min = min(times["base"]), min(times["slow"])  # least disturbed by other load on the machine
-    return {"factor": factor, "world": world, "rank": rank, "reps": reps, "base_s": b, "slow_s": s,
-            "slowdown": s / b if b > 0 else float("nan"), "slowdown_min": s_min / b_min if b_min > 0 else float("nan"),
-            "times": times, "verdicts": verdicts, "summary": base.summary()}
+    # least disturbed by other load on the machine
+    b_min, s_min = min(times["base"]), min(times["slow"])
+    return {
+        "factor": factor,
+        "world": world_size,
+        "rank": rank,
+        "reps": reps,
+        "base_s": b,
+        "slow_s": s,
+        "slowdown": s / b if b > 0 else float("nan"),
+        "slowdown_min": s_min / b_min if b_min > 0 else float("nan"),
+        "times": times,
+        "verdicts": verdicts,
+        "summary": base.summary(),
+    }
 
 
 def table_lines(res: BatteryOutcome) -> list[str]:
@@ -117,7 +171,9 @@ def table_lines(res: BatteryOutcome) -> list[str]:
         ok = sum(1 for r in rs if r.extra.get("as_expected", False))
         cells = " ".join(f"{tab[k][v]:>{max(len(v), 4)}}" for v in VERDICTS)
         worst = max(r.timings.get("wall_s", 0.0) for r in rs)
-        lines.append(f"{k:<11} {len(rs):>5} {cells}  {exp or 'any':<9} {f'{ok}/{len(rs)}':>11}  {worst:5.1f}")
+        lines.append(
+            f"{k:<11} {len(rs):>5} {cells}  {exp or 'any':<9} {f'{ok}/{len(rs)}':>11}  {worst:5.1f}"
+        )
     total = Counter()
     for c in tab.values():
         total.update(c)
@@ -127,10 +183,12 @@ def table_lines(res: BatteryOutcome) -> list[str]:
     return lines
 
 
-def fault_battery(opts: FaultBatteryOptions | None = None, reporter: Reporter | None = None) -> BatteryOutcome:
-    """Run the battery on a local pool and print the table. `outcome.passed` only if every case ended
-    as it must, none hung past its deadline, every healed pool passed a fault-free case, and no worker
-    process was left."""
+def fault_battery(
+    opts: FaultBatteryOptions | None = None, reporter: Reporter | None = None
+) -> BatteryOutcome:
+    """Run the battery on a local pool and print the table. `outcome.passed` only if every case
+    ended as it must, none hung past its deadline, every healed pool passed a fault-free case, and
+    no worker process was left."""
     from harness.ranks.pool import RankPool
 
     opts = (opts or FaultBatteryOptions()).validate()
@@ -138,22 +196,29 @@ def fault_battery(opts: FaultBatteryOptions | None = None, reporter: Reporter | 
     kinds = parse_kinds(opts.kinds, KINDS, "--faults", KINDS, allow_all=True)
     n = opts.cases if opts.cases is not None else FAULT_BATTERY_PER_KIND * len(kinds)
     max_world = max(2, min(opts.world_size, 4))
-    cases = gen.fault_cases(kinds, n, impl=opts.impl, seed=opts.seed, deadline_s=opts.deadline, max_world=max_world)
+    cases = gen.fault_cases(
+        kinds, n, impl=opts.impl, seed=opts.seed, deadline_s=opts.deadline, max_world=max_world
+    )
     allow_import = opts.allow_import
     cases, skipped = _supported(cases, opts.impl, allow_import)
     if not cases:
         raise HarnessError(f"{opts.impl} declares support for none of the fault battery's cases")
     if skipped:
         out(f"skipping {skipped} case(s) with features {opts.impl} does not declare")
-    out(f"ring-harness check --faults {','.join(kinds)}: {len(cases)} faulted cases, impl {opts.impl}, "
-               f"gloo ranks, deadline {opts.deadline:g} s")
+    out(
+        f"ring-harness check --faults {','.join(kinds)}: {len(cases)} faulted cases, impl "
+        f"{opts.impl}, "
+        f"gloo ranks, deadline {opts.deadline:g} s"
+    )
 
     def show(i: int, kind: str, r) -> None:
         mark = "" if r.extra.get("as_expected") else "  UNEXPECTED"
-        detail = f"  {r.detail[:150]}" if r.detail and r.verdict != "pass" else ""
+        detail = f"  {r.detail[:150]}" if r.detail and r.verdict != Verdict.PASS else ""
         summary = r.case.summary().replace(f" faults={len(r.case.faults)}", "")[:52]
-        out(f"{i:>4}/{len(cases)} {kind:<10} {summary:<52} {r.verdict:<17} "
-                   f"{r.timings.get('wall_s', 0.0):5.2f}s{mark}{detail}")
+        out(
+            f"{i:>4}/{len(cases)} {kind:<10} {summary:<52} {r.verdict:<17} "
+            f"{r.timings.get('wall_s', 0.0):5.2f}s{mark}{detail}"
+        )
 
     pool = RankPool(max(c.pool_size for c in cases), spare=True, placement=opts.placement)
     straggler = None
@@ -161,7 +226,9 @@ def fault_battery(opts: FaultBatteryOptions | None = None, reporter: Reporter | 
     try:
         run_battery(cases, pool, opts.impl, allow_import=allow_import, on_result=show, out=res)
         if "straggler" in kinds and "straggler" in {gen.kind_of(c) for c in cases}:
-            out("measuring the straggler slowdown (fault-free vs one rank 4x slower at compute) ...")
+            out(
+                "measuring the straggler slowdown (fault-free vs one rank 4x slower at compute) ..."
+            )
             straggler = measure_straggler(pool, opts.impl, allow_import=allow_import)
             res.pids.update(pool.pids())
     finally:
@@ -170,39 +237,64 @@ def fault_battery(opts: FaultBatteryOptions | None = None, reporter: Reporter | 
     out("")
     for line in table_lines(res):
         out(line)
-    hangs = sum(1 for _, r in res.rows if r.verdict == "hang")
-    out(f"{len(res.rows)} faulted cases in {res.seconds:.1f} s; hangs: {hangs}; past the deadline: "
-               f"{len(res.over_deadline)}; pool healed after every failed case: "
-               f"{'yes' if not res.heal_failures else f'NO ({len(res.heal_failures)})'}")
+    hangs = sum(1 for _, r in res.rows if r.verdict == Verdict.HANG)
+    out(
+        f"{len(res.rows)} faulted cases in {res.seconds:.1f} s; hangs: {hangs}; past the deadline: "
+        f"{len(res.over_deadline)}; pool healed after every failed case: "
+        f"{'yes' if not res.heal_failures else f'NO ({len(res.heal_failures)})'}"
+    )
     for line in res.over_deadline + res.heal_failures:
         out(f"  {line}")
     if straggler is not None:
-        out(f"straggler: {straggler['summary']}, rank {straggler['rank']} x{straggler['factor']:g} slower: "
-                   f"ring forward+backward {straggler['base_s']:.3f} s -> {straggler['slow_s']:.3f} s, "
-                   f"slowdown x{straggler['slowdown']:.2f} (median of {straggler['reps']}; "
-                   f"x{straggler['slowdown_min']:.2f} between the fastest runs)")
-    out(f"worker processes left behind: {len(leftovers)} (checked the {len(res.pids)} worker pids this battery "
-        "started and their process groups)")
+        out(
+            f"straggler: {straggler['summary']}, rank {straggler['rank']} x{straggler['factor']:g} "
+            "slower: "
+            f"ring forward+backward {straggler['base_s']:.3f} s -> "
+            f"{straggler['slow_s']:.3f} s, "
+            f"slowdown x{straggler['slowdown']:.2f} (median of {straggler['reps']}; "
+            f"x{straggler['slowdown_min']:.2f} between the fastest runs)"
+        )
+    out(
+        f"worker processes left behind: {len(leftovers)} (checked the {len(res.pids)} worker pids "
+        "this battery "
+        "started and their process groups)"
+    )
     for line in leftovers:
         out(f"  {line}")
     bad = res.unexpected()
     for kind, r in bad:
-        path = save_result(r, opts.save_dir, note=f"fault battery ({kind}): {r.verdict}, expected "
-                                                  f"{r.extra.get('expected') or 'any'}\n{r.detail}")
-        out(f"  unexpected: {kind} {r.case.summary()} -> {r.verdict} (expected "
-                   f"{r.extra.get('expected') or 'any'}): {r.detail[:200]}; saved {path}")
+        path = save_result(
+            r,
+            opts.save_dir,
+            note=f"fault battery ({kind}): {r.verdict}, expected "
+            f"{r.extra.get('expected') or 'any'}\n{r.detail}",
+        )
+        out(
+            f"  unexpected: {kind} {r.case.summary()} -> {r.verdict} (expected "
+            f"{r.extra.get('expected') or 'any'}): {r.detail[:200]}; saved {path}"
+        )
     if opts.json:
-        report.write_json(opts.json, {"command": "check --faults", "impl": opts.impl, "seconds": res.seconds,
-                                      "table": {k: dict(v) for k, v in res.table().items()},
-                                      "straggler": straggler, "leftovers": leftovers,
-                                      "heal_failures": res.heal_failures, "over_deadline": res.over_deadline,
-                                      "results": [r.to_dict() for _, r in res.rows]})
+        report.write_json(
+            opts.json,
+            {
+                "command": "check --faults",
+                "impl": opts.impl,
+                "seconds": res.seconds,
+                "table": {k: dict(v) for k, v in res.table().items()},
+                "straggler": straggler,
+                "leftovers": leftovers,
+                "heal_failures": res.heal_failures,
+                "over_deadline": res.over_deadline,
+                "results": [r.to_dict() for _, r in res.rows],
+            },
+        )
     res.leftovers, res.hangs = leftovers, hangs
     return res
 
 
 def _supported(cases: list, impl: str, allow_import: bool) -> tuple[list, int]:
-    """The battery's cases the implementation declares (adapted to its split/head_dim when that is all)."""
+    """The battery's cases the implementation declares (adapted to its split/head_dim when that is
+    all)."""
     caps = registry.resolve(impl, allow_import=allow_import).capabilities
     out = [adapt(caps, c) for c in cases]
     kept = [c for c in out if c is not None]

@@ -1,7 +1,7 @@
 """The kill matrix of `ring-harness selftest`: what selftest found per implementation (`MutantRun`,
-`SelftestOutcome`, the declared-equivalent mutants) and, as lines: one row per mutant (stage, cases, seconds to
-the first failure, the checks that failed, the minimal case), notes under a row, the reference's
-false-alarm figures, and the JSON form."""
+`SelftestOutcome`, the declared-equivalent mutants) and, as lines: one row per mutant (stage, cases,
+seconds to the first failure, the checks that failed, the minimal case), notes under a row, the
+reference's false-alarm figures, and the JSON form."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.checks.check import CheckOutcome, stage_counts
+from harness.checks.outcome import CheckOutcome
+from harness.checks.summary import stage_counts
 from harness.impls.adapters.reference import MUTANT_PREFIX
 from harness.result import TENSORS, CaseResult
 
 REFERENCE = "reference"
 
-# Declared-equivalent mutants: name -> the argument why no valid case can tell it from the reference.
+# Declared-equivalent mutants: name -> the argument why no valid case can tell it from the
+# reference.
 EQUIVALENT: dict[str, str] = {}
 
 
@@ -79,8 +81,6 @@ def short(name: str) -> str:
     return name.removeprefix(MUTANT_PREFIX)
 
 
-
-
 def kill_times(runs: list[MutantRun]) -> tuple[float | None, float | None, str]:
     """(median, worst seconds to the first failure over killed mutants, the slowest mutant)."""
     killed = [r for r in runs if r.status == "killed" and r.seconds is not None]
@@ -91,7 +91,8 @@ def kill_times(runs: list[MutantRun]) -> tuple[float | None, float | None, str]:
 
 
 def worst_ratios(res: CheckOutcome) -> dict[str, dict[str, float]]:
-    """dtype -> tensor -> worst error ratio over every passing case of a check (every stage's cases)."""
+    """dtype -> tensor -> worst error ratio over every passing case of a check (every stage's
+    cases)."""
     out: dict[str, dict[str, float]] = {}
     for r in res.results + res.scale_results + res.fault_results:
         if r.passed:
@@ -131,7 +132,9 @@ def notes(r: MutantRun) -> list[str]:
     if r.name in EQUIVALENT:
         lines.append(f"    declared equivalent: {EQUIVALENT[r.name]}")
         if r.status == "killed":
-            lines.append("    CONTRADICTION: declared equivalent but killed: the written argument is wrong")
+            lines.append(
+                "    CONTRADICTION: declared equivalent but killed: the written argument is wrong"
+            )
     return lines
 
 
@@ -139,20 +142,40 @@ def false_alarm_lines(r: MutantRun) -> list[str]:
     """The reference's side: cases run, failures, worst passing ratio per dtype and tensor."""
     res = r.check
     counts = ", ".join(f"{k} {n}" for k, n in stage_counts(res))
-    lines = [f"reference (false alarms): {res.cases} cases ({counts}) in {r.total_s:.0f} s: "
-             f"{'0 failures' if r.status == 'pass' else 'FAILED: ' + r.verdict + ' ' + ', '.join(r.killed_by)}"]
+    lines = [
+        f"reference (false alarms): {res.cases} cases ({counts}) in {r.total_s:.0f} s: "
+        f"{'0 failures' if r.status == 'pass' else 'FAILED: ' + r.verdict + ' ' + ', '.join(r.killed_by)}"
+    ]
     for dt, per in sorted(worst_ratios(res).items()):
         cells = "  ".join(f"{t} {per[t]:.3f}" for t in TENSORS if t in per)
-        lines.append(f"    worst passing ratio (error / allowed), {dt}: max {max(per.values()):.3f}  [{cells}]")
+        lines.append(
+            f"    worst passing ratio (error / allowed), {dt}: max "
+            f"{max(per.values()):.3f}  [{cells}]"
+        )
     return lines
 
 
 def run_json(r: MutantRun) -> dict:
     """Machine-readable row."""
-    return {"name": r.name, "status": r.status, "ok": r.ok, "stage": r.stage, "killed_by": r.killed_by,
-            "verdict": r.verdict, "cases": r.cases, "seconds_to_first_failure": r.seconds, "total_s": r.total_s,
-            "racy_failures": r.racy, "shrunk": None if r.shrunk is None else r.shrunk.case.summary(),
-            "shrink_tries": r.shrink_tries, "path": None if r.path is None else str(r.path),
-            "reference_verdict": r.reference_verdict, "comm": r.comm, "note": r.note,
-            "log": None if r.log is None else str(r.log),
-            "worst_pass_ratio": worst_ratios(r.check) if r.check is not None and r.name == REFERENCE else None}
+    return {
+        "name": r.name,
+        "status": r.status,
+        "ok": r.ok,
+        "stage": r.stage,
+        "killed_by": r.killed_by,
+        "verdict": r.verdict,
+        "cases": r.cases,
+        "seconds_to_first_failure": r.seconds,
+        "total_s": r.total_s,
+        "racy_failures": r.racy,
+        "shrunk": None if r.shrunk is None else r.shrunk.case.summary(),
+        "shrink_tries": r.shrink_tries,
+        "path": None if r.path is None else str(r.path),
+        "reference_verdict": r.reference_verdict,
+        "comm": r.comm,
+        "note": r.note,
+        "log": None if r.log is None else str(r.log),
+        "worst_pass_ratio": worst_ratios(r.check)
+        if r.check is not None and r.name == REFERENCE
+        else None,
+    }

@@ -15,12 +15,13 @@ from harness.errors import HarnessError
 from harness.faults.schema import KINDS
 from harness.ranks.backend import DEVICES, Placement
 
-# Faults that must not change results; the default check runs the first two on every rank, both phases.
+# Faults that must not change results; the default check runs the first two on every rank, both
+# phases.
 FAULT_STAGE_KINDS = ("early-read", "send-reuse", "delay", "straggler")
 FAULT_STAGE_DEFAULT = ("early-read", "send-reuse")
 PROFILES = ("ci", "nightly")  # hypothesis budgets: harness.search.fuzz.PROFILES
 LAUNCHERS = ("local", "torchrun")
-ORACLES = ("ranks", "local")  # who computes the float64 oracle (harness.runner.oracle_mode)
+ORACLES = ("ranks", "local")  # who computes the float64 oracle (harness.oracle.mode)
 BACKENDS = ("gloo", "nccl")
 FAULT_BATTERY_PER_KIND = 4
 
@@ -31,10 +32,15 @@ def default(cls: type, name: str):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-def parse_kinds(text: str | tuple[str, ...] | None, allowed: tuple[str, ...], what: str,
-                default_kinds: tuple[str, ...], allow_all: bool = False) -> tuple[str, ...]:
-    """A comma list (or tuple) of fault kinds -> kinds in canonical order; 'none' -> (); 'all' -> every
-    allowed kind (when `allow_all`); one clear error otherwise."""
+def parse_kinds(
+    text: str | tuple[str, ...] | None,
+    allowed: tuple[str, ...],
+    what: str,
+    default_kinds: tuple[str, ...],
+    allow_all: bool = False,
+) -> tuple[str, ...]:
+    """A comma list (or tuple) of fault kinds -> kinds in canonical order; 'none' -> (); 'all' ->
+    every allowed kind (when `allow_all`); one clear error otherwise."""
     if text is None:
         return default_kinds
     names = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
@@ -46,14 +52,21 @@ def parse_kinds(text: str | tuple[str, ...] | None, allowed: tuple[str, ...], wh
     bad = [n for n in names if n not in allowed]
     if bad or not names:
         if allow_all:
-            raise HarnessError(f"{what}: unknown fault kind {bad[0] if bad else text!r}; "
-                               f"expected 'all' or some of {', '.join(allowed)}")
-        raise HarnessError(f"{what}: {bad[0] if bad else text!r} is not one of {', '.join(allowed)} (or none); "
-                           "drop and crash belong to the --faults battery")
+            raise HarnessError(
+                f"{what}: unknown fault kind {bad[0] if bad else text!r}; "
+                f"expected 'all' or some of {', '.join(allowed)}"
+            )
+        raise HarnessError(
+            f"{what}: {bad[0] if bad else text!r} is not one of "
+            f"{', '.join(allowed)} (or none); "
+            "drop and crash belong to the --faults battery"
+        )
     return tuple(k for k in allowed if k in names)
 
 
-def _check_common(impl: str, world_size: int, deadline: float | None, launcher: str, backend: str | None) -> None:
+def _check_common(
+    impl: str, world_size: int, deadline: float | None, launcher: str, backend: str | None
+) -> None:
     if not isinstance(impl, str) or not impl.strip():
         raise HarnessError(f"impl must be an implementation name, got {impl!r}")
     if not 1 <= world_size <= 64:
@@ -78,13 +91,17 @@ def _check_placement(device: str | None, launcher: str) -> None:
     if device not in DEVICES:
         raise HarnessError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda" and launcher != "local":
-        raise HarnessError("--device cuda places the local pool's ranks; "
-                           "under torchrun each rank takes cuda:LOCAL_RANK")
+        raise HarnessError(
+            "--device cuda places the local pool's ranks; "
+            "under torchrun each rank takes cuda:LOCAL_RANK"
+        )
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise HarnessError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
+            raise HarnessError(
+                "--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)"
+            )
 
 
 def _check_oracle(oracle: str) -> None:
@@ -102,26 +119,41 @@ class CheckOptions:
     deadline: float | None = None  # per-case deadline, seconds (None: each case's own, 60 s)
     save_dir: str = "ring-harness-failures"  # failing cases are written here as YAML
     json: str | None = None  # machine-readable results
-    backend: str | None = None  # gloo for the local pool; nccl under torchrun when CUDA is available
-    launcher: str = "local"  # local: a pool of worker processes; torchrun: the ranks torchrun started
-    profile: str = "ci"  # hypothesis profile: ci (derandomised, fixed budget) or nightly (random, large)
-    max_examples: int | None = None  # property-based examples (0: battery only; None: the profile's)
+    # gloo for the local pool; nccl under torchrun when CUDA is available
+    backend: str | None = None
+    # local: a pool of worker processes; torchrun: the ranks torchrun started
+    launcher: str = "local"
+    # hypothesis profile: ci (derandomised, fixed budget) or nightly (random, large)
+    profile: str = "ci"
+    # property-based examples (0: battery only; None: the profile's)
+    max_examples: int | None = None
     time_budget: float | None = None  # seconds of property-based search (None: the profile's)
     seed: int | None = None  # hypothesis seed (None: 0 for ci, random and printed for nightly)
     plot: str | None = None  # write error heatmaps (PNG) of failing cases here (needs matplotlib)
-    fault_stage: tuple[str, ...] = FAULT_STAGE_DEFAULT  # benign faults on every rank and op, both phases
+    # benign faults on every rank and op, both phases
+    fault_stage: tuple[str, ...] = FAULT_STAGE_DEFAULT
     fault_deadline: float = 8.0  # per-case deadline of the fault stage
     maxfail: int | None = None  # stop after this many failing cases, as pytest's --maxfail (-x: 1)
-    max_hangs: int = 3  # stop after this many hanging cases (each waits out its deadline); 0: no limit
-    repeat: bool = True  # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
-    growth: bool = True  # the growth check: the same global case at W = 1, 2, 4, 8; error must not grow with W
-    scale: bool = True  # the scale stage, and property-based sizes at scale (False: toy sizes only, as before #29)
-    model_calls: bool = True  # calls, input forms and values of trained models (harness.calls; False: as before #40)
-    shape: str | None = None  # e.g. "b1,hq32,hkv8,d128,L8192,W8": the basics and the growth check at that shape only
-    shape_budget: float = 3600.0  # seconds: a --shape plan estimated to take longer is refused up front
-    oracle: str = "ranks"  # ranks: each rank computes its query rows' share after its run; local: this process
-    device: str | None = None  # local ranks on cpu, or cuda (the visible GPUs); None: $RING_HARNESS_DEVICE or cpu
-    stage_p2p: bool = False  # P2P through host buffers on CPU too, as on cuda (or $RING_HARNESS_STAGE_P2P)
+    # stop after this many hanging cases (each waits out its deadline); 0: no limit
+    max_hangs: int = 3
+    # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
+    repeat: bool = True
+    # the growth check: the same global case at W = 1, 2, 4, 8; error must not grow with W
+    growth: bool = True
+    # the scale stage, and property-based sizes at scale (False: toy sizes only, as before #29)
+    scale: bool = True
+    # calls, input forms and values of trained models (harness.calls; False: as before #40)
+    model_calls: bool = True
+    # e.g. "b1,hq32,hkv8,d128,L8192,W8": the basics and the growth check at that shape only
+    shape: str | None = None
+    # seconds: a --shape plan estimated to take longer is refused up front
+    shape_budget: float = 3600.0
+    # ranks: each rank computes its query rows' share after its run; local: this process
+    oracle: str = "ranks"
+    # local ranks on cpu, or cuda (the visible GPUs); None: $RING_HARNESS_DEVICE or cpu
+    device: str | None = None
+    # P2P through host buffers on CPU too, as on cuda (or $RING_HARNESS_STAGE_P2P)
+    stage_p2p: bool = False
 
     @property
     def allow_import(self) -> bool:
@@ -141,7 +173,9 @@ class CheckOptions:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise HarnessError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.profile not in PROFILES:
-            raise HarnessError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+            raise HarnessError(
+                f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}"
+            )
         if self.max_examples is not None and self.max_examples < 0:
             raise HarnessError(f"--max-examples must be >= 0, got {self.max_examples}")
         if self.time_budget is not None and self.time_budget <= 0:
@@ -150,7 +184,9 @@ class CheckOptions:
             raise HarnessError(f"--seed must be in [0, 2**63), got {self.seed}")
         parse_kinds(self.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
         if not 1 <= self.fault_deadline <= 600:
-            raise HarnessError(f"--fault-deadline must be in [1, 600] seconds, got {self.fault_deadline:g}")
+            raise HarnessError(
+                f"--fault-deadline must be in [1, 600] seconds, got {self.fault_deadline:g}"
+            )
         if self.maxfail is not None and self.maxfail < 1:
             raise HarnessError(f"--maxfail must be at least 1, got {self.maxfail}")
         if self.max_hangs < 0:
@@ -173,7 +209,8 @@ class CheckOptions:
 
 @dataclass(frozen=True)
 class FaultBatteryOptions:
-    """The fault battery (`ring-harness check --faults KINDS`): many small cases, one fault kind each."""
+    """The fault battery (`ring-harness check --faults KINDS`): many small cases, one fault kind
+    each."""
 
     impl: str = "reference"
     kinds: tuple[str, ...] = KINDS  # fault kinds, in turn
@@ -201,12 +238,16 @@ class FaultBatteryOptions:
         _check_common(self.impl, self.world_size, None, self.launcher, None)
         _check_placement(self.device, self.launcher)
         if self.launcher != "local":
-            raise HarnessError("--faults runs on the local pool (it kills and restarts ranks); drop --launcher")
+            raise HarnessError(
+                "--faults runs on the local pool (it kills and restarts ranks); drop --launcher"
+            )
         parse_kinds(self.kinds, KINDS, "--faults", KINDS, allow_all=True)
         if self.cases is not None and self.cases < 1:
             raise HarnessError(f"--fault-cases must be at least 1, got {self.cases}")
         if not 1 <= self.deadline <= 600:
-            raise HarnessError(f"--fault-deadline must be in [1, 600] seconds, got {self.deadline:g}")
+            raise HarnessError(
+                f"--fault-deadline must be in [1, 600] seconds, got {self.deadline:g}"
+            )
         return self
 
 
@@ -219,7 +260,8 @@ class ReplayOptions:
     plot: str | None = None  # heatmaps of a failing replay
     backend: str | None = None
     json: str | None = None
-    oracle: str = "ranks"  # ranks: the case's ranks compute the oracle's shares; local: this process does
+    # ranks: the case's ranks compute the oracle's shares; local: this process does
+    oracle: str = "ranks"
     device: str | None = None  # as CheckOptions.device: replay a case on the GPU
     stage_p2p: bool = False  # as CheckOptions.stage_p2p
 
@@ -233,7 +275,9 @@ class ReplayOptions:
         _check_oracle(self.oracle)
         _check_placement(self.device, "local")
         if self.backend is not None and self.backend not in BACKENDS:
-            raise HarnessError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
+            raise HarnessError(
+                f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}"
+            )
         if self.plot:
             from harness.diagnose.plot import _pyplot
 
@@ -243,17 +287,22 @@ class ReplayOptions:
 
 @dataclass(frozen=True)
 class SelftestOptions:
-    """`ring-harness selftest`: the default check against every mutant (kill matrix) and the reference."""
+    """`ring-harness selftest`: the default check against every mutant (kill matrix) and the
+    reference."""
 
-    only: tuple[str, ...] | None = None  # these mutants only (bare names; 'reference' is the control)
+    # these mutants only (bare names; 'reference' is the control)
+    only: tuple[str, ...] | None = None
     false_alarm_cases: int | None = None  # property-based examples for the reference, no time limit
     save_dir: str = "ring-harness-selftest"  # per-mutant check logs and found cases
     corpus: str | None = None  # write each mutant's minimal case here as mutant-NAME.yaml
     json: str | None = None
-    check: CheckOptions = field(default_factory=CheckOptions)  # what every mutant gets: check's defaults
+    # what every mutant gets: check's defaults
+    check: CheckOptions = field(default_factory=CheckOptions)
 
     def validate(self) -> SelftestOptions:
         if self.false_alarm_cases is not None and self.false_alarm_cases < 1:
-            raise HarnessError(f"--false-alarm-cases must be at least 1, got {self.false_alarm_cases}")
+            raise HarnessError(
+                f"--false-alarm-cases must be at least 1, got {self.false_alarm_cases}"
+            )
         self.check.validate()
         return self

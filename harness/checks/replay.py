@@ -2,9 +2,9 @@
 implementation on the same torch) do the output hashes match bit for bit? `replay(ReplayOptions)` is
 `ring-harness replay` as a library call; `replay_on(pool, path)` re-runs a file on a pool you hold.
 
-A sequence file (harness.case.CaseSequence: the reproducer of a failure that depends on what ran
-before it, harness.search.history) runs its cases in order on fresh ranks (the pool is restarted
-first) and its last case is judged and compared with the record."""
+A sequence file (harness.case_sequence.CaseSequence: the reproducer of a failure that depends on
+what ran before it, harness.search.history) runs its cases in order on fresh ranks (the pool is
+restarted first) and its last case is judged and compared with the record."""
 
 from __future__ import annotations
 
@@ -16,16 +16,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from harness import case as case_mod
-from harness.checks import property as prop_stage
+from harness import case_sequence
 from harness.checks import report
 from harness.checks.options import ReplayOptions
 from harness.checks.report import Reporter
+from harness.checks.stages import property as prop_stage
 from harness.diagnose import localise
 from harness.errors import HarnessError
 from harness.impls import registry
+from harness.oracle.mode import oracle_mode
 from harness.ranks.launch import open_pool
 from harness.result import CaseResult, cpu_platform
-from harness.runner import oracle_mode, run_case
+from harness.runner import run_case
 from harness.search import history
 from harness.search.fuzz import impl_info
 
@@ -63,7 +65,9 @@ def compare_hashes(recorded: dict, result: CaseResult) -> tuple[int, list[str]]:
     return compared, bad
 
 
-def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, allow_import: bool = False) -> Replay:
+def replay_on(
+    pool: Pool, path: str | os.PathLike, impl: str | None = None, *, allow_import: bool = False
+) -> Replay:
     """Re-run a case file (optionally under another implementation) and compare with its record; a
     sequence file runs in order on the pool restarted (fresh ranks), `impl` replacing the
     implementation of the members that name the last one's."""
@@ -72,16 +76,22 @@ def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, a
     name = impl or case.impl
     n = 0
     if case_mod.is_sequence(data):
-        seq, _ = case_mod.load_sequence(path)
+        seq, _ = case_sequence.load_sequence(path)
         n = len(seq.steps)
         res = history.run_file_sequence(pool, seq, impl, allow_import=allow_import)
         if res is None:
-            raise HarnessError(f"{path}: an earlier case of the sequence hung or killed a rank; the last was not run")
+            raise HarnessError(
+                f"{path}: an earlier case of the sequence hung or killed a rank; "
+                "the last was not run"
+            )
     else:
         history.forget_baseline(case, name)  # computed here, as in a fresh process
         res = run_case(case, pool, name, allow_import=allow_import)
-    out = Replay(result=res, recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None,
-                 sequence=n)
+    out = Replay(
+        result=res,
+        recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None,
+        sequence=n,
+    )
     if out.recorded_verdict is not None and recorded.get("hashes"):
         out.hashes_compared, out.hash_mismatches = compare_hashes(recorded["hashes"], res)
         out.hash_note = hash_note(recorded.get("versions", {}))
@@ -89,11 +99,14 @@ def replay_on(pool: Pool, path: str | os.PathLike, impl: str | None = None, *, a
 
 
 def hash_note(versions: dict) -> str:
-    """Why recorded hashes are for information only here ('' when they must match): another torch, or
-    another CPU platform (its kernels may round differently: `cpu_platform`), or none recorded."""
+    """Why recorded hashes are for information only here ('' when they must match): another
+    torch, or another CPU platform (its kernels may round differently: `cpu_platform`), or none
+    recorded."""
     if versions.get("torch") != str(torch.__version__):
-        return (f"recorded on torch {versions.get('torch')}, replayed on {torch.__version__}: "
-                "hashes compared for information only")
+        return (
+            f"recorded on torch {versions.get('torch')}, replayed on {torch.__version__}: "
+            "hashes compared for information only"
+        )
     here = cpu_platform()
     if versions.get("platform") != here:
         was = versions.get("platform") or "a CPU platform not recorded"
@@ -101,37 +114,50 @@ def hash_note(versions: dict) -> str:
     return ""
 
 
-def replay_expectations(path: str | os.PathLike, pool: Pool, *, impl: str | None = None,
-                        allow_import: bool = False) -> list[str]:
+def replay_expectations(
+    path: str | os.PathLike, pool: Pool, *, impl: str | None = None, allow_import: bool = False
+) -> list[str]:
     """Problems with a saved case (empty list = fine), by its `expect` field (harness.case.EXPECT):
-    `reproduce`: the recorded verdict must reproduce, with identical hashes on the same torch, and the
-    case must pass on the reference; `pass` (a user's saved failure as a regression test): it must
-    pass now, and when it does not, the recorded verdict is shown as history. Under another implementation
-    (`impl`, e.g. the fixed ring) every case must pass: the corpus is a regression suite for any ring."""
+    `reproduce`: the recorded verdict must reproduce, with identical hashes on the same torch, and
+    the case must pass on the reference; `pass` (a user's saved failure as a regression test): it
+    must pass now, and when it does not, the recorded verdict is shown as history. Under another
+    implementation (`impl`, e.g. the fixed ring) every case must pass: the corpus is a regression
+    suite for any ring."""
     loaded, data = case_mod.load(path)
     other = impl is not None and impl != loaded.impl
-    name = impl if other else (loaded.impl if allow_import else None)
+    name = loaded.impl if allow_import else None
+    if other:
+        name = impl
     rp = replay_on(pool, path, name, allow_import=allow_import)
     problems = []
     case, r = rp.result.case, rp.result
     who = impl if other else case.impl
     if other or data.get("expect", "pass") == "pass":
         if not r.passed:
-            recorded = case_mod.recorded_result(data).get("verdict") if other else rp.recorded_verdict
-            was = f" (recorded on {loaded.impl}: {recorded})" if other and recorded else (
-                f" (recorded: {recorded}; the bug this case was saved for is still there)"
-                if recorded not in (None, "pass") else "")
+            recorded = (
+                case_mod.recorded_result(data).get("verdict") if other else rp.recorded_verdict
+            )
+            was = ""
+            if other and recorded:
+                was = f" (recorded on {loaded.impl}: {recorded})"
+            elif recorded not in (None, "pass"):
+                was = f" (recorded: {recorded}; the bug this case was saved for is still there)"
             problems.append(f"{who}: expected pass, got {r.verdict}{was}: {r.detail}")
         return problems
     if not rp.verdict_reproduced:
-        problems.append(f"{case.impl}: recorded verdict {rp.recorded_verdict}, got {r.verdict} ({r.detail})")
+        problems.append(
+            f"{case.impl}: recorded verdict {rp.recorded_verdict}, got {r.verdict} ({r.detail})"
+        )
     elif rp.recorded_verdict is None and not r.passed:
         problems.append(f"{case.impl}: expected pass, got {r.verdict} ({r.detail})")
     if rp.hash_mismatches and not rp.hash_note:
-        problems.append("output hashes differ from the record: " + "; ".join(rp.hash_mismatches[:4]))
+        problems.append(
+            "output hashes differ from the record: " + "; ".join(rp.hash_mismatches[:4])
+        )
     if case.impl != "reference":
-        if rp.sequence:  # the same sequence with the reference in place of the implementation, on fresh ranks
-            seq, _ = case_mod.load_sequence(path)
+        # the same sequence with the reference in place of the implementation, on fresh ranks
+        if rp.sequence:
+            seq, _ = case_sequence.load_sequence(path)
             ref = history.run_file_sequence(pool, seq, "reference")
             if ref is None:
                 problems.append("reference: an earlier case of the sequence hung or killed a rank")
@@ -151,9 +177,16 @@ def hash_line(rp: Replay, deterministic: bool) -> str:
         return "hashes: none recorded to compare"
     if not rp.hash_mismatches:
         return f"hashes: all {rp.hashes_compared} output shards match the record bit for bit"
-    why = rp.hash_note or ("" if deterministic else "the implementation declares itself non-deterministic")
+    why = rp.hash_note or (
+        "" if deterministic else "the implementation declares itself non-deterministic"
+    )
     head = f"hashes: {len(rp.hash_mismatches)} of {rp.hashes_compared} output shards DIFFER from the record"
-    return head + (f" ({why})" if why else "") + "\n" + "\n".join(f"        {m}" for m in rp.hash_mismatches[:8])
+    return (
+        head
+        + (f" ({why})" if why else "")
+        + "\n"
+        + "\n".join(f"        {m}" for m in rp.hash_mismatches[:8])
+    )
 
 
 def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
@@ -164,34 +197,59 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
     out = reporter or report.out
     path = Path(opts.case)
     case, data = case_mod.load(path)
-    seq = case_mod.load_sequence(path)[0] if case_mod.is_sequence(data) else None
+    seq = case_sequence.load_sequence(path)[0] if case_mod.is_sequence(data) else None
     impl = opts.impl or case.impl
     if opts.impl is None and registry.is_module_path(case.impl):
-        raise HarnessError(f"{path} names implementation {case.impl!r}, a module path; a case file never imports "
-                           f"code by itself, so give it on the command line: --impl {case.impl}")
-    for s in (seq.steps if seq is not None else ()):
+        raise HarnessError(
+            f"{path} names implementation {case.impl!r}, a module path; a case file "
+            "never imports "
+            f"code by itself, so give it on the command line: --impl {case.impl}"
+        )
+    for s in seq.steps if seq is not None else ():
         if s.case.impl != case.impl and registry.is_module_path(s.case.impl):
-            raise HarnessError(f"{path}: an earlier case of the sequence names implementation {s.case.impl!r}, a "
-                               "module path; only the last case's implementation can be given with --impl")
+            raise HarnessError(
+                f"{path}: an earlier case of the sequence names implementation "
+                f"{s.case.impl!r}, a "
+                "module path; only the last case's implementation can be given with "
+                "--impl"
+            )
     allow_import = registry.is_module_path(impl)
     registry.resolve(impl, allow_import=allow_import)  # a missing optional extra: one line, exit 2
     recorded = case_mod.recorded_result(data)
     _, version = impl_info(impl, allow_import)
     deterministic = _deterministic(impl, allow_import)
-    out(f"replay {path}: impl {impl}" + (f" (recorded for {case.impl})" if impl != case.impl else ""))
+    out(
+        f"replay {path}: impl {impl}"
+        + (f" (recorded for {case.impl})" if impl != case.impl else "")
+    )
     if recorded:
         v = recorded.get("versions", {})
-        out(f"recorded: {recorded.get('verdict')} (torch {v.get('torch')}, ring-harness "
-                   f"{v.get('ring-harness')}, impl {v.get('impl')}, backend {recorded.get('backend')})")
+        out(
+            f"recorded: {recorded.get('verdict')} (torch {v.get('torch')}, ring-harness "
+            f"{v.get('ring-harness')}, impl {v.get('impl')}, backend "
+            f"{recorded.get('backend')})"
+        )
     if seq is not None:
         n = len(seq.steps)
-        out(f"a sequence of {n} cases, run in order on fresh ranks; the last one is judged (a failure that "
-            "depends on what ran before it on the same ranks)")
+        out(
+            f"a sequence of {n} cases, run in order on fresh ranks; the last one is judged (a "
+            "failure that "
+            "depends on what ran before it on the same ranks)"
+        )
         for i, s in enumerate(seq.steps[:-1], 1):
-            out(f"    {i}/{n}  {s.case.summary()}  [{s.case.impl}{'' if s.leak else ', no leak run'}]")
-    with open_pool("local", opts.backend, seq.pool_size if seq is not None else case.pool_size,
-                   opts.placement) as pool, \
-            oracle_mode(opts.oracle):
+            out(
+                f"    {i}/{n}  {s.case.summary()}  "
+                f"[{s.case.impl}{'' if s.leak else ', no leak run'}]"
+            )
+    with (
+        open_pool(
+            "local",
+            opts.backend,
+            seq.pool_size if seq is not None else case.pool_size,
+            opts.placement,
+        ) as pool,
+        oracle_mode(opts.oracle),
+    ):
         rp = replay_on(pool, path, impl if opts.impl else None, allow_import=allow_import)
         r = rp.result
         out(report.header())
@@ -200,8 +258,11 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
             out(line)
         loc = None
         if seq is not None and not r.passed:
-            out("        localisation: not run for a sequence (re-running its last case on these ranks would run "
-                "after it, not in its place)")
+            out(
+                "        localisation: not run for a sequence (re-running its last case on these "
+                "ranks would run "
+                "after it, not in its place)"
+            )
         elif not r.passed and r.checks:
             loc = localise.localise(r, pool, probes=bool(opts.plot))
             for line in localise.lines(loc):
@@ -211,17 +272,31 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
         elif rp.verdict_reproduced:
             out(f"verdict: {r.verdict}: reproduces the recorded verdict")
         else:
-            out(f"verdict: {r.verdict}: does NOT reproduce the recorded verdict {rp.recorded_verdict}")
+            out(
+                f"verdict: {r.verdict}: does NOT reproduce the recorded verdict "
+                f"{rp.recorded_verdict}"
+            )
         out(hash_line(rp, deterministic))
         if opts.plot and loc is not None and loc.blocks:
             for p in prop_stage.plot(loc, opts.plot, path.stem):
                 out(f"heatmap {p}")
     if opts.json:
-        report.write_json(opts.json, {"command": "replay", "case": str(path), "impl": impl, "impl_version": version,
-                                      "recorded_verdict": rp.recorded_verdict, "verdict": r.verdict,
-                                      "reproduced": rp.verdict_reproduced, "hashes_compared": rp.hashes_compared,
-                                      "hash_mismatches": rp.hash_mismatches, "result": r.to_dict(),
-                                      "localisation": None if loc is None else localise.summary(loc)})
+        report.write_json(
+            opts.json,
+            {
+                "command": "replay",
+                "case": str(path),
+                "impl": impl,
+                "impl_version": version,
+                "recorded_verdict": rp.recorded_verdict,
+                "verdict": r.verdict,
+                "reproduced": rp.verdict_reproduced,
+                "hashes_compared": rp.hashes_compared,
+                "hash_mismatches": rp.hash_mismatches,
+                "result": r.to_dict(),
+                "localisation": None if loc is None else localise.summary(loc),
+            },
+        )
     rp.localisation = loc
     return rp
 

@@ -34,7 +34,9 @@ def header() -> str:
 def row(i: int, n: int, r: CaseResult) -> str:
     """One line: case summary, worst error ratio per tensor (error / allowed), leak, verdict."""
     cols = " ".join(_ratio(r.worst(t)) for t in TENSOR_COLS)
-    leak = "-" if r.leak is None else ("ok" if r.leak.passed else "LEAK")
+    leak = "-"
+    if r.leak is not None:
+        leak = "ok" if r.leak.passed else "LEAK"
     summary = r.case.summary()
     if len(summary) > 58:
         summary = summary[:55] + "..."
@@ -50,16 +52,25 @@ def details(r: CaseResult) -> list[str]:
         p = c.position
         where = f"at batch {p.get('batch')}, global position {p.get('token')}, head {p.get('head')}"
         if c.nonfinite:
-            lines.append(f"        {c.tensor:>3} rank {c.rank}: {c.nonfinite} non-finite value(s) "
-                         f"({c.nonfinite_kinds or 'NaN/inf'}), first {where}")
+            lines.append(
+                f"        {c.tensor:>3} rank {c.rank}: {c.nonfinite} non-finite value(s) "
+                f"({c.nonfinite_kinds or 'NaN/inf'}), first {where}"
+            )
             continue
         if c.grid and c.error <= c.allowed:
-            lines.append(f"        {c.tensor:>3} rank {c.rank}: precision lost: all {c.grid_values} nonzero values are "
-                         f"exactly {c.grid} values (rounded through {c.grid}; max err {c.error:.3g}, x{c.ratio:.3g} "
-                         "of allowed)")
+            lines.append(
+                f"        {c.tensor:>3} rank {c.rank}: precision lost: all "
+                f"{c.grid_values} nonzero values are "
+                f"exactly {c.grid} values (rounded through {c.grid}; max err "
+                f"{c.error:.3g}, x{c.ratio:.3g} "
+                "of allowed)"
+            )
             continue
-        lines.append(f"        {c.tensor:>3} rank {c.rank}: max err {c.error:.3g} > allowed {c.allowed:.3g} "
-                     f"(x{c.ratio:.3g}) {where}" + (f"; all values are {c.grid} values" if c.grid else ""))
+        lines.append(
+            f"        {c.tensor:>3} rank {c.rank}: max err {c.error:.3g} > allowed "
+            f"{c.allowed:.3g} "
+            f"(x{c.ratio:.3g}) {where}" + (f"; all values are {c.grid} values" if c.grid else "")
+        )
     for g, s in sorted(r.hung.items()):
         lines.append(f"        rank {g} stack:")
         lines.extend("          " + ln for ln in s.splitlines()[:12])

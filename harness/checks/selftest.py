@@ -3,17 +3,17 @@ mutant of the reference ring (ring_impl.mutants, one real, publicly reported bug
 against the reference itself, and report a kill matrix.
 
 Each mutant gets exactly what a user gets: `check`'s own default options (growth check, fixed
-battery, fault stage, property-based run with the ci budget), through the same `run_check`, stopped at the first
-failure. A failure counts as the kill only if it reproduces bit for bit on two re-runs and once
-under perturbed timing (a data race, e.g. reading a receive buffer before waiting on plain gloo,
-fails with different numbers from run to run; it is reported, and the check goes on to a
+battery, fault stage, property-based run with the ci budget), through the same `run_check`, stopped
+at the first failure. A failure counts as the kill only if it reproduces bit for bit on two re-runs
+and once under perturbed timing (a data race, e.g. reading a receive buffer before waiting on plain
+gloo, fails with different numbers from run to run; it is reported, and the check goes on to a
 deterministic failure); the time to kill does not count those re-runs. The kill is shrunk (by
 hypothesis for a property-based failure, by `harness.shrink` for a fixed case, each smaller
 candidate also reproducing bit for bit), confirmed once more, run on the reference (which must
-pass), and saved as `mutant-NAME.yaml`, a regression case for the `cases/` corpus. A growth-check kill
-(an error that grows with the ring size: no single case fails) has no case to shrink; its witness is
-the growth figure, and its worst ring size's run must reproduce bit for bit. Its op log is
-compared with the reference's on the same case ("comm count": a ring of W ranks makes W - 1 K/V
+pass), and saved as `mutant-NAME.yaml`, a regression case for the `cases/` corpus. A growth-check
+kill (an error that grows with the ring size: no single case fails) has no case to shrink; its
+witness is the growth figure, and its worst ring size's run must reproduce bit for bit. Its op log
+is compared with the reference's on the same case ("comm count": a ring of W ranks makes W - 1 K/V
 hops in forward).
 
 The other side is false alarms: the reference runs through the same pipeline, with
@@ -37,28 +37,33 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import case as case_mod
+from harness import case_sequence
 from harness.case import Case
 from harness.checks import report
-from harness.checks.check import CheckOutcome, Failure, run_check
+from harness.checks.check import run_check
 from harness.checks.kill_matrix import REFERENCE, MutantRun, SelftestOutcome, short
 from harness.checks.options import CheckOptions, SelftestOptions
+from harness.checks.outcome import CheckOutcome, Failure
 from harness.checks.report import Reporter
 from harness.errors import HarnessError
 from harness.faults.schema import make_fault
 from harness.impls.adapters.reference import MUTANT_PREFIX
 from harness.judging.verdicts import failure_signature, killed_by
 from harness.ranks.backend import Placement
-from harness.result import CaseResult, result_record
+from harness.result import CaseResult, Verdict, result_record
 from harness.runner import run_case
 from harness.search import history
 from harness.search.fuzz import PROFILES, impl_info
 from harness.search.shrink import shrink
 
 SHRINK_DEADLINE_S = 20.0  # a shrinking candidate that hangs costs at most this
-REPRODUCE_RUNS = 2  # extra runs a failure must reproduce bit for bit in to count (a race rarely does twice)
+# extra runs a failure must reproduce bit for bit in to count (a race rarely does twice)
+REPRODUCE_RUNS = 2
+
 
 def mutant_names(only: str | tuple[str, ...] | None = None) -> list[str]:
-    """`mutant:NAME` of the zoo, or of the comma list `only` (bare names; 'reference' is the control)."""
+    """`mutant:NAME` of the zoo, or of the comma list `only` (bare names; 'reference' is the
+    control)."""
     from harness.impls.registry import mutant_names as all_names
 
     names = all_names()
@@ -69,7 +74,9 @@ def mutant_names(only: str | tuple[str, ...] | None = None) -> list[str]:
     for n in (t.strip() for t in items if t.strip()):
         full = n if n in (REFERENCE, *names) else MUTANT_PREFIX + n
         if full not in (*names, REFERENCE):
-            raise HarnessError(f"--only: unknown mutant {n!r}; known: {', '.join(short(x) for x in names)}")
+            raise HarnessError(
+                f"--only: unknown mutant {n!r}; known: {', '.join(short(x) for x in names)}"
+            )
         picked.append(full)
     if not picked:
         raise HarnessError("--only: no mutant named")
@@ -79,13 +86,15 @@ def mutant_names(only: str | tuple[str, ...] | None = None) -> list[str]:
 def perturbed(c: Case) -> Case:
     """`c` with every communication op on every rank posted after a seeded random 0-10 ms: the same
     program order under another timing, so a result that depends on a race shows it."""
-    return c.replace(faults=(*c.faults, make_fault("delay", seconds=0.0, jitter=0.01, where="post")))
+    return c.replace(
+        faults=(*c.faults, make_fault("delay", seconds=0.0, jitter=0.01, where="post"))
+    )
 
 
 def reproduces(pool, impl: str, r: CaseResult, times: int = 1) -> bool:
     """The same verdict `times` more, with identical output hashes for completed runs, and the same
     hashes once more under perturbed timing (a data race rarely survives both)."""
-    completed = r.verdict in ("pass", "silent-corruption", "diverged")
+    completed = r.verdict in (Verdict.PASS, Verdict.SILENT_CORRUPTION, Verdict.DIVERGED)
     for _ in range(times):
         again = run_case(r.case, pool, impl)
         if again.verdict != r.verdict or (completed and again.hashes != r.hashes):
@@ -96,9 +105,11 @@ def reproduces(pool, impl: str, r: CaseResult, times: int = 1) -> bool:
     return True
 
 
-def sequence_reproduces(found: history.HistoryFinding, times: int = 1, placement: Placement | None = None) -> bool:
-    """A history-dependent failure's sequence gives its recorded result bit for bit `times` more, each
-    time on fresh ranks."""
+def sequence_reproduces(
+    found: history.HistoryFinding, times: int = 1, placement: Placement | None = None
+) -> bool:
+    """A history-dependent failure's sequence gives its recorded result bit for bit `times` more,
+    each time on fresh ranks."""
     if found.sequence is None or found.seq_result is None:
         return False
     with history.FreshRanks(placement=placement) as fr:
@@ -110,10 +121,11 @@ def sequence_reproduces(found: history.HistoryFinding, times: int = 1, placement
 
 
 def comm_difference(mut: CaseResult, ref: CaseResult) -> str:
-    """How the mutant's op counts per phase differ from the reference's on the same case ('' if not)."""
+    """How the mutant's op counts per phase differ from the reference's on the same case ('' if
+    not)."""
     from harness.faults.interpose import phase_counts
 
-    if mut.verdict in ("fail-stop", "hang") or ref.verdict != "pass":
+    if mut.verdict in (Verdict.FAIL_STOP, Verdict.HANG) or ref.verdict != Verdict.PASS:
         return ""
     diffs: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for g, log in sorted(ref.extra.get("comm", {}).items()):
@@ -132,7 +144,8 @@ def comm_difference(mut: CaseResult, ref: CaseResult) -> str:
 
 
 def corpus_note(name: str, run: MutantRun, kill: Failure) -> str:
-    """The leading comment of a corpus case: what it reproduces, the public report, how it was found."""
+    """The leading comment of a corpus case: what it reproduces, the public report, how it was
+    found."""
     from ring_impl.mutants import MUTANTS
 
     doc = " ".join((MUTANTS[short(name)].__doc__ or "").split())
@@ -141,11 +154,18 @@ def corpus_note(name: str, run: MutantRun, kill: Failure) -> str:
     lines += textwrap.wrap(doc, 100)
     checks = [c for c in killed_by(r) if c != r.verdict]
     by = f" ({', '.join(checks)})" if checks else ""
-    how = "by hypothesis" if kill.stage == "property" else f"greedily, {run.shrink_tries} candidates tried"
+    how = (
+        "by hypothesis"
+        if kill.stage == "property"
+        else f"greedily, {run.shrink_tries} candidates tried"
+    )
     lines += textwrap.wrap(
-        f"Found by `ring-harness selftest` (the default check, {kill.stage} stage, case {kill.cases}, "
+        f"Found by `ring-harness selftest` (the default check, {kill.stage} stage, case "
+        f"{kill.cases}, "
         f"{kill.seconds:.1f} s), shrunk ({how}) and confirmed bit for bit. "
-        f"On {name} it must end {r.verdict}{by}; on the reference it must pass.", 100)
+        f"On {name} it must end {r.verdict}{by}; on the reference it must pass.",
+        100,
+    )
     if run.comm:
         lines.append(run.comm)
     return "\n".join(lines)
@@ -159,19 +179,22 @@ def _minimal(pool, impl: str, kill: Failure, opts: CheckOptions) -> tuple[CaseRe
     def still_fails(c):
         c = c.replace(deadline_s=min(c.deadline_s, SHRINK_DEADLINE_S))
         r = run_case(c, pool, impl)
-        if r.passed or r.verdict == "invalid":
+        if r.passed or r.verdict == Verdict.INVALID:
             return None
         return r if reproduces(pool, impl, r, REPRODUCE_RUNS) else None
 
-    def fresh(r: CaseResult) -> bool:  # the minimal case must fail the same way alone on fresh ranks
+    # the minimal case must fail the same way alone on fresh ranks
+    def fresh(r: CaseResult) -> bool:
         return history.confirm(pool, r, impl, minimise=False).confirmed
 
-    return shrink(kill.result, still_fails, budget_s=PROFILES[opts.profile].shrink_budget_s, fresh=fresh)
+    return shrink(
+        kill.result, still_fails, budget_s=PROFILES[opts.profile].shrink_budget_s, fresh=fresh
+    )
 
 
 def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None) -> MutantRun:
-    """Run the default check of `name`, stopped at its first reproducible failure; shrink and save it.
-    The check's lines go to the mutant's log file (its own reporter)."""
+    """Run the default check of `name`, stopped at its first reproducible failure; shrink and save
+    it. The check's lines go to the mutant's log file (its own reporter)."""
     run = MutantRun(name=name, log=work / "logs" / f"{short(name)}.log")
     run.log.parent.mkdir(parents=True, exist_ok=True)
     mopts = opts.with_(impl=name, save_dir=str(work / "found" / short(name)))
@@ -179,22 +202,33 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
     res = CheckOutcome(impl=name)
 
     def accept(r: CaseResult) -> bool:
-        """Reproduces bit for bit; a history-dependent failure (harness.search.history): its sequence does,
-        on fresh ranks."""
+        """Reproduces bit for bit; a history-dependent failure (harness.search.history): its
+        sequence does, on fresh ranks."""
         found = res.histories.get(failure_signature(r))
         if found is not None and found.history_dependent:
             return sequence_reproduces(found, REPRODUCE_RUNS, opts.placement)
         return reproduces(pool, name, r, REPRODUCE_RUNS)
 
     with open(run.log, "w", encoding="utf-8") as fh:
-        run_check(pool, mopts, stop_at_first_failure=True, reporter=Reporter(fh), accept=accept, outcome=res)
+        run_check(
+            pool,
+            mopts,
+            stop_at_first_failure=True,
+            reporter=Reporter(fh),
+            accept=accept,
+            outcome=res,
+        )
     run.check, run.cases = res, res.cases
     racy = [f for f in res.failures if not f.accepted]
     if racy:
         first = racy[0]
-        run.racy = [f"{len(racy)} earlier failure(s) did not reproduce bit for bit on re-runs (a data race, "
-                    f"caught but not replayable): the first at {first.stage} case {first.cases} after "
-                    f"{first.seconds:.1f} s ({', '.join(killed_by(first.result))})"]
+        run.racy = [
+            f"{len(racy)} earlier failure(s) did not reproduce bit for bit on re-runs (a "
+            "data race, "
+            f"caught but not replayable): the first at {first.stage} case {first.cases} "
+            "after "
+            f"{first.seconds:.1f} s ({', '.join(killed_by(first.result))})"
+        ]
     kill = res.kill()
     if not res.failures:
         run.status = "pass" if name == REFERENCE else "survived"
@@ -203,11 +237,15 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
         f = kill or res.failures[0]
         run.stage, run.cases, run.seconds = f.stage, f.cases, f.seconds
         run.verdict, run.killed_by = f.result.verdict, killed_by(f.result)
-        if f.growth is not None:  # no single case fails: the figure is the witness, re-run bit for bit
+        # no single case fails: the figure is the witness, re-run bit for bit
+        if f.growth is not None:
             run.verdict, run.killed_by = "growth", [f"error grows with W: {f.growth.detail}"]
             if kill is not None and name != REFERENCE:
-                run.note = ("growth-check kill: no single case fails, so no regression case is saved; its witness "
-                            "is the growth figure (tests/checks/test_growth.py)")
+                run.note = (
+                    "growth-check kill: no single case fails, so no regression case is "
+                    "saved; its witness "
+                    "is the growth figure (tests/checks/test_growth.py)"
+                )
         elif kill is not None and name != REFERENCE:
             _shrink_and_save(pool, name, run, kill, mopts, corpus or work)
         elif kill is None:
@@ -216,16 +254,21 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
     return run
 
 
-def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, opts: CheckOptions,
-                     corpus: Path) -> None:
-    """Shrink the kill, confirm it, run it on the reference, compare op counts, save the corpus case."""
-    found = run.check.histories.get(failure_signature(kill.result)) if run.check is not None else None
+def _shrink_and_save(
+    pool, name: str, run: MutantRun, kill: Failure, opts: CheckOptions, corpus: Path
+) -> None:
+    """Shrink the kill, confirm it, run it on the reference, compare op counts, save the corpus
+    case."""
+    found = (
+        run.check.histories.get(failure_signature(kill.result)) if run.check is not None else None
+    )
     if found is not None and found.history_dependent:
         _shrink_and_save_sequence(name, run, kill, found, opts, corpus)
         return
     r, run.shrink_tries = _minimal(pool, name, kill, opts)
     run.shrunk = r
-    if not reproduces(pool, name, r, REPRODUCE_RUNS):  # once more: it goes into a corpus replayed bit for bit
+    # once more: it goes into a corpus replayed bit for bit
+    if not reproduces(pool, name, r, REPRODUCE_RUNS):
         run.note = "the minimal case did not reproduce bit for bit: no regression case saved"
         return
     ref = run_case(r.case, pool, REFERENCE)
@@ -235,14 +278,25 @@ def _shrink_and_save(pool, name: str, run: MutantRun, kill: Failure, opts: Check
         run.note = f"the minimal case fails on the reference too ({ref.verdict}): suspect the harness; not saved"
         return
     rec = result_record(r, impl_info(name, False)[1], getattr(pool, "backend", "gloo"))
-    run.path = case_mod.save(r.case, corpus / f"mutant-{short(name)}.yaml", result=rec,
-                             note=corpus_note(name, run, kill), expect="reproduce")
+    run.path = case_mod.save(
+        r.case,
+        corpus / f"mutant-{short(name)}.yaml",
+        result=rec,
+        note=corpus_note(name, run, kill),
+        expect="reproduce",
+    )
 
 
-def _shrink_and_save_sequence(name: str, run: MutantRun, kill: Failure, found: history.HistoryFinding,
-                              opts: CheckOptions, corpus: Path) -> None:
-    """A history-dependent kill: shrink its sequence on fresh ranks, confirm it, run the same sequence on
-    the reference (which must pass) and save it as the corpus's sequence case."""
+def _shrink_and_save_sequence(
+    name: str,
+    run: MutantRun,
+    kill: Failure,
+    found: history.HistoryFinding,
+    opts: CheckOptions,
+    corpus: Path,
+) -> None:
+    """A history-dependent kill: shrink its sequence on fresh ranks, confirm it, run the same
+    sequence on the reference (which must pass) and save it as the corpus's sequence case."""
     with history.FreshRanks(placement=opts.placement) as fr:
         history.shrink_sequence(found, fr, budget_s=PROFILES[opts.profile].shrink_budget_s)
         run.shrunk, run.shrink_tries = found.seq_result, found.shrink_tries
@@ -255,31 +309,58 @@ def _shrink_and_save_sequence(name: str, run: MutantRun, kill: Failure, found: h
         run.note = f"the minimal sequence fails on the reference too ({run.reference_verdict}): suspect the harness"
         return
     n = len(found.sequence.steps)
-    run.note = (f"history-dependent: passes alone on fresh ranks; its witness is a sequence of {n} cases run in "
-                "order on fresh ranks")
-    note = corpus_note(name, run, kill) + "\n" + "\n".join(textwrap.wrap(
-        f"A sequence case: {found.evidence()}. `ring-harness replay` runs the {n} cases in order on fresh ranks; "
-        "the last one is judged.", 100))
+    run.note = (
+        f"history-dependent: passes alone on fresh ranks; its witness is a sequence of {n} "
+        "cases run in "
+        "order on fresh ranks"
+    )
+    note = (
+        corpus_note(name, run, kill)
+        + "\n"
+        + "\n".join(
+            textwrap.wrap(
+                f"A sequence case: {found.evidence()}. `ring-harness replay` runs the {n} cases in "
+                "order "
+                "on fresh ranks; "
+                "the last one is judged.",
+                100,
+            )
+        )
+    )
     rec = result_record(found.seq_result, impl_info(name, False)[1], "gloo")
-    run.path = case_mod.save_sequence(found.sequence, corpus / f"mutant-{short(name)}.yaml", result=rec, note=note,
-                                      expect="reproduce")
+    run.path = case_sequence.save_sequence(
+        found.sequence,
+        corpus / f"mutant-{short(name)}.yaml",
+        result=rec,
+        note=note,
+        expect="reproduce",
+    )
 
 
 def false_alarm_options(opts: CheckOptions, cases: int | None) -> CheckOptions:
-    """The reference's options: `cases` property-based examples with no time limit (None: as given)."""
+    """The reference's options: `cases` property-based examples with no time limit (None: as
+    given)."""
     if cases is None:
         return opts
     return opts.with_(max_examples=cases, time_budget=7 * 24 * 3600.0)
 
 
-def run_selftest(pool, names: list[str], opts: CheckOptions, work: Path, corpus: Path | None, *,
-                 false_alarm_cases: int | None = None,
-                 on_done: Callable[[MutantRun], None] | None = None) -> list[MutantRun]:
+def run_selftest(
+    pool,
+    names: list[str],
+    opts: CheckOptions,
+    work: Path,
+    corpus: Path | None,
+    *,
+    false_alarm_cases: int | None = None,
+    on_done: Callable[[MutantRun], None] | None = None,
+) -> list[MutantRun]:
     """Every named implementation through `run_one`, in order (the reference with its false-alarm
     budget); `on_done` sees each as it finishes."""
     from harness.search.battery import default_battery
 
-    run_case(default_battery(opts.world_size)[0], pool, REFERENCE)  # warm-up: no mutant pays the pool's start
+    # warm-up: no mutant pays the pool's start
+    run_case(default_battery(opts.world_size)[0], pool, REFERENCE)
     out = []
     for name in names:
         a = false_alarm_options(opts, false_alarm_cases) if name == REFERENCE else opts
@@ -290,10 +371,13 @@ def run_selftest(pool, names: list[str], opts: CheckOptions, work: Path, corpus:
     return out
 
 
-def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = None) -> SelftestOutcome:
-    """`ring-harness selftest` as a library call: every named mutant, then the reference, through the
-    default check on one pool; prints the kill matrix and the false-alarm figures (writes opts.json).
-    `outcome.passed`: every mutant killed, the reference passed, no worker process left behind."""
+def selftest(
+    opts: SelftestOptions | None = None, reporter: Reporter | None = None
+) -> SelftestOutcome:
+    """`ring-harness selftest` as a library call: every named mutant, then the reference, through
+    the default check on one pool; prints the kill matrix and the false-alarm figures (writes
+    opts.json). `outcome.passed`: every mutant killed, the reference passed, no worker process left
+    behind."""
     from harness.checks import kill_matrix as km
     from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, parse_kinds
     from harness.ranks.leftovers import leftover_workers
@@ -310,12 +394,21 @@ def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = No
     ref = ""
     if REFERENCE in names:
         n = opts.false_alarm_cases
-        ref = " and the reference" + (f" (with {n} property-based examples, no time limit)" if n else "")
-    stage = ",".join(parse_kinds(copts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT))
-    out(f"ring-harness selftest: {sum(n != REFERENCE for n in names)} mutant(s){ref} through the default check "
-        f"(battery W{copts.world_size}, fault stage {stage}, property-based {prof.name}: {prof.max_examples} "
-        f"examples{'' if prof.time_budget_s == float('inf') else f' / {prof.time_budget_s:g} s'}), {os.cpu_count()} "
-        f"cores; logs in {work / 'logs'}")
+        ref = " and the reference" + (
+            f" (with {n} property-based examples, no time limit)" if n else ""
+        )
+    stage = ",".join(
+        parse_kinds(copts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
+    )
+    out(
+        f"ring-harness selftest: {sum(n != REFERENCE for n in names)} mutant(s){ref} through the "
+        "default check "
+        f"(battery W{copts.world_size}, fault stage {stage}, property-based {prof.name}: "
+        f"{prof.max_examples} "
+        f"examples{'' if prof.time_budget_s == float('inf') else f' / {prof.time_budget_s:g} s'}), "
+        f"{os.cpu_count()} "
+        f"cores; logs in {work / 'logs'}"
+    )
     out(km.COLS)
     pids: set[int] = set()
     start = time.perf_counter()
@@ -327,21 +420,33 @@ def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = No
             for line in km.notes(r):
                 out(line)
 
-    from harness.checks.check import growth_pool_size
+    from harness.checks.stages import growth
     from harness.context import Capabilities
 
-    size = max(battery_pool_size(default_battery(copts.world_size)), growth_pool_size(copts, Capabilities()))
+    size = max(
+        battery_pool_size(default_battery(copts.world_size)), growth.ranks(copts, Capabilities())
+    )
     with RankPool(size, spare=True, placement=copts.placement) as pool:
-        runs = run_selftest(pool, names, copts, work, corpus, false_alarm_cases=opts.false_alarm_cases, on_done=done)
+        runs = run_selftest(
+            pool, names, copts, work, corpus, false_alarm_cases=opts.false_alarm_cases, on_done=done
+        )
         pids.update(pool.pids())
-    res = SelftestOutcome(runs=runs, leftovers=leftover_workers(pids), seconds=time.perf_counter() - start)
+    res = SelftestOutcome(
+        runs=runs, leftovers=leftover_workers(pids), seconds=time.perf_counter() - start
+    )
     mutants, ref_run = res.mutants, res.reference
     median, worst, slowest = km.kill_times(runs)
     out("")
     if mutants:
-        out(f"{res.killed}/{len(mutants)} mutants killed"
-            + (f"; time to first failure: median {median:.1f} s, worst {worst:.1f} s ({short(slowest)})"
-               if median is not None else ""))
+        out(
+            f"{res.killed}/{len(mutants)} mutants killed"
+            + (
+                f"; time to first failure: median {median:.1f} s, worst {worst:.1f} s "
+                f"({short(slowest)})"
+                if median is not None
+                else ""
+            )
+        )
         survivors = [short(r.name) for r in mutants if r.status != "killed"]
         if survivors:
             out(f"SURVIVED: {', '.join(survivors)}")
@@ -352,8 +457,16 @@ def selftest(opts: SelftestOptions | None = None, reporter: Reporter | None = No
     for line in res.leftovers:
         out(f"  {line}")
     if opts.json:
-        report.write_json(opts.json, {"command": "selftest", "mutants": [km.run_json(r) for r in mutants],
-                                      "reference": None if ref_run is None else km.run_json(ref_run),
-                                      "killed": res.killed, "median_kill_s": median, "worst_kill_s": worst,
-                                      "leftovers": res.leftovers})
+        report.write_json(
+            opts.json,
+            {
+                "command": "selftest",
+                "mutants": [km.run_json(r) for r in mutants],
+                "reference": None if ref_run is None else km.run_json(ref_run),
+                "killed": res.killed,
+                "median_kill_s": median,
+                "worst_kill_s": worst,
+                "leftovers": res.leftovers,
+            },
+        )
     return res

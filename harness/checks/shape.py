@@ -1,10 +1,12 @@
-"""The user's own shape (`check --shape b1,hq32,hkv8,d128,L8192,W8`): the layout x mask x dtype basics and the
-growth check at exactly that shape, after an up-front estimate of their time and memory on this machine.
+"""The user's own shape (`check --shape b1,hq32,hkv8,d128,L8192,W8`): the layout x mask x dtype
+basics and the growth check at exactly that shape, after an up-front estimate of their time and
+memory on this machine.
 
-A shape the implementation does not declare (its world size, heads, head_dim, an uneven split) is refused in one
-line; a layout, mask or dtype it does not declare is left out of the basics, and the plan says so. A plan whose
-memory does not fit, or whose time exceeds `CheckOptions.shape_budget`, is refused with the estimate before any
-rank starts. The time model and its calibration: docs/benchmarks.md (figure 7).
+A shape the implementation does not declare (its world size, heads, head_dim, an uneven split) is
+refused in one line; a layout, mask or dtype it does not declare is left out of the basics, and the
+plan says so. A plan whose memory does not fit, or whose time exceeds `CheckOptions.shape_budget`,
+is refused with the estimate before any rank starts. The time model and its calibration:
+docs/benchmarks.md (figure 7).
 """
 
 from __future__ import annotations
@@ -25,20 +27,30 @@ from ring_impl.masks import MaskSpec
 SEED = 2950
 MAX_TOKENS = 1 << 22
 DTYPES = ("bf16", "fp16", "fp32")
-# flops per b x hq x max(d, WORK_DIM) x L^2 (summed over ranks): the ring's forward + backward and its leak run
-# (2 x 14), and the oracle's two passes (harness.runner.ORACLE_PASS_FLOPS: 32 + 20), with the elementwise work
+# flops per b x hq x max(d, WORK_DIM) x L^2 (summed over ranks): the ring's forward + backward and
+# its leak run (2 x 14), and the oracle's two passes (harness.oracle.mode.ORACLE_PASS_FLOPS: 32 +
+# 20), with the elementwise work
 RING_FLOPS = 28.0
 ORACLE_FLOPS = 52.0
 WORK_DIM = 32
 OVERHEAD_S = 0.3  # per run: messages, shards, judging
-SLACK = 1.4  # measured / modelled seconds of shapes of 1k-4k tokens on 2 cores (docs/benchmarks.md, figure 8)
-_KEYS = {"b": "batch", "hq": "heads_q", "hkv": "heads_kv", "h": "heads", "d": "head_dim", "l": "total_len",
-         "w": "world_size"}
+# measured / modelled seconds of shapes of 1k-4k tokens on 2 cores (docs/benchmarks.md, figure 8)
+SLACK = 1.4
+_KEYS = {
+    "b": "batch",
+    "hq": "heads_q",
+    "hkv": "heads_kv",
+    "h": "heads",
+    "d": "head_dim",
+    "l": "total_len",
+    "w": "world_size",
+}
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A training shape: batch, query and kv heads, head_dim, the global sequence length and the ring size."""
+    """A training shape: batch, query and kv heads, head_dim, the global sequence length and the
+    ring size."""
 
     batch: int
     heads_q: int
@@ -48,17 +60,27 @@ class Shape:
     world_size: int
 
     def spec(self) -> str:
-        return (f"b{self.batch},hq{self.heads_q},hkv{self.heads_kv},d{self.head_dim},L{self.total_len},"
-                f"W{self.world_size}")
+        return (
+            f"b{self.batch},hq{self.heads_q},hkv{self.heads_kv},d{self.head_dim},L{self.total_len},"
+            f"W{self.world_size}"
+        )
 
     def case(self, **kw) -> Case:
         """A case of this shape (an even split of L over W)."""
-        return make_case(world_size=self.world_size, total_len=self.total_len, batch=self.batch,
-                         heads_q=self.heads_q, heads_kv=self.heads_kv, head_dim=self.head_dim, **kw)
+        return make_case(
+            world_size=self.world_size,
+            total_len=self.total_len,
+            batch=self.batch,
+            heads_q=self.heads_q,
+            heads_kv=self.heads_kv,
+            head_dim=self.head_dim,
+            **kw,
+        )
 
 
 def parse_shape(text: str | Shape) -> Shape:
-    """`b1,hq32,hkv8,d128,L8192,W8` (b defaults to 1, hkv to hq; `h16` sets both) -> Shape; one line otherwise."""
+    """`b1,hq32,hkv8,d128,L8192,W8` (b defaults to 1, hkv to hq; `h16` sets both) -> Shape; one line
+    otherwise."""
     if isinstance(text, Shape):
         return text
     usage = "expected e.g. b1,hq32,hkv8,d128,L8192,W8 (batch, query heads, kv heads, head_dim, tokens, ranks)"
@@ -89,14 +111,18 @@ def parse_shape(text: str | Shape) -> Shape:
     if s.heads_q % s.heads_kv:
         raise HarnessError(f"--shape: hq ({s.heads_q}) must be a multiple of hkv ({s.heads_kv})")
     if s.world_size > 64 or s.total_len < s.world_size or s.total_len > MAX_TOKENS:
-        raise HarnessError(f"--shape: needs 1 <= W <= 64 and W <= L <= {MAX_TOKENS}, got W{s.world_size} "
-                           f"L{s.total_len}")
+        raise HarnessError(
+            f"--shape: needs 1 <= W <= 64 and W <= L <= {MAX_TOKENS}, got "
+            f"W{s.world_size} "
+            f"L{s.total_len}"
+        )
     return s
 
 
 @dataclass
 class ShapePlan:
-    """What `--shape` runs: the basics and the growth check's global cases ({W: case}), and what it left out."""
+    """What `--shape` runs: the basics and the growth check's global cases ({W: case}), and what it
+    left out."""
 
     shape: Shape
     basics: list[Case] = field(default_factory=list)
@@ -113,24 +139,47 @@ def _masks(shape: Shape) -> list[MaskSpec]:
     """none, causal, a window reaching half a rank's length back, documents straddling the ranks."""
     n, w = shape.total_len, shape.world_size
     starts = sorted({0, *(s for s in (n // 5, n // 2 + 1, n - 3) if 0 < s < n)})
-    return [MaskSpec("none"), MaskSpec("causal"), MaskSpec("window", window=max(1, n // (2 * w))),
-            MaskSpec("document", doc_starts=tuple(starts))]
+    return [
+        MaskSpec("none"),
+        MaskSpec("causal"),
+        MaskSpec("window", window=max(1, n // (2 * w))),
+        MaskSpec("document", doc_starts=tuple(starts)),
+    ]
 
 
-def plan(shape: Shape, caps: Capabilities, impl: str = "reference", dtype: str | None = None,
-         pool_size: int | None = None) -> ShapePlan:
-    """The runs at `shape` that `caps` declares; a shape-level feature it does not declare is refused here."""
+def plan(
+    shape: Shape,
+    caps: Capabilities,
+    impl: str = "reference",
+    dtype: str | None = None,
+    pool_size: int | None = None,
+) -> ShapePlan:
+    """The runs at `shape` that `caps` declares; a shape-level feature it does not declare is
+    refused here."""
     lens = tuple(split_lengths(shape.total_len, shape.world_size))
-    missing = missing_features(caps, layout=sorted(caps.layouts)[0], mask_kind=sorted(caps.masks)[0],
-                               dtype=sorted(caps.dtypes)[0], world_size=shape.world_size,
-                               heads_q=shape.heads_q, heads_kv=shape.heads_kv, lengths=lens, head_dim=shape.head_dim,
-                               subgroup=False, backend=None)
+    missing = missing_features(
+        caps,
+        layout=sorted(caps.layouts)[0],
+        mask_kind=sorted(caps.masks)[0],
+        dtype=sorted(caps.dtypes)[0],
+        world_size=shape.world_size,
+        heads_q=shape.heads_q,
+        heads_kv=shape.heads_kv,
+        lengths=lens,
+        head_dim=shape.head_dim,
+        subgroup=False,
+        device=None,
+    )
     if missing:
-        words = "; ".join(feature_words(f, caps, heads_q=shape.heads_q, heads_kv=shape.heads_kv, lengths=lens)
-                          for f in missing)
+        words = "; ".join(
+            feature_words(f, caps, heads_q=shape.heads_q, heads_kv=shape.heads_kv, lengths=lens)
+            for f in missing
+        )
         raise HarnessError(f"--shape {shape.spec()}: {impl} does not declare {words}")
     if pool_size is not None and shape.world_size > pool_size:
-        raise HarnessError(f"--shape {shape.spec()}: needs {shape.world_size} ranks, {pool_size} started")
+        raise HarnessError(
+            f"--shape {shape.spec()}: needs {shape.world_size} ranks, {pool_size} started"
+        )
     out = ShapePlan(shape)
     dtypes = [d for d in DTYPES if d in caps.dtypes and (dtype is None or d == dtype)]
     if not dtypes:
@@ -138,14 +187,27 @@ def plan(shape: Shape, caps: Capabilities, impl: str = "reference", dtype: str |
     for layout in LAYOUTS:
         for mask in _masks(shape):
             for dt in dtypes:
-                feats = missing_features(caps, layout=layout, mask_kind=mask, dtype=dt, world_size=shape.world_size,
-                                         heads_q=shape.heads_q, heads_kv=shape.heads_kv, lengths=lens,
-                                         head_dim=shape.head_dim, subgroup=False, backend=None)
+                feats = missing_features(
+                    caps,
+                    layout=layout,
+                    mask_kind=mask,
+                    dtype=dt,
+                    world_size=shape.world_size,
+                    heads_q=shape.heads_q,
+                    heads_kv=shape.heads_kv,
+                    lengths=lens,
+                    head_dim=shape.head_dim,
+                    subgroup=False,
+                    device=None,
+                )
                 if feats:
                     out.left_out.append(f"{layout} {mask.describe()} {dt} ({', '.join(feats)})")
                     continue
-                out.basics.append(shape.case(layout=layout, mask=mask, dtype=dt, impl=impl,
-                                             seed=SEED + len(out.basics)))
+                out.basics.append(
+                    shape.case(
+                        layout=layout, mask=mask, dtype=dt, impl=impl, seed=SEED + len(out.basics)
+                    )
+                )
     lo, hi = caps.world_sizes
     worlds = tuple(sorted({w for w in (1, 2, 4, 8) if w < shape.world_size} | {shape.world_size}))
     worlds = tuple(w for w in worlds if lo <= w <= hi and (caps.uneven or shape.total_len % w == 0))
@@ -156,10 +218,24 @@ def plan(shape: Shape, caps: Capabilities, impl: str = "reference", dtype: str |
             for m in ("none", "causal"):
                 if m not in caps.masks:
                     continue
-                out.growth.append({w: make_case(world_size=w, total_len=shape.total_len, batch=shape.batch,
-                                                heads_q=shape.heads_q, heads_kv=shape.heads_kv,
-                                                head_dim=shape.head_dim, layout=layout, mask=MaskSpec(m), dtype=dt,
-                                                impl=impl, seed=SEED + 100 + len(out.growth)) for w in worlds})
+                out.growth.append(
+                    {
+                        w: make_case(
+                            world_size=w,
+                            total_len=shape.total_len,
+                            batch=shape.batch,
+                            heads_q=shape.heads_q,
+                            heads_kv=shape.heads_kv,
+                            head_dim=shape.head_dim,
+                            layout=layout,
+                            mask=MaskSpec(m),
+                            dtype=dt,
+                            impl=impl,
+                            seed=SEED + 100 + len(out.growth),
+                        )
+                        for w in worlds
+                    }
+                )
     return out
 
 
@@ -200,11 +276,14 @@ class Rates:
 
 
 def run_seconds(c: Case, rates: Rates) -> tuple[float, float]:
-    """(ring seconds, oracle seconds) of one run of `c` on this machine: its work over the cores its ranks use."""
-    work = c.batch * c.heads_q * max(c.head_dim, WORK_DIM) * c.total_len ** 2
+    """(ring seconds, oracle seconds) of one run of `c` on this machine: its work over the cores its
+    ranks use."""
+    work = c.batch * c.heads_q * max(c.head_dim, WORK_DIM) * c.total_len**2
     par = min(c.world_size, rates.cores)
-    return (SLACK * RING_FLOPS * work / (rates.fp32 * par) + OVERHEAD_S,
-            SLACK * ORACLE_FLOPS * work / (rates.fp64 * par))
+    return (
+        SLACK * RING_FLOPS * work / (rates.fp32 * par) + OVERHEAD_S,
+        SLACK * ORACLE_FLOPS * work / (rates.fp64 * par),
+    )
 
 
 @dataclass(frozen=True)
@@ -216,8 +295,11 @@ class Estimate:
     memory: object  # harness.ranks.oom.MemoryEstimate of the largest run
 
     def words(self) -> str:
-        return (f"~{_duration(self.seconds)} (the slowest run ~{_duration(self.slowest_s)}), peak memory "
-                f"{self.memory.words()}")
+        return (
+            f"~{_duration(self.seconds)} (the slowest run ~{_duration(self.slowest_s)}), peak "
+            "memory "
+            f"{self.memory.words()}"
+        )
 
 
 def _duration(s: float) -> str:
@@ -238,7 +320,8 @@ def estimate(p: ShapePlan, rates: Rates | None = None) -> Estimate:
 
 
 def deadline(c: Case, rates: Rates) -> float:
-    """A run's deadline: 5x its modelled ring time, 60 s at least, the case format's 3600 s at most."""
+    """A run's deadline: 5x its modelled ring time, 60 s at least, the case format's 3600 s at
+    most."""
     return min(3600.0, max(60.0, math.ceil(5 * run_seconds(c, rates)[0])))
 
 
@@ -249,5 +332,8 @@ def refuse_or_accept(p: ShapePlan, est: Estimate, budget_s: float, dtype: str | 
         raise HarnessError(f"{head} do not fit this machine: {est.memory.words()}")
     if est.seconds > budget_s:
         hint = "" if dtype else " or --dtype bf16 (a third of the basics)"
-        raise HarnessError(f"{head} would take {est.words()}; over --shape-budget {budget_s:g} s: pass a larger "
-                           f"--shape-budget{hint}")
+        raise HarnessError(
+            f"{head} would take {est.words()}; over --shape-budget {budget_s:g} s: "
+            "pass a larger "
+            f"--shape-budget{hint}"
+        )

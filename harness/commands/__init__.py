@@ -1,1 +1,2 @@
-"""One module per `ring-harness` subcommand: each has `add_arguments(parser)` and `run(args) -> int`."""
+"""One module per `ring-harness` subcommand: each has `add_arguments(parser)` and `run(args) ->
+int`."""

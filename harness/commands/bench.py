@@ -14,9 +14,16 @@ from harness.checks import report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke test, minutes)")
-    p.add_argument("--only", metavar="NAME", action="append", choices=list(FIGURES),
-                   help=f"run only this figure (repeatable): {', '.join(FIGURES)}")
+    p.add_argument(
+        "--quick", action="store_true", help="small sizes and few repeats (a smoke test, minutes)"
+    )
+    p.add_argument(
+        "--only",
+        metavar="NAME",
+        action="append",
+        choices=list(FIGURES),
+        help=f"run only this figure (repeatable): {', '.join(FIGURES)}",
+    )
     p.add_argument("--json", metavar="FILE", help="write every figure's numbers here")
 
 
@@ -41,13 +48,23 @@ def run(args: argparse.Namespace) -> int:
         report.out(f"    ({fig.seconds:.0f} s)")
     targets = [t for f in figures for t in f.targets]
     met = sum(t.met for t in targets)
-    report.out(f"{met}/{len(targets)} targets met" + ("" if met == len(targets) else ": missed "
-               + "; ".join(f"{f.name}: {t.label}" for f in figures for t in f.targets if not t.met)))
+    report.out(
+        f"{met}/{len(targets)} targets met"
+        + (
+            ""
+            if met == len(targets)
+            else ": missed "
+            + "; ".join(f"{f.name}: {t.label}" for f in figures for t in f.targets if not t.met)
+        )
+    )
     if args.json:
-        report.write_json(args.json, {"command": "bench", "quick": args.quick,
-                                      "figures": [f.to_dict() for f in figures]})
+        report.write_json(
+            args.json,
+            {"command": "bench", "quick": args.quick, "figures": [f.to_dict() for f in figures]},
+        )
     broken = [f"{f.name}: {t.label}" for f in figures for t in f.targets if t.value != t.value]
-    if broken or not all(f.targets for f in figures):  # a figure that measured nothing (NaN) did not run
+    # a figure that measured nothing (NaN) did not run
+    if broken or not all(f.targets for f in figures):
         empty = [f.name for f in figures if not f.targets]
         report.out("bench FAILED: no measurement for " + "; ".join(broken or empty))
         return 1

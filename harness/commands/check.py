@@ -14,92 +14,231 @@ S = argparse.SUPPRESS
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     C = CheckOptions  # noqa: N806
-    p.add_argument("--impl", default=S,
-                   help="implementation: a built-in name (see `ring-harness impls`) or package.module:attr"
-                        + hint(C, "impl"))
-    p.add_argument("--world-size", type=int, default=S,
-                   help="main ring size of the battery (which also has W = 1, 2, 3, 8 and a subgroup; the fault "
-                        "stage and the property-based run use W up to the pool size)" + hint(C, "world_size"))
-    p.add_argument("--dtype", choices=DTYPES, default=S, help="run every case of every stage in this dtype")
+    p.add_argument(
+        "--impl",
+        default=S,
+        help="implementation: a built-in name (see `ring-harness impls`) or "
+        "package.module:attr" + hint(C, "impl"),
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=S,
+        help="main ring size of the battery (which also has W = 1, 2, 3, 8 and a "
+        "subgroup; the fault "
+        "stage and the property-based run use W up to the pool size)" + hint(C, "world_size"),
+    )
+    p.add_argument(
+        "--dtype", choices=DTYPES, default=S, help="run every case of every stage in this dtype"
+    )
     p.add_argument("--json", metavar="FILE", default=S, help="write machine-readable results here")
-    p.add_argument("--save-dir", metavar="DIR", default=S,
-                   help="where failing cases are written as YAML" + hint(C, "save_dir"))
+    p.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        default=S,
+        help="where failing cases are written as YAML" + hint(C, "save_dir"),
+    )
     p.add_argument("--deadline", type=float, default=S, metavar="SECONDS", help="per-case deadline")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default=S,
-                   help="default: gloo for the local pool; nccl under torchrun when CUDA is available")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=S,
+        help="default: gloo for the local pool; nccl under torchrun when CUDA is available",
+    )
     add_placement(p)
-    p.add_argument("--oracle", choices=("ranks", "local"), default=S,
-                   help="who computes the float64 oracle: ranks (each rank its own query rows, after its run) or "
-                        "local (this process, while the ranks run)" + hint(C, "oracle"))
-    p.add_argument("--launcher", choices=("local", "torchrun"), default=S,
-                   help="local: a pool of worker processes on this host; torchrun: the ranks torchrun started"
-                        + hint(C, "launcher"))
-    p.add_argument("--maxfail", type=int, default=S, metavar="N",
-                   help="stop after N failing cases (as pytest's --maxfail)")
-    p.add_argument("-x", "--exitfirst", dest="maxfail", action="store_const", const=1, default=S,
-                   help="stop at the first failing case (--maxfail 1)")
-    p.add_argument("--max-hangs", type=int, default=S, metavar="N",
-                   help="stop after N hanging cases: each waits out --deadline and restarts the ranks, and a ring "
-                        "that hangs once usually hangs on every case; 0 runs every case" + hint(C, "max_hangs"))
-    p.add_argument("--no-repeat", dest="repeat", action="store_false", default=S,
-                   help="do not run each battery case a second time on the same ranks (the repeat check)")
-    p.add_argument("--no-growth", dest="growth", action="store_false", default=S,
-                   help="skip the growth check (the same global case at W = 1, 2, 4, 8: the error must not grow "
-                        "with the ring size)")
-    p.add_argument("--no-scale", dest="scale", action="store_false", default=S,
-                   help="skip the scale stage and draw property-based cases at toy sizes (<= 64 tokens, head_dim "
-                        "<= 32), as the check did before the scale stage")
-    p.add_argument("--no-model-calls", dest="model_calls", action="store_false", default=S,
-                   help="only the plain training call on fresh contiguous unit-scale tensors: no no_grad, "
-                        "inference_mode or checkpointed calls, no views of a fused QKV, no values of trained models "
-                        "(the check before they were added; docs/check.md)")
-    p.add_argument("--shape", metavar="SPEC", default=S,
-                   help="your training shape, e.g. b1,hq32,hkv8,d128,L8192,W8 (batch, query heads, kv heads, "
-                        "head_dim, tokens, ranks): run the layout x mask x dtype basics and the growth check at "
-                        "exactly that shape, after an estimate of their time and memory here (refused when it cannot "
-                        "fit)")
-    p.add_argument("--shape-budget", type=float, default=S, metavar="SECONDS",
-                   help="refuse a --shape whose estimated time exceeds this" + hint(C, "shape_budget"))
+    p.add_argument(
+        "--oracle",
+        choices=("ranks", "local"),
+        default=S,
+        help="who computes the float64 oracle: ranks (each rank its own query rows, "
+        "after its run) or "
+        "local (this process, while the ranks run)" + hint(C, "oracle"),
+    )
+    p.add_argument(
+        "--launcher",
+        choices=("local", "torchrun"),
+        default=S,
+        help="local: a pool of worker processes on this host; torchrun: the ranks "
+        "torchrun started" + hint(C, "launcher"),
+    )
+    p.add_argument(
+        "--maxfail",
+        type=int,
+        default=S,
+        metavar="N",
+        help="stop after N failing cases (as pytest's --maxfail)",
+    )
+    p.add_argument(
+        "-x",
+        "--exitfirst",
+        dest="maxfail",
+        action="store_const",
+        const=1,
+        default=S,
+        help="stop at the first failing case (--maxfail 1)",
+    )
+    p.add_argument(
+        "--max-hangs",
+        type=int,
+        default=S,
+        metavar="N",
+        help="stop after N hanging cases: each waits out --deadline and restarts the "
+        "ranks, and a ring "
+        "that hangs once usually hangs on every case; 0 runs every case" + hint(C, "max_hangs"),
+    )
+    p.add_argument(
+        "--no-repeat",
+        dest="repeat",
+        action="store_false",
+        default=S,
+        help="do not run each battery case a second time on the same ranks (the repeat check)",
+    )
+    p.add_argument(
+        "--no-growth",
+        dest="growth",
+        action="store_false",
+        default=S,
+        help="skip the growth check (the same global case at W = 1, 2, 4, 8: the error "
+        "must not grow "
+        "with the ring size)",
+    )
+    p.add_argument(
+        "--no-scale",
+        dest="scale",
+        action="store_false",
+        default=S,
+        help="skip the scale stage and draw property-based cases at toy sizes (<= 64 "
+        "tokens, head_dim "
+        "<= 32), as the check did before the scale stage",
+    )
+    p.add_argument(
+        "--no-model-calls",
+        dest="model_calls",
+        action="store_false",
+        default=S,
+        help="only the plain training call on fresh contiguous unit-scale tensors: no "
+        "no_grad, "
+        "inference_mode or checkpointed calls, no views of a fused QKV, no values "
+        "of trained models "
+        "(the check before they were added; docs/check.md)",
+    )
+    p.add_argument(
+        "--shape",
+        metavar="SPEC",
+        default=S,
+        help="your training shape, e.g. b1,hq32,hkv8,d128,L8192,W8 (batch, query heads, "
+        "kv heads, "
+        "head_dim, tokens, ranks): run the layout x mask x dtype basics and the "
+        "growth check at "
+        "exactly that shape, after an estimate of their time and memory here "
+        "(refused when it cannot "
+        "fit)",
+    )
+    p.add_argument(
+        "--shape-budget",
+        type=float,
+        default=S,
+        metavar="SECONDS",
+        help="refuse a --shape whose estimated time exceeds this" + hint(C, "shape_budget"),
+    )
     g = p.add_argument_group("property-based stage")
-    g.add_argument("--profile", choices=("ci", "nightly"), default=S,
-                   help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, large budget"
-                        + hint(C, "profile"))
-    g.add_argument("--max-examples", type=int, default=S, metavar="N",
-                   help="property-based examples (0 = battery only; default: the profile's)")
-    g.add_argument("--time-budget", type=float, default=S, metavar="SECONDS",
-                   help="seconds of property-based search (default: the profile's); shrinking a failure gets more")
-    g.add_argument("--seed", type=int, default=S, metavar="S",
-                   help="hypothesis seed (default: 0 for ci, random and printed for nightly)")
-    g.add_argument("--plot", default=S, metavar="DIR",
-                   help="write error heatmaps (PNG) of failing cases here (needs matplotlib)")
+    g.add_argument(
+        "--profile",
+        choices=("ci", "nightly"),
+        default=S,
+        help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, "
+        "large budget" + hint(C, "profile"),
+    )
+    g.add_argument(
+        "--max-examples",
+        type=int,
+        default=S,
+        metavar="N",
+        help="property-based examples (0 = battery only; default: the profile's)",
+    )
+    g.add_argument(
+        "--time-budget",
+        type=float,
+        default=S,
+        metavar="SECONDS",
+        help="seconds of property-based search (default: the profile's); shrinking a "
+        "failure gets more",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=S,
+        metavar="S",
+        help="hypothesis seed (default: 0 for ci, random and printed for nightly)",
+    )
+    g.add_argument(
+        "--plot",
+        default=S,
+        metavar="DIR",
+        help="write error heatmaps (PNG) of failing cases here (needs matplotlib)",
+    )
     g = p.add_argument_group("fault stage and fault battery")
-    g.add_argument("--fault-stage", default=S, metavar="KINDS",
-                   help="benign faults the default check runs on every rank in both phases: comma list of "
-                        f"{', '.join(FAULT_STAGE_KINDS)}, or none" + hint(C, "fault_stage"))
-    g.add_argument("--faults", metavar="KINDS", default=S,
-                   help="run the fault battery instead: comma list of delay, drop, early-read, send-reuse, "
-                        "corrupt, straggler, crash, or 'all'")
-    g.add_argument("--fault-cases", type=int, default=S, metavar="N",
-                   help="faulted cases in the fault battery (default 4 per kind)")
-    g.add_argument("--fault-deadline", type=float, default=S, metavar="SECONDS",
-                   help="per-case deadline of the fault stage and the fault battery" + hint(C, "fault_deadline"))
-    g.add_argument("--fault-seed", type=int, default=S, metavar="N",
-                   help="seed of the fault battery" + hint(FaultBatteryOptions, "seed"))
+    g.add_argument(
+        "--fault-stage",
+        default=S,
+        metavar="KINDS",
+        help="benign faults the default check runs on every rank in both phases: comma "
+        "list of "
+        f"{', '.join(FAULT_STAGE_KINDS)}, or none" + hint(C, "fault_stage"),
+    )
+    g.add_argument(
+        "--faults",
+        metavar="KINDS",
+        default=S,
+        help="run the fault battery instead: comma list of delay, drop, early-read, "
+        "send-reuse, "
+        "corrupt, straggler, crash, or 'all'",
+    )
+    g.add_argument(
+        "--fault-cases",
+        type=int,
+        default=S,
+        metavar="N",
+        help="faulted cases in the fault battery (default 4 per kind)",
+    )
+    g.add_argument(
+        "--fault-deadline",
+        type=float,
+        default=S,
+        metavar="SECONDS",
+        help="per-case deadline of the fault stage and the fault battery"
+        + hint(C, "fault_deadline"),
+    )
+    g.add_argument(
+        "--fault-seed",
+        type=int,
+        default=S,
+        metavar="N",
+        help="seed of the fault battery" + hint(FaultBatteryOptions, "seed"),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if hasattr(args, "faults"):
         from harness.checks.fault_battery import fault_battery
 
-        opts = build(FaultBatteryOptions, args, kinds="faults", cases="fault_cases", deadline="fault_deadline",
-                     seed="fault_seed")
+        opts = build(
+            FaultBatteryOptions,
+            args,
+            kinds="faults",
+            cases="fault_cases",
+            deadline="fault_deadline",
+            seed="fault_seed",
+        )
         return 0 if fault_battery(opts).passed else 1
     from harness.checks.check import check
 
     if isinstance(getattr(args, "fault_stage", None), str):
         from harness.checks.options import FAULT_STAGE_DEFAULT, parse_kinds
 
-        args.fault_stage = parse_kinds(args.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
+        args.fault_stage = parse_kinds(
+            args.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT
+        )
     from harness.interrupt import EXIT_CODES
 
     res = check(build(CheckOptions, args))

@@ -14,16 +14,30 @@ from harness.errors import HarnessError, Interrupted
 
 COMMANDS = {
     "check": ("harness.commands.check", "run the default battery against an implementation"),
-    "replay": ("harness.commands.replay", "re-run a saved case file and compare with its recorded result"),
-    "impls": ("harness.commands.impls", "list the implementations this install knows and their capabilities"),
-    "selftest": ("harness.commands.selftest", "run the default check against every mutant: kill matrix, false alarms"),
-    "bench": ("harness.commands.bench", "benchmark the harness and the reference ring (ratios, targets, MET/MISSED)"),
+    "replay": (
+        "harness.commands.replay",
+        "re-run a saved case file and compare with its recorded result",
+    ),
+    "impls": (
+        "harness.commands.impls",
+        "list the implementations this install knows and their capabilities",
+    ),
+    "selftest": (
+        "harness.commands.selftest",
+        "run the default check against every mutant: kill matrix, false alarms",
+    ),
+    "bench": (
+        "harness.commands.bench",
+        "benchmark the harness and the reference ring (ratios, targets, MET/MISSED)",
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ring-harness",
-                                description="Correctness and fault-injection harness for ring attention.")
+    p = argparse.ArgumentParser(
+        prog="ring-harness",
+        description="Correctness and fault-injection harness for ring attention.",
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
@@ -38,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    # SIGINT and SIGTERM (CI cancellation, `timeout`) only set a flag (harness.interrupt): the command stops at its
-    # next safe point, writes what finished and closes its ranks; a second one of the same kind ends it at once
+    # SIGINT and SIGTERM (CI cancellation, `timeout`) only set a flag (harness.interrupt): the
+    # command stops at its next safe point, writes what finished and closes its ranks; a second one
+    # of the same kind ends it at once
     with interrupt.handlers():
         try:
             code = int(importlib.import_module(args._module).run(args))
@@ -53,15 +68,19 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         stopped = interrupt.requested()
     if stopped is not None:
-        print(f"ring-harness: interrupted ({stopped}); exit {interrupt.EXIT_CODES[stopped]}", file=sys.stderr)
+        print(
+            f"ring-harness: interrupted ({stopped}); exit {interrupt.EXIT_CODES[stopped]}",
+            file=sys.stderr,
+        )
         return interrupt.EXIT_CODES[stopped]
     return code
 
 
 def entry() -> None:
-    """The `ring-harness` console script and `python -m harness`: `main`, then exit. A command stopped by a signal
-    has closed its ranks and written what finished; it exits at once, without the interpreter's slow teardown
-    (torch's takes seconds on a loaded machine, and whoever sent SIGTERM is waiting)."""
+    """The `ring-harness` console script and `python -m harness`: `main`, then exit. A command
+    stopped by a signal has closed its ranks and written what finished; it exits at once, without
+    the interpreter's slow teardown (torch's takes seconds on a loaded machine, and whoever sent
+    SIGTERM is waiting)."""
     code = main()
     if code in interrupt.EXIT_CODES.values():
         sys.stdout.flush()

@@ -1,6 +1,7 @@
-"""`ring-harness impls`: the implementations this install knows, whether each can run here, what each
-declares it supports, and for the flash-attn libraries the kernel their ranks use here (`kernel:
-cpu-standin` where ring-harness's CPU stand-in serves gloo ranks, `kernel: flash-attn X.Y` for a real one)."""
+"""`ring-harness impls`: the implementations this install knows, whether each can run here, what
+each declares it supports, and for the flash-attn libraries the kernel their ranks use here
+(`kernel: cpu-standin` where ring-harness's CPU stand-in serves gloo ranks, `kernel: flash-attn X.Y`
+for a real one)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from harness.impls import registry
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
-    p.add_argument("--mutants", action="store_true",
-                   help="also list the bug variants of the reference ring (mutant:NAME, for `ring-harness selftest`)")
+    p.add_argument(
+        "--mutants",
+        action="store_true",
+        help="also list the bug variants of the reference ring (mutant:NAME, for "
+        "`ring-harness selftest`)",
+    )
 
 
 def _caps(c: dict | None) -> str:
@@ -22,15 +27,27 @@ def _caps(c: dict | None) -> str:
         return "-"
     lo, hi = c["world_sizes"]
     parts = ["/".join(c["layouts"]), "/".join(c["masks"]), "/".join(c["dtypes"]), f"W{lo}-{hi}"]
-    parts += [p for p, ok in (("gqa", c["gqa"]), ("uneven", c["uneven"]), ("backward", c["backward"]),
-                              ("lse", c.get("returns_lse")), ("subgroups", c.get("subgroups", True)),
-                              ("even-zigzag-chunks", not c.get("zigzag_odd", True)),
-                              ("heads%W", c.get("heads_divisible_by_world", False)),
-                              ("idle-ranks", c.get("idle_ranks", False))) if ok]
+    parts += [
+        p
+        for p, ok in (
+            ("gqa", c["gqa"]),
+            ("uneven", c["uneven"]),
+            ("backward", c["backward"]),
+            ("lse", c.get("returns_lse")),
+            ("subgroups", c.get("subgroups", True)),
+            ("even-zigzag-chunks", not c.get("zigzag_odd", True)),
+            ("heads%W", c.get("heads_divisible_by_world", False)),
+            ("idle-ranks", c.get("idle_ranks", False)),
+        )
+        if ok
+    ]
     if c.get("head_dims"):
-        parts.append("d" + "/".join(map(str, c["head_dims"])) if len(c["head_dims"]) <= 4
-                     else f"d{min(c['head_dims'])}-{max(c['head_dims'])}")
-    return " ".join(parts) + f" [{'/'.join(c['backends'])}]"
+        parts.append(
+            "d" + "/".join(map(str, c["head_dims"]))
+            if len(c["head_dims"]) <= 4
+            else f"d{min(c['head_dims'])}-{max(c['head_dims'])}"
+        )
+    return " ".join(parts) + f" [{'/'.join(c['devices'])}]"
 
 
 def mutant_rows() -> list[dict]:
@@ -52,16 +69,23 @@ def run(args: argparse.Namespace) -> int:
         return 0
     width = max(len(r["name"]) for r in [*rows, {"name": "implementation"}])
     vw = max(len(str(r["version"])) for r in [*rows, {"version": "version"}])
-    report.out(f"{'implementation':<{width}}  {'here':<11}  {'version':<{vw}}  declared capabilities [backends]")
+    report.out(
+        f"{'implementation':<{width}}  {'here':<11}  {'version':<{vw}}  declared capabilities [devices]"
+    )
     for r in rows:
         state = "ready" if r["available"] else "unavailable"
         kernel = f"  kernel: {r['kernel']}" if r.get("kernel") else ""
-        report.out(f"{r['name']:<{width}}  {state:<11}  {r['version']:<{vw}}  {_caps(r['capabilities'])}{kernel}")
+        report.out(
+            f"{r['name']:<{width}}  {state:<11}  {r['version']:<{vw}}  {_caps(r['capabilities'])}{kernel}"
+        )
         if r["why"]:
             report.out(f"{'':<{width}}  -> {r['why']}")
     if mutants:
         report.out("")
-        report.out("mutants (bug variants of the reference, never a default; `ring-harness selftest` runs them):")
+        report.out(
+            "mutants (bug variants of the reference, never a default; `ring-harness "
+            "selftest` runs them):"
+        )
         mw = max(len(m["name"]) for m in mutants)
         for m in mutants:
             report.out(f"{m['name']:<{mw}}  {m['bug'][:110]}")

@@ -14,16 +14,27 @@ S = argparse.SUPPRESS
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("case", metavar="CASE.yaml", help="a saved case file")
-    p.add_argument("--impl", default=S,
-                   help="run under this implementation instead of the case's (a built-in name or package.module:attr; "
-                        "a case file may only name one, so give module paths here)")
-    p.add_argument("--plot", default=S, metavar="DIR", help="write error heatmaps (PNG) here if the case fails")
+    p.add_argument(
+        "--impl",
+        default=S,
+        help="run under this implementation instead of the case's (a built-in name or "
+        "package.module:attr; "
+        "a case file may only name one, so give module paths here)",
+    )
+    p.add_argument(
+        "--plot", default=S, metavar="DIR", help="write error heatmaps (PNG) here if the case fails"
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), default=S, help="default: gloo")
     add_placement(p)
     p.add_argument("--json", metavar="FILE", default=S, help="write the replay result here")
-    p.add_argument("--oracle", choices=("ranks", "local"), default=S,
-                   help="who computes the float64 oracle: ranks (default: the case's ranks, each its own query "
-                        "rows) or local (this process)")
+    p.add_argument(
+        "--oracle",
+        choices=("ranks", "local"),
+        default=S,
+        help="who computes the float64 oracle: ranks (default: the case's ranks, each "
+        "its own query "
+        "rows) or local (this process)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

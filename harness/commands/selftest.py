@@ -15,17 +15,42 @@ S = argparse.SUPPRESS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="FILE", default=S, help="write the kill matrix and the false-alarm figures here")
-    p.add_argument("--only", metavar="NAME,...", default=S,
-                   help="these mutants only (names as in ring_impl.mutants; 'reference' is the false-alarm run)")
-    p.add_argument("--false-alarm-cases", type=int, default=S, metavar="N",
-                   help="property-based examples for the reference, with no time limit (default: the default "
-                        "check's budget)")
-    p.add_argument("--save-dir", metavar="DIR", default=S,
-                   help="per-mutant check logs and found cases" + hint(SelftestOptions, "save_dir"))
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        default=S,
+        help="write the kill matrix and the false-alarm figures here",
+    )
+    p.add_argument(
+        "--only",
+        metavar="NAME,...",
+        default=S,
+        help="these mutants only (names as in ring_impl.mutants; 'reference' is the "
+        "false-alarm run)",
+    )
+    p.add_argument(
+        "--false-alarm-cases",
+        type=int,
+        default=S,
+        metavar="N",
+        help="property-based examples for the reference, with no time limit (default: "
+        "the default "
+        "check's budget)",
+    )
+    p.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        default=S,
+        help="per-mutant check logs and found cases" + hint(SelftestOptions, "save_dir"),
+    )
     add_placement(p)
-    p.add_argument("--corpus", default=S, metavar="DIR",
-                   help="write each mutant's minimal case here as mutant-NAME.yaml (e.g. cases/); default: --save-dir")
+    p.add_argument(
+        "--corpus",
+        default=S,
+        metavar="DIR",
+        help="write each mutant's minimal case here as mutant-NAME.yaml (e.g. cases/); "
+        "default: --save-dir",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +58,13 @@ def run(args: argparse.Namespace) -> int:
     from harness.checks.selftest import selftest
 
     opts = build(SelftestOptions, args)
-    opts = dataclasses.replace(opts, check=build(CheckOptions, argparse.Namespace(
-        **{k: getattr(args, k) for k in ("device", "stage_p2p") if hasattr(args, k)})))
+    opts = dataclasses.replace(
+        opts,
+        check=build(
+            CheckOptions,
+            argparse.Namespace(
+                **{k: getattr(args, k) for k in ("device", "stage_p2p") if hasattr(args, k)}
+            ),
+        ),
+    )
     return 0 if selftest(opts).passed else 1

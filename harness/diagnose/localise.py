@@ -1,5 +1,6 @@
 """Where a failing case's errors are: per rank/tensor worst error, and whether errors concentrate on
-causal-diagonal blocks, rank or chunk boundaries, document boundaries, masked blocks or one ring step.
+causal-diagonal blocks, rank or chunk boundaries, document boundaries, masked blocks or one ring
+step.
 
 Two levels. Token level (free, from the run's error maps): which global tokens exceed the
 tolerance, and whether they sit at rank/chunk/document edges. Block level (2W extra runs of the
@@ -17,12 +18,13 @@ import torch
 from harness import inputs
 from harness.case import Case
 from harness.impls import probe
-from harness.judging import oracle
+from harness.oracle.assemble import attention
 from harness.ranks.pool import RankPool
 from harness.result import CaseResult
 from harness.runner import run_case
 from ring_impl.layouts import all_positions, zigzag_chunks
-from ring_impl.masks import doc_starts_of, full_mask
+from ring_impl.mask_eval import full_mask
+from ring_impl.masks import doc_starts_of
 
 GRADS = ("dq", "dk", "dv")
 QUERY_TENSORS = ("out", "lse", "dq")  # indexed by query token; dk/dv by key token
@@ -38,14 +40,18 @@ class Localisation:
     case: Case
     verdict: str
     worst: list[dict] = field(default_factory=list)
-    tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # tensor -> (N,) worst ratio per token
-    blocks: dict[str, torch.Tensor] = field(default_factory=dict)  # tensor -> (N, W) ratio per token x block
-    visible: dict[str, torch.Tensor] = field(default_factory=dict)  # tensor -> (N, W) bool: block not masked
+    # tensor -> (N,) worst ratio per token
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    # tensor -> (N, W) ratio per token x block
+    blocks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # tensor -> (N, W) bool: block not masked
+    visible: dict[str, torch.Tensor] = field(default_factory=dict)
     shares: dict[str, dict] = field(default_factory=dict)
     findings: list[str] = field(default_factory=list)
 
 
 # -- geometry of a case --------------------------------------------------------------------------
+
 
 def owners(case: Case) -> torch.Tensor:
     """(N,) group rank that holds each global token."""
@@ -61,7 +67,8 @@ def row_order(case: Case) -> torch.Tensor:
 
 
 def shard_edges(case: Case) -> torch.Tensor:
-    """(N,) bool: first or last token of a run of tokens one rank holds (rank and zigzag chunk edges)."""
+    """(N,) bool: first or last token of a run of tokens one rank holds (rank and zigzag chunk
+    edges)."""
     n = case.total_len
     own = owners(case)
     cut = torch.zeros(n + 1, dtype=torch.bool)  # cut[p]: an edge lies between p - 1 and p
@@ -89,7 +96,8 @@ def doc_edges(case: Case) -> torch.Tensor:
 
 
 def block_visibility(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query x key block, key x query block) bool: the mask lets the token see / be seen by the block."""
+    """(query x key block, key x query block) bool: the mask lets the token see / be seen by the
+    block."""
     n = case.total_len
     m = full_mask(case.mask, n)
     if m is None:
@@ -122,6 +130,7 @@ def by_step(case: Case, tensor: str, grid: torch.Tensor) -> torch.Tensor:
 
 # -- maps ------------------------------------------------------------------------------------------
 
+
 def allowed_by_tensor(result: CaseResult) -> dict[str, float]:
     """The tolerance of each checked tensor (the same on every rank)."""
     out: dict[str, float] = {}
@@ -133,15 +142,21 @@ def allowed_by_tensor(result: CaseResult) -> dict[str, float]:
 def token_ratios(result: CaseResult) -> dict[str, torch.Tensor]:
     """tensor -> (N,) worst error / allowed over batch and heads, from the run's error maps."""
     allowed = allowed_by_tensor(result)
-    return {t: m.amax(dim=(0, 2)).double() / allowed[t] for t, m in result.maps.items() if t in allowed}
+    return {
+        t: m.amax(dim=(0, 2)).double() / allowed[t] for t, m in result.maps.items() if t in allowed
+    }
 
 
-def _assemble(case: Case, shards: dict[int, dict[str, torch.Tensor]], tensor: str) -> torch.Tensor | None:
+def _assemble(
+    case: Case, shards: dict[int, dict[str, torch.Tensor]], tensor: str
+) -> torch.Tensor | None:
     parts = [shards.get(r, {}).get(tensor) for r in range(case.world_size)]
     if any(p is None for p in parts):
         return None
     pos = all_positions(case.layout, case.seq_lens)
-    glob = torch.empty((parts[0].shape[0], case.total_len, *parts[0].shape[2:]), dtype=torch.float64)
+    glob = torch.empty(
+        (parts[0].shape[0], case.total_len, *parts[0].shape[2:]), dtype=torch.float64
+    )
     for p, t in zip(pos, parts, strict=True):
         glob[:, p] = t.double()
     return glob
@@ -153,7 +168,9 @@ def _token_error(got: torch.Tensor | None, want: torch.Tensor) -> torch.Tensor:
     return (got - want).abs().nan_to_num(nan=float("inf")).amax(dim=(0, 2, 3))
 
 
-def probe_blocks(result: CaseResult, pool: RankPool, impl: str | None = None) -> dict[str, torch.Tensor]:
+def probe_blocks(
+    result: CaseResult, pool: RankPool, impl: str | None = None
+) -> dict[str, torch.Tensor]:
     """tensor -> (N, W) error / allowed of each (token, block) cell, from 2W probe runs.
 
     out and dq: V kept on key block b (column b); dk and dv: dout kept on query block a (column a).
@@ -165,24 +182,36 @@ def probe_blocks(result: CaseResult, pool: RankPool, impl: str | None = None) ->
     allowed = allowed_by_tensor(result)
     g = inputs.make_global(case)
     own = owners(case)
-    grids = {t: torch.full((n, w), float("nan"), dtype=torch.float64) for t in BLOCK_TENSORS if t in allowed}
+    grids = {
+        t: torch.full((n, w), float("nan"), dtype=torch.float64)
+        for t in BLOCK_TENSORS
+        if t in allowed
+    }
     for blk in range(w):
         keep = (own == blk).view(1, -1, 1, 1)
         for kind, tensors in (("kv", ("out", "dq")), ("q", ("dk", "dv"))):
             if not any(t in grids for t in tensors):
                 continue
-            r = run_case(case, pool, probe.spec(name, kind, blk), allow_import=True, leak=False, keep_shards=True)
+            r = run_case(
+                case,
+                pool,
+                probe.spec(name, kind, blk),
+                allow_import=True,
+                leak=False,
+                keep_shards=True,
+            )
             v = g["v"] * keep if kind == "kv" else g["v"]
             dout = g["dout"] * keep if kind == "q" else g["dout"]
-            ref = oracle.attention(g["q"], g["k"], v, dout, case.mask, case.scale, compute=torch.float64)
+            exact = attention(g["q"], g["k"], v, dout, case.mask, case.scale, compute=torch.float64)
             for t in tensors:
                 if t in grids:
                     got = _assemble(case, r.shards, t) if r.shards else None
-                    grids[t][:, blk] = _token_error(got, getattr(ref, t)) / allowed[t]
+                    grids[t][:, blk] = _token_error(got, getattr(exact, t)) / allowed[t]
     return grids
 
 
 # -- findings ------------------------------------------------------------------------------------
+
 
 def _share(mass: torch.Tensor, where: torch.Tensor) -> float:
     total = float(mass.sum())
@@ -190,7 +219,8 @@ def _share(mass: torch.Tensor, where: torch.Tensor) -> float:
 
 
 def _excess(ratio: torch.Tensor) -> torch.Tensor:
-    """The part of a ratio grid that counts as error: cells over the tolerance (all cells if none is)."""
+    """The part of a ratio grid that counts as error: cells over the tolerance (all cells if none
+    is)."""
     r = ratio.nan_to_num(nan=0.0, posinf=1e30)
     over = torch.where(r > 1, r, torch.zeros_like(r))
     return over if float(over.sum()) > 0 else r
@@ -205,8 +235,11 @@ def token_findings(case: Case, tokens: dict[str, torch.Tensor]) -> tuple[dict, l
         bad = ratio > 1
         if not bool(bad.any()):
             continue
-        info = {"failing": f"{int(bad.sum())} of {bad.numel()} tokens",
-                "tokens": bad.nonzero().view(-1).tolist()[:MAX_LISTED], "ranks": sorted(set(own[bad].tolist()))}
+        info = {
+            "failing": f"{int(bad.sum())} of {bad.numel()} tokens",
+            "tokens": bad.nonzero().view(-1).tolist()[:MAX_LISTED],
+            "ranks": sorted(set(own[bad].tolist())),
+        }
         for label, where in sets.items():
             if not where.any():
                 continue
@@ -214,16 +247,22 @@ def token_findings(case: Case, tokens: dict[str, torch.Tensor]) -> tuple[dict, l
             share = float((bad & where).sum()) / int(bad.sum())
             info[label.replace(" ", "_")] = f"{share:.0%} of failing tokens ({base:.0%} of all)"
             if where.any() and share >= CONCENTRATED and base <= 0.5:
-                words.append(f"{t}: {int((bad & where).sum())} of {int(bad.sum())} failing tokens are at {label} "
-                             f"({base:.0%} of all tokens are)")
+                words.append(
+                    f"{t}: {int((bad & where).sum())} of {int(bad.sum())} failing tokens "
+                    f"are at {label} "
+                    f"({base:.0%} of all tokens are)"
+                )
         if len(info["ranks"]) < case.world_size:
             words.append(f"{t}: fails only on rank(s) {info['ranks']} of {case.world_size}")
         shares[t] = info
     return shares, words
 
 
-def block_findings(case: Case, blocks: dict[str, torch.Tensor], visible: dict[str, torch.Tensor],
-                   ) -> tuple[dict, list[str]]:
+def block_findings(
+    case: Case,
+    blocks: dict[str, torch.Tensor],
+    visible: dict[str, torch.Tensor],
+) -> tuple[dict, list[str]]:
     """Shares of error on the causal-diagonal block, on each ring step, and on masked blocks."""
     shares, words = {}, []
     w = case.world_size
@@ -236,16 +275,25 @@ def block_findings(case: Case, blocks: dict[str, torch.Tensor], visible: dict[st
         diag = per_step[0]
         hidden = _share(mass, ~visible[t])
         what = "key block" if t in ("out", "dq") else "query block"
-        shares[t] = {"per_step": [round(s, 3) for s in per_step], "diagonal": round(diag, 3),
-                     "masked_blocks": round(hidden, 3), "axis": what}
+        shares[t] = {
+            "per_step": [round(s, 3) for s in per_step],
+            "diagonal": round(diag, 3),
+            "masked_blocks": round(hidden, 3),
+            "axis": what,
+        }
         if hidden >= 0.05:
-            words.append(f"{t}: {hidden:.0%} of the error is in blocks the mask hides entirely "
-                         f"(they must contribute nothing: a mask/causality leak)")
+            words.append(
+                f"{t}: {hidden:.0%} of the error is in blocks the mask hides entirely "
+                f"(they must contribute nothing: a mask/causality leak)"
+            )
         top = max(range(w), key=lambda s: per_step[s])
         if w >= 2 and per_step[top] >= CONCENTRATED:
             label = "the causal-diagonal (local) block, step 0" if top == 0 else f"ring step {top}"
-            words.append(f"{t}: {per_step[top]:.0%} of the error is on {label} ({what} = "
-                         + ("rank - " if t in ("out", "dq") else "rank + ") + f"{top} mod W)")
+            words.append(
+                f"{t}: {per_step[top]:.0%} of the error is on {label} ({what} = "
+                + ("rank - " if t in ("out", "dq") else "rank + ")
+                + f"{top} mod W)"
+            )
     return shares, words
 
 
@@ -254,14 +302,26 @@ def worst_checks(result: CaseResult) -> list[dict]:
     out = []
     for c in sorted(result.failed_checks(), key=lambda c: -c.ratio):
         p = c.position or {}
-        out.append({"tensor": c.tensor, "rank": c.rank, "error": float(c.error), "allowed": float(c.allowed),
-                    "ratio": float(c.ratio) if c.ratio != float("inf") else "inf", "batch": p.get("batch"),
-                    "head": p.get("head"), "token": p.get("token")})
+        out.append(
+            {
+                "tensor": c.tensor,
+                "rank": c.rank,
+                "error": float(c.error),
+                "allowed": float(c.allowed),
+                "ratio": float(c.ratio) if c.ratio != float("inf") else "inf",
+                "batch": p.get("batch"),
+                "head": p.get("head"),
+                "token": p.get("token"),
+            }
+        )
     return out
 
 
-def localise(result: CaseResult, pool: RankPool | None = None, *, probes: bool = True) -> Localisation:
-    """Where the errors of a result are; with a pool and `probes`, also split them by block (2W runs)."""
+def localise(
+    result: CaseResult, pool: RankPool | None = None, *, probes: bool = True
+) -> Localisation:
+    """Where the errors of a result are; with a pool and `probes`, also split them by block (2W
+    runs)."""
     case = result.case
     loc = Localisation(case=case, verdict=result.verdict, worst=worst_checks(result))
     if not result.checks:
@@ -287,8 +347,14 @@ def summary(loc: Localisation) -> dict:
     for w in loc.worst:  # sorted worst first
         if w["tensor"] not in worst:
             ratio = w["ratio"] if isinstance(w["ratio"], str) else float(f"{w['ratio']:.4g}")
-            worst[w["tensor"]] = {"rank": w["rank"], "ratio": ratio, "error": float(f"{w['error']:.4g}"),
-                                  "batch": w["batch"], "head": w["head"], "token": w["token"]}
+            worst[w["tensor"]] = {
+                "rank": w["rank"],
+                "ratio": ratio,
+                "error": float(f"{w['error']:.4g}"),
+                "batch": w["batch"],
+                "head": w["head"],
+                "token": w["token"],
+            }
     return {"worst": worst, "findings": loc.findings, "shares": loc.shares}
 
 

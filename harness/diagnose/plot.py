@@ -42,36 +42,76 @@ def _groups(rank_of_row: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
-def _panel(ax, grid: torch.Tensor, visible: torch.Tensor, diag_col, norm, cmap, xlabel: str,
-           ylabel: str, rows: torch.Tensor, rank_of_row: torch.Tensor, title: str):
-    """One heatmap: grid (rows x W) already in row order; diag_col(rank) is the local block's column."""
+def _panel(
+    ax,
+    grid: torch.Tensor,
+    visible: torch.Tensor,
+    diag_col,
+    norm,
+    cmap,
+    xlabel: str,
+    ylabel: str,
+    rows: torch.Tensor,
+    rank_of_row: torch.Tensor,
+    title: str,
+):
+    """One heatmap: grid (rows x W) already in row order; diag_col(rank) is the local block's
+    column."""
     from matplotlib.patches import Rectangle
 
     n, w = grid.shape
     import numpy as np
 
-    data = np.ma.masked_invalid(grid.clamp(min=FLOOR).nan_to_num(posinf=1e30).numpy())  # NaN: probe not run
-    im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                   extent=(-0.5, w - 0.5, n - 0.5, -0.5))
-    for j in range(w):  # hatch each run of masked cells in a column as one patch (fast on big grids)
+    # NaN: probe not run
+    data = np.ma.masked_invalid(grid.clamp(min=FLOOR).nan_to_num(posinf=1e30).numpy())
+    im = ax.imshow(
+        data,
+        aspect="auto",
+        interpolation="nearest",
+        cmap=cmap,
+        norm=norm,
+        extent=(-0.5, w - 0.5, n - 0.5, -0.5),
+    )
+    # hatch each run of masked cells in a column as one patch (fast on big grids)
+    for j in range(w):
         masked = (~visible[:, j]).tolist() + [False]
         start = None
         for i, m in enumerate(masked):
             if m and start is None:
                 start = i
             elif not m and start is not None:
-                ax.add_patch(Rectangle((j - 0.5, start - 0.5), 1, i - start, fill=False, hatch="///",
-                                       edgecolor="0.6", lw=0))
+                ax.add_patch(
+                    Rectangle(
+                        (j - 0.5, start - 0.5),
+                        1,
+                        i - start,
+                        fill=False,
+                        hatch="///",
+                        edgecolor="0.6",
+                        lw=0,
+                    )
+                )
                 start = None
     for rank, a, b in _groups(rank_of_row):
-        ax.add_patch(Rectangle((diag_col(rank) - 0.5, a - 0.5), 1, b - a, fill=False, edgecolor="cyan", lw=1.5))
+        ax.add_patch(
+            Rectangle(
+                (diag_col(rank) - 0.5, a - 0.5), 1, b - a, fill=False, edgecolor="cyan", lw=1.5
+            )
+        )
     if n * w <= ANNOTATE_CELLS:
         for i in range(n):
             for j in range(w):
                 v = float(grid[i, j])
                 if not math.isnan(v):
-                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7,
-                            color="white" if v < 1 else "black")
+                    ax.text(
+                        j,
+                        i,
+                        f"{v:.2g}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if v < 1 else "black",
+                    )
     for i in range(1, n):  # rank boundaries between row groups
         if rank_of_row[i] != rank_of_row[i - 1]:
             ax.axhline(i - 0.5, color="white", lw=1.5)
@@ -81,7 +121,9 @@ def _panel(ax, grid: torch.Tensor, visible: torch.Tensor, diag_col, norm, cmap, 
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     step = max(1, n // 24)
-    ticks = [i for i in range(n) if i % step == 0 or (i > 0 and rank_of_row[i] != rank_of_row[i - 1])]
+    ticks = [
+        i for i in range(n) if i % step == 0 or (i > 0 and rank_of_row[i] != rank_of_row[i - 1])
+    ]
     ax.set_yticks(ticks)
     ax.set_yticklabels([f"{int(rows[i])} (r{int(rank_of_row[i])})" for i in ticks], fontsize=7)
     ax.set_title(title, fontsize=10)
@@ -112,27 +154,62 @@ def heatmaps(loc: Localisation, directory: str | Path, stem: str = "case") -> li
         norm = LogNorm(vmin=FLOOR, vmax=top)
         cmap = plt.get_cmap("inferno").with_extremes(bad="0.75")
         token = "query" if query_side else "key"
-        other = "key block (rank that owns the keys)" if query_side else "query block (rank that owns the queries)"
+        other = (
+            "key block (rank that owns the keys)"
+            if query_side
+            else "query block (rank that owns the queries)"
+        )
         ylabel = f"{token} token: position (rank)"
-        what = ("V kept on one key block" if tensor == "out" else
-                "V kept on one key block (not an exact split for dq)" if tensor == "dq" else
-                "dout kept on one query block")
-        # at least 10 x 4.5 inches: the two x-labels and the title lines fit even for a 1 x 1 grid (W1, L = 1)
-        fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 5 + 1.1 * w), max(4.5, 3.2 + min(0.22 * len(rows), 9))),
-                                 squeeze=False,
-                                 layout="constrained")
-        im = _panel(axes[0][0], g, vis, lambda r: r, norm, cmap, other, ylabel, rows, rank_of_row,
-                    "by key block" if query_side else "by query block")
-        _panel(axes[0][1], s, vis_s, lambda r: 0, norm, cmap,
-               "ring step (" + ("key block = rank - step" if query_side else "query block = rank + step") + " mod W)",
-               "", rows, rank_of_row, "by ring step")
+        what = {
+            "out": "V kept on one key block",
+            "dq": "V kept on one key block (not an exact split for dq)",
+        }.get(tensor, "dout kept on one query block")
+        # at least 10 x 4.5 inches: the two x-labels and the title lines fit even for a 1 x 1 grid
+        # (W1, L = 1)
+        fig, axes = plt.subplots(
+            1,
+            2,
+            figsize=(max(10.0, 5 + 1.1 * w), max(4.5, 3.2 + min(0.22 * len(rows), 9))),
+            squeeze=False,
+            layout="constrained",
+        )
+        im = _panel(
+            axes[0][0],
+            g,
+            vis,
+            lambda r: r,
+            norm,
+            cmap,
+            other,
+            ylabel,
+            rows,
+            rank_of_row,
+            "by key block" if query_side else "by query block",
+        )
+        _panel(
+            axes[0][1],
+            s,
+            vis_s,
+            lambda r: 0,
+            norm,
+            cmap,
+            "ring step ("
+            + ("key block = rank - step" if query_side else "query block = rank + step")
+            + " mod W)",
+            "",
+            rows,
+            rank_of_row,
+            "by ring step",
+        )
         cb = fig.colorbar(im, ax=axes[0].tolist(), fraction=0.05)
         cb.set_label("|error| / tolerance (log; > 1 fails)")
         cb.ax.axhline(1.0, color="cyan", lw=1.5)
-        fig.suptitle(f"{tensor} error by block ({what}) - {loc.verdict}\n{case.summary()}\n"
-                     "rows grouped by rank; cyan outline: local (causal-diagonal) block;\n"
-                     "hatched: block fully masked (must be 0); grey: not run",
-                     fontsize=9)
+        fig.suptitle(
+            f"{tensor} error by block ({what}) - {loc.verdict}\n{case.summary()}\n"
+            "rows grouped by rank; cyan outline: local (causal-diagonal) block;\n"
+            "hatched: block fully masked (must be 0); grey: not run",
+            fontsize=9,
+        )
         path = out_dir / f"{stem}-{tensor}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -41,11 +41,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
 
 
-def flip_bits(t: torch.Tensor, rng: random.Random, bit: int | None = None, count: int = 1) -> list[tuple[int, int]]:
-    """Flip one bit in each of `count` seeded elements of `t` in place; returns (element, bit) pairs."""
+def flip_bits(
+    t: torch.Tensor, rng: random.Random, bit: int | None = None, count: int = 1
+) -> list[tuple[int, int]]:
+    """Flip one bit in each of `count` seeded elements of `t` in place; returns (element, bit)
+    pairs."""
     n = t.numel()
     if n == 0:
         return []
@@ -85,11 +90,16 @@ def write_note(path: str, note: dict) -> None:
         pass
 
 
-def crash(how: str, note: dict, path: str | None, exit_fn: Callable[[int], None] | None = None) -> None:
-    """Die now, as scheduled: leave a note (file + log line) saying where, then exit 0, exit 1 or SIGKILL."""
+def crash(
+    how: str, note: dict, path: str | None, exit_fn: Callable[[int], None] | None = None
+) -> None:
+    """Die now, as scheduled: leave a note (file + log line) saying where, then exit 0, exit 1 or
+    SIGKILL."""
     if path:
         write_note(path, note)
-    sys.stdout.write(f"ring-harness fault: crash ({how}) at {note.get('crash', note).get('op', '?')}\n")
+    sys.stdout.write(
+        f"ring-harness fault: crash ({how}) at {note.get('crash', note).get('op', '?')}\n"
+    )
     sys.stdout.flush()
     if exit_fn is not None:  # tests: don't kill the test process
         exit_fn({"exit0": 0, "exit1": 1, "sigkill": -signal.SIGKILL}[how])

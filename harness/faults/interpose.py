@@ -1,10 +1,11 @@
-"""Interposition inside one rank: wrap the torch.distributed calls ring implementations use, log every
-op (kind, peer, bytes, order, phase) and apply the faults scheduled on this rank.
+"""Interposition inside one rank: wrap the torch.distributed calls ring implementations use, log
+every op (kind, peer, bytes, order, phase) and apply the faults scheduled on this rank.
 
-`active(ip)` patches the functions on both `torch.distributed` and `torch.distributed.distributed_c10d`
-for one case and restores them afterwards. Every Work handed to the implementation is a `FaultWork`
-whose wait() completes the real op under the case's short timeout and turns a transport error or a
-timeout into a `CommError` naming the op, the peer and the phase.
+`active(ip)` patches the functions on both `torch.distributed` and
+`torch.distributed.distributed_c10d` for one case and restores them afterwards. Every Work handed to
+the implementation is a `FaultWork` whose wait() completes the real op under the case's short
+timeout and turns a transport error or a timeout into a `CommError` naming the op, the peer and the
+phase.
 
 The pieces: `Interposer` and `active` here (scheduling, fault injection, completion); the Work
 objects in `work`; the op log and its readers in `oplog`; the replacement functions in `wrappers`;
@@ -30,21 +31,62 @@ from harness.errors import CommError
 from harness.faults import inject, staging
 from harness.faults.oplog import Op, compact_log, overwrite, pending_text, phase_counts
 from harness.faults.schema import FaultSpec
-from harness.faults.work import Deferred, FaultWork, first_line, nbytes, overlaps, shares_storage, tensors_of
+from harness.faults.work import (
+    Deferred,
+    FaultWork,
+    first_line,
+    nbytes,
+    overlaps,
+    shares_storage,
+    tensors_of,
+)
 from harness.faults.wrappers import COLLECTIVE_ARGS, P2P, WRAPPED, originals
 from harness.faults.wrappers import wrappers as make_wrappers
 
 # what other code imports from here (the mechanism's entry points), wherever it is defined now
-__all__ = ["COLLECTIVE_ARGS", "P2P", "WRAPPED", "CommError", "FaultWork", "Interposer", "Op", "active",
-           "phase_counts"]
+__all__ = [
+    "COLLECTIVE_ARGS",
+    "P2P",
+    "WRAPPED",
+    "CommError",
+    "FaultWork",
+    "Interposer",
+    "Op",
+    "active",
+    "phase_counts",
+]
+
+
+def _private(out: torch.Tensor, ins: list, inplace: bool) -> torch.Tensor:
+    """The buffer an early-read op really receives into, so the caller's buffer can be poisoned.
+
+    An in-place op gets a clone. An output that shares storage with an input stays itself.
+    Any other output gets a fresh tensor of its shape.
+    """
+    if inplace:
+        return out.clone()
+    if shares_storage(out, ins):
+        return out
+    return torch.empty_like(out)
 
 
 class Interposer:
     """Per-rank, per-case state: the op log, the faults scheduled here and which of them fired."""
 
-    def __init__(self, rank: int, faults: Sequence[FaultSpec] = (), *, seed: int = 0, timeout_s: float = 30.0,
-                 budget_s: float | None = None, pending_path: str | None = None, note_path: str | None = None,
-                 exit_fn: Callable[[int], None] | None = None, case_id: Any = None, stage: bool = False) -> None:
+    def __init__(
+        self,
+        rank: int,
+        faults: Sequence[FaultSpec] = (),
+        *,
+        seed: int = 0,
+        timeout_s: float = 30.0,
+        budget_s: float | None = None,
+        pending_path: str | None = None,
+        note_path: str | None = None,
+        exit_fn: Callable[[int], None] | None = None,
+        case_id: Any = None,
+        stage: bool = False,
+    ) -> None:
         self.rank = rank  # group rank
         self.stage = stage  # P2P through host buffers, NCCL's matching (harness.faults.staging)
         self.faults = tuple(f for f in faults if f.rank is None or f.rank == rank)
@@ -64,7 +106,8 @@ class Interposer:
         self.last_exit = self.start
         self._nested = False  # inside an original collective that calls another wrapped one
         self.pending_path = pending_path
-        self.note_path = note_path  # survives this rank's death: which faults fired (read by the pool)
+        # survives this rank's death: which faults fired (read by the pool)
+        self.note_path = note_path
         self.down: set[tuple] = set()  # (group, peer, tag) channels a drop took down
         self.exit_fn = exit_fn
         self.case_id = case_id
@@ -88,7 +131,12 @@ class Interposer:
         """Straggler (compute): the time this rank spent outside communication calls, times k."""
         s = self.straggler
         now = time.monotonic()
-        if s is not None and s.slow == "compute" and s.applies_to(self.phase, "any") and now > self.last_exit:
+        if (
+            s is not None
+            and s.slow == "compute"
+            and s.applies_to(self.phase, "any")
+            and now > self.last_exit
+        ):
             inject.sleep((s.factor - 1.0) * (now - self.last_exit))
             self.fired[s.fid] += 1
         self.last_exit = time.monotonic()
@@ -101,8 +149,9 @@ class Interposer:
             self.fired[s.fid] += 1
 
     # -- scheduling ----------------------------------------------------------------------------
-    def _open(self, kind: str, direction: str, peer: int | None,
-              tensors: Sequence[torch.Tensor]) -> tuple[Op, dict[str, list[FaultSpec]], float]:
+    def _open(
+        self, kind: str, direction: str, peer: int | None, tensors: Sequence[torch.Tensor]
+    ) -> tuple[Op, dict[str, list[FaultSpec]], float]:
         """Log the op and find the faults scheduled on it; crash and post-delays happen here."""
         self._stretch()
         self._check_watch()
@@ -137,7 +186,8 @@ class Interposer:
         self.last_exit = time.monotonic()
 
     def _note(self, crash: dict | None = None) -> dict:
-        """What fired so far; left on disk after a one-shot fault so it is known even if this rank dies."""
+        """What fired so far; left on disk after a one-shot fault so it is known even if this rank
+        dies."""
         note = {"rank": self.rank, "case_id": self.case_id, "fired": dict(self.fired)}
         if crash is not None:
             note["crash"] = crash
@@ -167,11 +217,17 @@ class Interposer:
         return corrupt
 
     # -- point to point --------------------------------------------------------------------------
-    def post_send(self, kind: str, tensor: torch.Tensor, peer: int | None,
-                  post: Callable[[torch.Tensor], Any], channel: tuple = ()) -> FaultWork:
-        """A send: maybe dropped, corrupted, or held back with its buffer watched (send-reuse).
-        A drop takes its channel (group, peer, tag) down: this and every later message on it is
-        never delivered, so the receiver waits until its timeout (no message is matched out of order)."""
+    def post_send(
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        peer: int | None,
+        post: Callable[[torch.Tensor], Any],
+        channel: tuple = (),
+    ) -> FaultWork:
+        """A send: maybe dropped, corrupted, or held back with its buffer watched (send-reuse). A
+        drop takes its channel (group, peer, tag) down: this and every later message on it is never
+        delivered, so the receiver waits until its timeout (no message is matched out of order)."""
         t_open = time.monotonic()
         op, hits, hold = self._open(kind, "send", peer, [tensor])
         fw = FaultWork(self, op, outputs=[tensor], hold=hold)
@@ -188,7 +244,8 @@ class Interposer:
             return fw
         corrupt = self._corrupter(hits["corrupt"], op) if "corrupt" in hits else None
         self.pending[op.index] = op
-        if "send-reuse" in hits or self.deferred:  # later sends queue behind a held one: order is kept
+        # later sends queue behind a held one: order is kept
+        if "send-reuse" in hits or self.deferred:
             if "send-reuse" in hits:
                 self._fire(hits["send-reuse"])
                 self.watch[op.index] = (op, tensor, tensor.clone())
@@ -207,9 +264,11 @@ class Interposer:
         self._close(t_open)
         return fw
 
-    def post_recv(self, kind: str, tensor: torch.Tensor, peer: int | None,
-                  post: Callable[[torch.Tensor], Any]) -> FaultWork:
-        """A receive: maybe into a private buffer (early-read: the user's buffer holds NaN until wait)."""
+    def post_recv(
+        self, kind: str, tensor: torch.Tensor, peer: int | None, post: Callable[[torch.Tensor], Any]
+    ) -> FaultWork:
+        """A receive: maybe into a private buffer (early-read: the user's buffer holds NaN until
+        wait)."""
         t_open = time.monotonic()
         op, hits, hold = self._open(kind, "recv", peer, [tensor])
         self._check_overlap([tensor], op)
@@ -234,7 +293,8 @@ class Interposer:
         return fw
 
     def flush(self) -> None:
-        """Hand every held send to the transport with its buffer as it is now (this rank is about to block)."""
+        """Hand every held send to the transport with its buffer as it is now (this rank is about to
+        block)."""
         items, self.deferred = self.deferred, []
         for d in items:
             payload = d.tensor.clone()
@@ -250,7 +310,8 @@ class Interposer:
         self.violations.append(f"rank {self.rank}: {op.label()}: send buffer modified {when}")
 
     def _check_watch(self, final: bool = False) -> None:
-        """send-reuse: a watched send buffer that changed before its send completed is a violation."""
+        """send-reuse: a watched send buffer that changed before its send completed is a
+        violation."""
         for idx, (op, t, snap) in list(self.watch.items()):
             if not inject.same_bits(t, snap):
                 self._violation(op, "before the send completed (the transport may read it late)")
@@ -259,8 +320,8 @@ class Interposer:
                 del self.watch[idx]  # never waited, but never modified either
 
     def _check_overlap(self, outs: Sequence[torch.Tensor], op: Op) -> None:
-        """send-reuse: an op that will write into a buffer still being sent is a violation, whether or
-        not its data has landed by the next content check (that would be a race)."""
+        """send-reuse: an op that will write into a buffer still being sent is a violation, whether
+        or not its data has landed by the next content check (that would be a race)."""
         for idx, (sop, t, _snap) in list(self.watch.items()):
             if any(overlaps(o, t) for o in outs):
                 self._violation(sop, f"before the send completed: {op.label()} writes into it")
@@ -273,8 +334,10 @@ class Interposer:
 
     # -- collectives -------------------------------------------------------------------------------
     def collective(self, kind: str, args: dict) -> FaultWork | None:
-        """Any collective: run it async, give early-read a private output, wait here if it was blocking."""
-        if self._nested:  # e.g. all_gather_into_tensor calling all_gather_single: log the outer call only
+        """Any collective: run it async, give early-read a private output, wait here if it was
+        blocking."""
+        # e.g. all_gather_into_tensor calling all_gather_single: log the outer call only
+        if self._nested:
             return self.orig[kind](**args)
         out_name, in_names = COLLECTIVE_ARGS[kind]
         outs = tensors_of(args.get(out_name)) if out_name else []
@@ -289,11 +352,12 @@ class Interposer:
         poisoned: list[torch.Tensor] = []
         if "early-read" in hits and not blocking and outs:
             inplace = out_name in in_names
-            privates = [o.clone() if inplace else (o if shares_storage(o, ins) else torch.empty_like(o))
-                        for o in outs]
+            privates = [_private(o, ins, inplace) for o in outs]
             pairs = [(o, p) for o, p in zip(outs, privates, strict=True) if p is not o]
             if pairs:
-                call[out_name] = privates[0] if isinstance(args[out_name], torch.Tensor) else list(privates)
+                call[out_name] = (
+                    privates[0] if isinstance(args[out_name], torch.Tensor) else list(privates)
+                )
                 fw.after.append(lambda: [o.copy_(p) for o, p in pairs])
                 fw.keep = privates
                 poisoned = [o for o, _ in pairs]
@@ -320,7 +384,8 @@ class Interposer:
 
     # -- completion --------------------------------------------------------------------------------
     def complete(self, fw: FaultWork, timeout: datetime.timedelta | None = None) -> bool:
-        """wait(): finish the real op within the case's timeout, then deliver/corrupt/hold as scheduled."""
+        """wait(): finish the real op within the case's timeout, then deliver/corrupt/hold as
+        scheduled."""
         if fw.done:
             return True
         self._stretch()
@@ -338,17 +403,25 @@ class Interposer:
             limit = min(limit, timeout.total_seconds())
         if limit <= 0:
             op.state = "failed"
-            raise CommError(f"rank {self.rank}: {op.label()} not completed: the case's communication time "
-                            f"({self.end - self.start:.1f} s) is spent")
+            raise CommError(
+                f"rank {self.rank}: {op.label()} not completed: the case's "
+                "communication time "
+                f"({self.end - self.start:.1f} s) is spent"
+            )
         try:
             ok = fw.real.wait(datetime.timedelta(seconds=limit))
         except RuntimeError as e:
             op.state = "failed"
-            raise CommError(f"rank {self.rank}: {op.label()} failed after {time.monotonic() - t0:.1f} s: "
-                            f"{first_line(e)}") from None
+            raise CommError(
+                f"rank {self.rank}: {op.label()} failed after "
+                f"{time.monotonic() - t0:.1f} s: "
+                f"{first_line(e)}"
+            ) from None
         if ok is False:
             op.state = "failed"
-            raise CommError(f"rank {self.rank}: {op.label()} timed out after {time.monotonic() - t0:.1f} s")
+            raise CommError(
+                f"rank {self.rank}: {op.label()} timed out after {time.monotonic() - t0:.1f} s"
+            )
         fw.done = True
         op.state = "done"
         self.pending.pop(op.index, None)
@@ -370,15 +443,19 @@ class Interposer:
     # -- results -----------------------------------------------------------------------------------
     def report(self) -> dict:
         """Which faults fired (fault id -> times), send-buffer violations, ops still pending."""
-        return {"fired": dict(self.fired), "violations": list(self.violations),
-                "pending": [o.label() for o in self.pending.values()]}
+        return {
+            "fired": dict(self.fired),
+            "violations": list(self.violations),
+            "pending": [o.label() for o in self.pending.values()],
+        }
 
     def compact_log(self) -> list[list]:
         """The op log as small lists: [kind, peer, bytes, phase, state], in order."""
         return compact_log(self.ops)
 
     def p2p_tag(self, tag: int) -> int:
-        """The tag a P2P op is posted with: its own, or staging's one tag (NCCL matches in FIFO order)."""
+        """The tag a P2P op is posted with: its own, or staging's one tag (NCCL matches in FIFO
+        order)."""
         return staging.STAGED_TAG if self.stage else tag
 
     def wrappers(self) -> dict[str, Callable]:
@@ -388,9 +465,15 @@ class Interposer:
 
 @contextlib.contextmanager
 def active(ip: Interposer) -> Iterator[Interposer]:
-    """Patch torch.distributed (and distributed_c10d) with `ip`'s wrappers for the duration of a case."""
+    """Patch torch.distributed (and distributed_c10d) with `ip`'s wrappers for the duration of a
+    case."""
     fns = ip.wrappers()
-    saved = [(mod, name, getattr(mod, name)) for mod in (dist, c10d) for name in fns if hasattr(mod, name)]
+    saved = [
+        (mod, name, getattr(mod, name))
+        for mod in (dist, c10d)
+        for name in fns
+        if hasattr(mod, name)
+    ]
     try:
         for mod, name, _ in saved:
             setattr(mod, name, fns[name])
@@ -399,4 +482,3 @@ def active(ip: Interposer) -> Iterator[Interposer]:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
         ip.deferred.clear()
-

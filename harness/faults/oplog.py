@@ -57,8 +57,9 @@ def pending_text(rank: int, waiting: Op, pending: Iterable[Op]) -> str:
 
 
 def overwrite(path: str, text: str) -> None:
-    """Replace a small file's text in place, padded with spaces (readers strip): written before every
-    wait, and open(path, "w") on ext4 costs ~1 ms there (truncate + flush on close) against ~20 us."""
+    """Replace a small file's text in place, padded with spaces (readers strip): written before
+    every wait, and open(path, "w") on ext4 costs ~1 ms there (truncate + flush on close) against
+    ~20 us."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         os.pwrite(fd, text.encode().ljust(os.fstat(fd).st_size), 0)
@@ -66,18 +67,26 @@ def overwrite(path: str, text: str) -> None:
         os.close(fd)
 
 
-# -- readers of the compact log (parent side) ---------------------------------------------------------
+# -- readers of the compact log (parent side)
+# ---------------------------------------------------------
 def phase_counts(log: Sequence[Sequence]) -> dict[str, dict[str, int]]:
-    """{phase: {kind: count}} of a compact op log (e.g. forward isend = W-1 for the reference ring)."""
+    """{phase: {kind: count}} of a compact op log (e.g. forward isend = W-1 for the reference
+    ring)."""
     out: dict[str, Counter] = {}
     for kind, _peer, _nbytes, phase, _state in log:
         out.setdefault(phase, Counter())[kind] += 1
     return {p: dict(c) for p, c in out.items()}
 
 
-def comm_steps(comm: Mapping[int, Sequence[Sequence]], phase: str = "forward",
-               kinds: tuple[str, ...] = ("isend", "send")) -> dict[int, int]:
-    """Rank -> number of ops of `kinds` in `phase`, over every rank's compact log (`comm`: rank ->
-    log, as a result's extra["comm"]). The reference ring makes W-1 K/V sends per rank in forward."""
-    return {g: sum(1 for kind, _peer, _n, ph, _state in log if ph == phase and kind in kinds)
-            for g, log in comm.items()}
+def comm_steps(
+    comm: Mapping[int, Sequence[Sequence]],
+    phase: str = "forward",
+    kinds: tuple[str, ...] = ("isend", "send"),
+) -> dict[int, int]:
+    """Rank -> number of ops of `kinds` in `phase`, over every rank's compact log (`comm`: rank
+    -> log, as a result's extra["comm"]). The reference ring makes W-1 K/V sends per rank in
+    forward."""
+    return {
+        g: sum(1 for kind, _peer, _n, ph, _state in log if ph == phase and kind in kinds)
+        for g, log in comm.items()
+    }

@@ -1,4 +1,5 @@
-"""Fault specs: the `faults` list of a Case, validated into frozen FaultSpecs (one clear error line).
+"""Fault specs: the `faults` list of a Case, validated into frozen FaultSpecs (one clear error
+line).
 
 A fault applies on one group rank (or every rank), to the n-th communication op on that rank that
 matches its phase (forward/backward) and direction (send/recv/collective), or to every matching op.
@@ -42,8 +43,15 @@ DIRECTION_CHOICES = {
     "straggler": ("any",),
     "crash": DIRECTIONS,
 }
-DEFAULT_DIRECTION = {"delay": "any", "drop": "send", "early-read": "any", "send-reuse": "send",
-                     "corrupt": "send", "straggler": "any", "crash": "any"}
+DEFAULT_DIRECTION = {
+    "delay": "any",
+    "drop": "send",
+    "early-read": "any",
+    "send-reuse": "send",
+    "corrupt": "send",
+    "straggler": "any",
+    "crash": "any",
+}
 NEEDS_RANK = frozenset({"drop", "corrupt", "straggler", "crash"})
 ONE_SHOT = frozenset({"drop", "corrupt", "crash"})  # index defaults to 0 (the first matching op)
 MAX_DELAY_S = 30.0
@@ -52,7 +60,8 @@ MAX_FACTOR = 100.0
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One scheduled fault; `fid` is its position in the case's list (used to report that it fired)."""
+    """One scheduled fault; `fid` is its position in the case's list (used to report that it
+    fired)."""
 
     fid: int
     kind: str
@@ -71,18 +80,25 @@ class FaultSpec:
 
     def applies_to(self, phase: str, direction: str) -> bool:
         """Whether an op in `phase` going `direction` counts towards this fault's schedule."""
-        if phase not in ("forward", "backward") or (self.kind == "early-read" and direction == "send"):
+        if phase not in ("forward", "backward") or (
+            self.kind == "early-read" and direction == "send"
+        ):
             return False  # early-read schedules count only ops that deliver data (recv, collective)
         return self.phase in ("any", phase) and self.op in ("any", direction)
 
     def describe(self) -> str:
         """Short human form, e.g. 'drop rank 1 forward send #0'."""
         where = "every rank" if self.rank is None else f"rank {self.rank}"
-        sched = "" if self.kind == "straggler" else f" {self.phase} {self.op} " + (
-            "every op" if self.index is None else f"#{self.index}")
-        extra = {"delay": f" {self.seconds:g}s" + (f"+~{self.jitter:g}s" if self.jitter else "") + f" at {self.where}",
-                 "straggler": f" x{self.factor:g} {self.slow}", "crash": f" {self.how}",
-                 "corrupt": f" {self.count} elem" + (f" bit {self.bit}" if self.bit is not None else "")}
+        which = "every op" if self.index is None else f"#{self.index}"
+        sched = "" if self.kind == "straggler" else f" {self.phase} {self.op} {which}"
+        extra = {
+            "delay": f" {self.seconds:g}s"
+            + (f"+~{self.jitter:g}s" if self.jitter else "")
+            + f" at {self.where}",
+            "straggler": f" x{self.factor:g} {self.slow}",
+            "crash": f" {self.how}",
+            "corrupt": f" {self.count} elem" + (f" bit {self.bit}" if self.bit is not None else ""),
+        }
         return f"{self.kind} {where}{sched}{extra.get(self.kind, '')}".replace("  ", " ")
 
 
@@ -109,11 +125,17 @@ def parse_fault(i: int, d: Any, world_size: int) -> FaultSpec:
     allowed = set(COMMON) | set(EXTRA[kind])
     unknown = sorted(map(str, set(d) - allowed))
     if unknown:
-        raise _bad(i, unknown[0], f"not a field of a {kind} fault; allowed: {', '.join(sorted(allowed))}")
+        raise _bad(
+            i, unknown[0], f"not a field of a {kind} fault; allowed: {', '.join(sorted(allowed))}"
+        )
     rank = d.get("rank")
     if rank is None:
         if kind in NEEDS_RANK:
-            raise _bad(i, "rank", f"a {kind} fault needs the group rank it applies to (0..{world_size - 1})")
+            raise _bad(
+                i,
+                "rank",
+                f"a {kind} fault needs the group rank it applies to (0..{world_size - 1})",
+            )
     elif not (_is_int(rank) and 0 <= rank < world_size):
         raise _bad(i, "rank", f"must be a group rank in 0..{world_size - 1} or null, got {rank!r}")
     phase = d.get("phase", "any")
@@ -121,13 +143,21 @@ def parse_fault(i: int, d: Any, world_size: int) -> FaultSpec:
         raise _bad(i, "phase", f"must be one of {', '.join(PHASES)}, got {phase!r}")
     op = d.get("op", DEFAULT_DIRECTION[kind])
     if op not in DIRECTION_CHOICES[kind]:
-        raise _bad(i, "op", f"a {kind} fault applies to {'/'.join(DIRECTION_CHOICES[kind])} ops, got {op!r}")
+        raise _bad(
+            i,
+            "op",
+            f"a {kind} fault applies to {'/'.join(DIRECTION_CHOICES[kind])} ops, got {op!r}",
+        )
     index = d.get("index", 0 if kind in ONE_SHOT else None)
     if kind == "straggler":
         if "index" in d and index is not None:
             raise _bad(i, "index", "a straggler slows every op of its rank; give no index")
     elif not (index is None or (_is_int(index) and 0 <= index < 1_000_000)):
-        raise _bad(i, "index", f"must be an op number >= 0 (0 = the first matching op) or null, got {index!r}")
+        raise _bad(
+            i,
+            "index",
+            f"must be an op number >= 0 (0 = the first matching op) or null, got {index!r}",
+        )
     if kind in ONE_SHOT and index is None:
         raise _bad(i, "index", f"a {kind} fault happens once: give the op number")
     spec = FaultSpec(fid=i, kind=kind, rank=rank, phase=phase, op=op, index=index)
@@ -143,7 +173,9 @@ def _parse_extra(i: int, kind: str, d: dict, spec: FaultSpec) -> FaultSpec:
         if name in d:
             v = d[name]
             if not (_is_num(v) and 0 <= v <= MAX_DELAY_S):
-                raise _bad(i, name, f"must be a number of seconds in [0, {MAX_DELAY_S:g}], got {v!r}")
+                raise _bad(
+                    i, name, f"must be a number of seconds in [0, {MAX_DELAY_S:g}], got {v!r}"
+                )
             vals[name] = float(v)
     if "where" in d:
         if d["where"] not in DELAY_WHERE:
@@ -151,7 +183,11 @@ def _parse_extra(i: int, kind: str, d: dict, spec: FaultSpec) -> FaultSpec:
         vals["where"] = d["where"]
     if "bit" in d and d["bit"] is not None:
         if not (_is_int(d["bit"]) and 0 <= d["bit"] < 64):
-            raise _bad(i, "bit", f"must be a bit number in 0..63 (within one element) or null, got {d['bit']!r}")
+            raise _bad(
+                i,
+                "bit",
+                f"must be a bit number in 0..63 (within one element) or null, got {d['bit']!r}",
+            )
         vals["bit"] = d["bit"]
     if "count" in d:
         if not (_is_int(d["count"]) and 1 <= d["count"] <= 1024):
@@ -159,7 +195,11 @@ def _parse_extra(i: int, kind: str, d: dict, spec: FaultSpec) -> FaultSpec:
         vals["count"] = d["count"]
     if "factor" in d:
         if not (_is_num(d["factor"]) and 1 <= d["factor"] <= MAX_FACTOR):
-            raise _bad(i, "factor", f"must be a slowdown factor in [1, {MAX_FACTOR:g}], got {d['factor']!r}")
+            raise _bad(
+                i,
+                "factor",
+                f"must be a slowdown factor in [1, {MAX_FACTOR:g}], got {d['factor']!r}",
+            )
         vals["factor"] = float(d["factor"])
     if "slow" in d:
         if d["slow"] not in STRAGGLER_SLOW:
@@ -197,5 +237,5 @@ def to_dict(s: FaultSpec) -> dict:
 def make_fault(kind: str, **fields: Any) -> dict:
     """A validated canonical fault mapping (for code that builds cases)."""
     d = {"kind": kind, **fields}
-    world = (d["rank"] + 1) if _is_int(d.get("rank")) else 1
-    return to_dict(parse_fault(0, d, max(world, 1)))
+    world_size = (d["rank"] + 1) if _is_int(d.get("rank")) else 1
+    return to_dict(parse_fault(0, d, max(world_size, 1)))

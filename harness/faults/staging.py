@@ -29,7 +29,8 @@ def host_buffer(t: torch.Tensor) -> torch.Tensor:
 
 
 class StagedWork:
-    """The transport's Work for a staged op; a receive's `wait` copies the host buffer into the user's tensor."""
+    """The transport's Work for a staged op; a receive's `wait` copies the host buffer into the
+    user's tensor."""
 
     def __init__(self, real: Any, host: torch.Tensor, target: torch.Tensor | None = None) -> None:
         self.real = real
@@ -80,7 +81,8 @@ def post_recv(post: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> Stag
 
 
 class BatchWork:
-    """One Work for a whole `batch_isend_irecv`, as NCCL returns: wait() completes every op in it."""
+    """One Work for a whole `batch_isend_irecv`, as NCCL returns: wait() completes every op in
+    it."""
 
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = [w for w in works if w is not None]
@@ -114,11 +116,17 @@ class BatchWork:
         return fut
 
 
-# -- torch's functional collectives (funcol: DTensor, context_parallel, flex CP) ------------------------------
-# Seen on an H200 (docs/gpu/): funcol's all-gather of CUDA tensors on gloo kills both ranks with SIGSEGV, while
-# dist.all_gather_into_tensor is right. These ops get a CUDA kernel that runs them on host copies.
-FUNCTIONAL_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out",
-                  "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")
+# -- torch's functional collectives (funcol: DTensor, context_parallel, flex CP)
+# ------------------------------ Seen on an H200 (docs/gpu/): funcol's all-gather of CUDA tensors on
+# gloo kills both ranks with SIGSEGV, while dist.all_gather_into_tensor is right. These ops get a
+# CUDA kernel that runs them on host copies.
+FUNCTIONAL_OPS = (
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "all_gather_into_tensor_out",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+)
 _LIBRARY: list[Any] = []  # the registration, alive for the process
 
 
@@ -131,7 +139,8 @@ def _map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def through_host(op: Any, device: torch.device) -> Callable[..., Any]:
-    """`op` run on host copies of its tensor arguments, waited, its results moved back to `device`."""
+    """`op` run on host copies of its tensor arguments, waited, its results moved back to
+    `device`."""
     wait = torch.ops._c10d_functional.wait_tensor
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -146,8 +155,9 @@ def through_host(op: Any, device: torch.device) -> Callable[..., Any]:
 
 
 def stage_functional_collectives(device: torch.device) -> tuple[str, ...]:
-    """Give torch's functional all-gather and reduce-scatter ops a CUDA kernel that runs them on host copies
-    (process-wide; for a rank on `device` under --device cuda). Returns the ops it covered."""
+    """Give torch's functional all-gather and reduce-scatter ops a CUDA kernel that runs them on
+    host copies (process-wide; for a rank on `device` under --device cuda). Returns the ops it
+    covered."""
     if _LIBRARY or device.type != "cuda":
         return ()
     ns = torch.ops._c10d_functional

@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from harness.faults.interpose import Interposer
 
 
-
-
 class FaultWork:
-    """The Work the implementation gets: wait() completes the real op, then applies completion faults."""
+    """The Work the implementation gets: wait() completes the real op, then applies completion
+    faults."""
 
-    def __init__(self, ip: Interposer, op: Op, *, outputs: Sequence[torch.Tensor] = (), hold: float = 0.0) -> None:
+    def __init__(
+        self, ip: Interposer, op: Op, *, outputs: Sequence[torch.Tensor] = (), hold: float = 0.0
+    ) -> None:
         self._ip = ip
         self.op = op
         self.real: Any = None
@@ -36,12 +37,14 @@ class FaultWork:
         self.outputs = list(outputs)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Complete the op (within the case's timeout and `timeout`); raises CommError on failure."""
+        """Complete the op (within the case's timeout and `timeout`); raises CommError on
+        failure."""
         return self._ip.complete(self, timeout)
 
     def is_completed(self) -> bool:
         if not self.done and self.real is None:
-            self._ip.flush()  # polling a held send: hand it to the transport, as a blocking wait would
+            # polling a held send: hand it to the transport, as a blocking wait would
+            self._ip.flush()
         if not self.done and self.real is not None and self.real.is_completed():
             self._ip.complete(self, None)
         return self.done
@@ -75,7 +78,8 @@ class FaultWork:
 
 @dataclass
 class Deferred:
-    """A send held back until this rank next blocks (send-reuse): the transport reads the buffer late."""
+    """A send held back until this rank next blocks (send-reuse): the transport reads the buffer
+    late."""
 
     work: FaultWork
     tensor: torch.Tensor
@@ -99,7 +103,8 @@ def nbytes(ts: Sequence[torch.Tensor]) -> int:
 
 
 def shares_storage(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
-    """Whether `t` lives in the same storage as any of `others` (an output that is also an input)."""
+    """Whether `t` lives in the same storage as any of `others` (an output that is also an
+    input)."""
     ptr = t.untyped_storage().data_ptr()
     return any(o.untyped_storage().data_ptr() == ptr for o in others)
 
@@ -119,4 +124,3 @@ def first_line(e: BaseException) -> str:
     if line.startswith("[") and "] " in line:  # drop gloo's '[/path/to/file.cc:78] ' prefix
         line = line.split("] ", 1)[1]
     return line
-

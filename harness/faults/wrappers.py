@@ -33,7 +33,8 @@ COLLECTIVE_ARGS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "all_reduce": ("tensor", ("tensor",)),
     "barrier": (None, ()),
 }
-COLLECTIVE_ARGS = {k: v for k, v in COLLECTIVE_ARGS.items() if hasattr(c10d, k)}  # names vary across versions
+# names vary across versions
+COLLECTIVE_ARGS = {k: v for k, v in COLLECTIVE_ARGS.items() if hasattr(c10d, k)}
 WRAPPED = P2P + tuple(COLLECTIVE_ARGS)
 
 
@@ -60,27 +61,43 @@ def wrappers(ip: Interposer) -> dict[str, Callable]:
     def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
         peer = global_peer(group, dst, group_dst)
         tag = ip.p2p_tag(tag)
-        return ip.post_send("isend", tensor, peer,
-                              lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
-                              (id(group), peer, tag))
+        return ip.post_send(
+            "isend",
+            tensor,
+            peer,
+            lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
+            (id(group), peer, tag),
+        )
 
     def irecv(tensor, src=None, group=None, tag=0, group_src=None):
         tag = ip.p2p_tag(tag)
-        return ip.post_recv("irecv", tensor, global_peer(group, src, group_src),
-                              lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
+        return ip.post_recv(
+            "irecv",
+            tensor,
+            global_peer(group, src, group_src),
+            lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src),
+        )
 
     def send(tensor, dst=None, group=None, tag=0, group_dst=None):
         peer = global_peer(group, dst, group_dst)
         tag = ip.p2p_tag(tag)
-        fw = ip.post_send("send", tensor, peer,
-                            lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
-                            (id(group), peer, tag))
+        fw = ip.post_send(
+            "send",
+            tensor,
+            peer,
+            lambda t: orig["isend"](t, dst=dst, group=group, tag=tag, group_dst=group_dst),
+            (id(group), peer, tag),
+        )
         ip.complete(fw)
 
     def recv(tensor, src=None, group=None, tag=0, group_src=None):
         tag = ip.p2p_tag(tag)
-        fw = ip.post_recv("recv", tensor, global_peer(group, src, group_src),
-                            lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src))
+        fw = ip.post_recv(
+            "recv",
+            tensor,
+            global_peer(group, src, group_src),
+            lambda t: orig["irecv"](t, src=src, group=group, tag=tag, group_src=group_src),
+        )
         if fw.real is None:
             return -1
         ip.complete(fw)
@@ -93,15 +110,24 @@ def wrappers(ip: Interposer) -> dict[str, Callable]:
 
     def batch_isend_irecv(p2p_op_list):
         c10d._check_p2p_op_list(p2p_op_list)
-        works = [(isend if p.op in sends else irecv)(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]
+        works = [
+            (isend if p.op in sends else irecv)(p.tensor, p.peer, p.group, p.tag)
+            for p in p2p_op_list
+        ]
         return [BatchWork(works)] if ip.stage else works  # staged: one Work per batch, as NCCL's
 
     def check_op(op):
         if op not in (orig["isend"], orig["irecv"], isend, irecv):
             orig["_check_op"](op)
 
-    out: dict[str, Callable] = {"isend": isend, "irecv": irecv, "send": send, "recv": recv,
-                                "batch_isend_irecv": batch_isend_irecv, "_check_op": check_op}
+    out: dict[str, Callable] = {
+        "isend": isend,
+        "irecv": irecv,
+        "send": send,
+        "recv": recv,
+        "batch_isend_irecv": batch_isend_irecv,
+        "_check_op": check_op,
+    }
     for name in COLLECTIVE_ARGS:
         out[name] = _collective_wrapper(ip, name)
     for name, fn in out.items():

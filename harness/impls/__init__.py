@@ -1,2 +1,3 @@
 """Implementations under test: resolving a name (`registry`), the capability rule and matrix
-(`capabilities`), localisation probes (`probe`), and one adapter module per library (`adapters/`)."""
+(`capabilities`), localisation probes (`probe`), and one adapter module per library
+(`adapters/`)."""

@@ -6,10 +6,10 @@ Also here: the nearest supported variant of a case (`adapt`) and the capability 
 declared / passed / failed, plus what an undeclared feature really does when probed).
 
 Feature keys are `kind:value` strings or bare flags: "layout:zigzag", "mask:window", "dtype:fp32",
-"world:9", "gqa" / "mqa", "heads" (a head count W does not divide), "uneven", "idle" (a rank with no token),
-"zigzag-odd" (an odd local
-length in the zigzag layout), "head_dim:13", "subgroup", "backend:nccl", "backward" (a call with a backward:
-train or checkpoint), "inputs:fused-qkv" (an input form, harness.calls).
+"world:9", "gqa" / "mqa", "heads" (a head count W does not divide), "uneven", "idle" (a rank with no
+token), "zigzag-odd" (an odd local length in the zigzag layout), "head_dim:13", "subgroup",
+"device:cuda", "backward" (a call with a backward: train or checkpoint), "inputs:fused-qkv" (an
+input form, harness.calls).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ def missing_features(
     lengths: Sequence[int],
     head_dim: int,
     subgroup: bool | None,
-    backend: str | None,
+    device: str | None,
     call: str | None = None,
     inputs: str | None = None,
 ) -> list[str]:
     """The feature keys of a run that `caps` does not declare, in a fixed order (empty: supported).
 
-    `subgroup` (the ring is not global ranks 0..W-1) and `backend` may be None: not known at this
-    point, so not checked. So may `call` and `inputs` (harness.calls). `mask_kind`: a mask (every
-    capability name it needs: `MaskSpec.needs`, e.g. an expression needs "expr", its primitives and its
-    combinators) or one name.
+    `subgroup` (the ring is not global ranks 0..W-1) and `device` (the tensors') may be None: not
+    known at this point, so not checked. So may `call` and `inputs` (harness.calls). `mask_kind`: a
+    mask (every capability name it needs: `MaskSpec.needs`, e.g. an expression needs "expr", its
+    primitives and its combinators) or one name.
     """
     missing = []
     if layout not in caps.layouts:
@@ -72,8 +72,8 @@ def missing_features(
         missing.append(f"head_dim:{head_dim}")
     if subgroup and not caps.subgroups:
         missing.append("subgroup")
-    if backend is not None and backend not in caps.backends:
-        missing.append(f"backend:{backend}")
+    if device is not None and device not in caps.devices:
+        missing.append(f"device:{device}")
     if call is not None and needs_backward(call) and not caps.backward:
         missing.append("backward")
     if inputs is not None and inputs not in caps.input_forms:
@@ -109,10 +109,12 @@ def feature_words(
     if kind == "zigzag-odd":
         return f"zigzag with an odd local length {[int(n) for n in lengths or ()]}"
     if kind == "subgroup":
-        return (f"ring in a subgroup (global ranks {list(global_ranks or ())}): "
-                "runs only on the whole default process group")
-    if kind == "backend":
-        return f"backend {value} (supports {', '.join(sorted(caps.backends))})"
+        return (
+            f"ring in a subgroup (global ranks {list(global_ranks or ())}): "
+            "runs only on the whole default process group"
+        )
+    if kind == "device":
+        return f"device {value} (supports {', '.join(sorted(caps.devices))})"
     if kind == "backward":
         return "a backward pass (a training or checkpointed call)"
     if kind == "inputs":
@@ -121,20 +123,22 @@ def feature_words(
 
 
 def odd_lengths(lengths: Sequence[int]) -> bool:
-    """Whether some local length is odd (in the zigzag layout: a rank's two chunks differ in size)."""
+    """Whether some local length is odd (in the zigzag layout: a rank's two chunks differ in
+    size)."""
     return any(int(n) % 2 for n in lengths)
 
 
 def even_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
-    """Every odd local length rounded up to the next even one (an even split of N -> one of N rounded up
-    to a multiple of 2W)."""
+    """Every odd local length rounded up to the next even one (an even split of N -> one of N
+    rounded up to a multiple of 2W)."""
     return tuple(int(n) + int(n) % 2 for n in lengths)
 
 
 def divisible_heads(heads_q: int, heads_kv: int, world_size: int) -> tuple[int, int]:
-    """The nearest (heads_q, heads_kv), rounded up, that `world_size` divides both of: kv heads up to a
-    multiple of W, query heads up to a multiple of those; GQA/MQA stays grouped (at least 2 query heads per
-    kv head), MHA stays MHA. E.g. (4, 1) at W=3 -> (6, 3); (2, 2) at W=4 -> (4, 4)."""
+    """The nearest (heads_q, heads_kv), rounded up, that `world_size` divides both of: kv heads
+    up to a multiple of W, query heads up to a multiple of those; GQA/MQA stays grouped (at least
+    2 query heads per kv head), MHA stays MHA. E.g. (4, 1) at W=3 -> (6, 3); (2, 2) at W=4 -> (4,
+    4)."""
     kv = -(-heads_kv // world_size) * world_size
     q = -(-heads_q // kv) * kv
     if heads_q > heads_kv and q == kv:
@@ -144,8 +148,12 @@ def divisible_heads(heads_q: int, heads_kv: int, world_size: int) -> tuple[int, 
 
 def case_features(c: Case) -> list[str]:
     """The features a case exercises, as `kind:value` strings (the capability matrix's rows)."""
-    feats = [f"layout:{c.layout}", *(f"mask:{n}" for n in MASK_FEATURES if n in c.mask.needs()), f"dtype:{c.dtype}",
-             f"world:{c.world_size}"]
+    feats = [
+        f"layout:{c.layout}",
+        *(f"mask:{n}" for n in MASK_FEATURES if n in c.mask.needs()),
+        f"dtype:{c.dtype}",
+        f"world:{c.world_size}",
+    ]
     if c.heads_q != c.heads_kv:
         feats.append("gqa" if c.heads_kv > 1 else "mqa")
     if c.heads_q % c.world_size or c.heads_kv % c.world_size:
@@ -167,10 +175,10 @@ def case_features(c: Case) -> list[str]:
     return feats
 
 
-def unsupported(caps: Capabilities, c: Case, backend: str | None = None) -> list[str]:
+def unsupported(caps: Capabilities, c: Case, device: str | None = None) -> list[str]:
     """Features of the case that the implementation does not declare (empty: fully supported).
 
-    The backend is checked only when given (a case does not name one; the pool decides it).
+    The tensors' device is checked only when given (a case does not name one; the pool decides it).
     """
     return missing_features(
         caps,
@@ -183,15 +191,15 @@ def unsupported(caps: Capabilities, c: Case, backend: str | None = None) -> list
         lengths=c.seq_lens,
         head_dim=c.head_dim,
         subgroup=bool(c.group_offset),
-        backend=backend,
+        device=device,
         call=c.call,
         inputs=c.inputs,
     )
 
 
 def declare(caps: Capabilities, feature: str) -> Capabilities:
-    """`caps` with one more feature declared (a key of `missing_features`): what a probe of that feature adapts
-    the rest of its case to."""
+    """`caps` with one more feature declared (a key of `missing_features`): what a probe of that
+    feature adapts the rest of its case to."""
     import dataclasses
 
     kind, _, value = feature.partition(":")
@@ -207,24 +215,41 @@ def declare(caps: Capabilities, feature: str) -> Capabilities:
         return r(caps, world_sizes=(min(lo, int(value)), max(hi, int(value))))
     if kind == "head_dim":
         return r(caps, head_dims=(*(caps.head_dims or ()), int(value)))
-    if kind == "backend":
-        return r(caps, backends=caps.backends | {value})
+    if kind == "device":
+        return r(caps, devices=caps.devices | {value})
     if kind == "inputs":
         return r(caps, input_forms=caps.input_forms | {value})
-    flags = {"gqa": ("gqa", True), "mqa": ("gqa", True), "heads": ("heads_divisible_by_world", False),
-             "uneven": ("uneven", True), "idle": ("idle_ranks", True), "zigzag-odd": ("zigzag_odd", True),
-             "subgroup": ("subgroups", True), "backward": ("backward", True)}
+    flags = {
+        "gqa": ("gqa", True),
+        "mqa": ("gqa", True),
+        "heads": ("heads_divisible_by_world", False),
+        "uneven": ("uneven", True),
+        "idle": ("idle_ranks", True),
+        "zigzag-odd": ("zigzag_odd", True),
+        "subgroup": ("subgroups", True),
+        "backward": ("backward", True),
+    }
     if kind not in flags:
         raise ValueError(f"unknown feature {feature!r}")
     name, value_ = flags[kind]
     return r(caps, **{name: value_})
 
 
-# What one probe may change at once: a feature's dimension. An expression mask needs several capability names
-# (mask:expr and its primitives and combinators) and an idle rank is an uneven split, so a probe changes one
-# dimension (the mask, the split, the heads) and every undeclared name it needs there.
-_DIMENSIONS = {"mask": "mask", "uneven": "split", "idle": "split", "zigzag-odd": "split", "gqa": "heads",
-               "mqa": "heads", "heads": "heads", "backward": "call", "inputs": "inputs"}
+# What one probe may change at once: a feature's dimension. An expression mask needs several
+# capability names (mask:expr and its primitives and combinators) and an idle rank is an uneven
+# split, so a probe changes one dimension (the mask, the split, the heads) and every undeclared name
+# it needs there.
+_DIMENSIONS = {
+    "mask": "mask",
+    "uneven": "split",
+    "idle": "split",
+    "zigzag-odd": "split",
+    "gqa": "heads",
+    "mqa": "heads",
+    "heads": "heads",
+    "backward": "call",
+    "inputs": "inputs",
+}
 
 
 def dimension(feature: str) -> str:
@@ -233,9 +258,9 @@ def dimension(feature: str) -> str:
 
 
 def isolated_probe(caps: Capabilities, c: Case, feature: str) -> Case | None:
-    """`c` with every undeclared feature outside `feature`'s dimension adapted away, so that a run of it probes
-    that one dimension (e.g. an undeclared mask expression, or an idle rank) on an otherwise declared case; None
-    when no such case exists."""
+    """`c` with every undeclared feature outside `feature`'s dimension adapted away, so that a run
+    of it probes that one dimension (e.g. an undeclared mask expression, or an idle rank) on an
+    otherwise declared case; None when no such case exists."""
     dim = dimension(feature)
     wider = caps
     for f in unsupported(caps, c):
@@ -250,8 +275,11 @@ def isolated_probe(caps: Capabilities, c: Case, feature: str) -> Case | None:
 
 # Nearest declared substitutes, best first: a case that uses an undeclared feature is adapted to the
 # first of these the implementation declares, keeping its world size, split and values where it can.
-LAYOUT_FALLBACK = {"zigzag": ("contiguous", "striped"), "striped": ("contiguous", "zigzag"),
-                   "contiguous": ("zigzag", "striped")}
+LAYOUT_FALLBACK = {
+    "zigzag": ("contiguous", "striped"),
+    "striped": ("contiguous", "zigzag"),
+    "contiguous": ("zigzag", "striped"),
+}
 DTYPE_FALLBACK = {"fp16": ("bf16", "fp32"), "bf16": ("fp16", "fp32"), "fp32": ("bf16", "fp16")}
 
 
@@ -262,21 +290,22 @@ def _mask_fallbacks(mask: MaskSpec) -> tuple[MaskSpec, ...]:
     if mask.kind == "window" or (mask.kind in ("document", "expr") and mask.is_causal):
         return causal, none
     if mask.kind == "causal":
-        return none,
+        return (none,)
     return none, causal
 
 
 def adapt(caps: Capabilities, c: Case) -> Case | None:
     """The nearest case the implementation declares support for: `c` itself when it does; else the
-    undeclared features replaced by the nearest declared ones (zigzag -> contiguous, window -> causal,
-    document -> causal or none, an undeclared dtype -> a declared one, GQA -> as many kv heads as
-    query heads, a subgroup -> global ranks 0..W-1, an uneven split -> the nearest even one, a world
-    size outside the range -> the nearest inside it, with the same total length; a call with a backward -> the
-    same call under no_grad (a forward-only ring), an undeclared input form -> contiguous; odd zigzag local
-    lengths -> rounded up to even ones, head counts W does not divide -> rounded up to multiples of W, an idle
-    rank -> one token; an undeclared mask expression -> causal or none);
-    None when none exists (e.g. an undeclared backend). So an implementation that declares fewer features gets the
-    same world sizes, splits and values as every other, not fewer cases (issue #17)."""
+    undeclared features replaced by the nearest declared ones (zigzag -> contiguous, window ->
+    causal, document -> causal or none, an undeclared dtype -> a declared one, GQA -> as many kv
+    heads as query heads, a subgroup -> global ranks 0..W-1, an uneven split -> the nearest even
+    one, a world size outside the range -> the nearest inside it, with the same total length; a call
+    with a backward -> the same call under no_grad (a forward-only ring), an undeclared input form
+    -> contiguous; odd zigzag local lengths -> rounded up to even ones, head counts W does not
+    divide -> rounded up to multiples of W, an idle rank -> one token; an undeclared mask expression
+    -> causal or none); None when none exists (e.g. an undeclared device). So an implementation that
+    declares fewer features gets the same world sizes, splits and values as every other, not fewer
+    cases (issue #17)."""
     from ring_impl.layouts import split_lengths
 
     if not unsupported(caps, c):
@@ -303,20 +332,24 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         changes["group_offset"] = 0
     if needs_backward(c.call) and not caps.backward:
         changes["call"] = "no-grad"
-    form = useful_form(changes.get("call", c.call), c.inputs if c.inputs in caps.input_forms else "contiguous")
+    form = useful_form(
+        changes.get("call", c.call), c.inputs if c.inputs in caps.input_forms else "contiguous"
+    )
     if form != c.inputs:
         changes["inputs"] = form
-    world = min(max(c.world_size, caps.world_sizes[0]), caps.world_sizes[1])
-    total = max(c.total_len, world)
-    if world != c.world_size:
-        changes["world_size"] = world
-        changes["seq_lens"] = tuple(split_lengths(total, world))
-        changes["faults"] = tuple(f for f in c.faults if f.get("rank") is None or f["rank"] < world)
+    world_size = min(max(c.world_size, caps.world_sizes[0]), caps.world_sizes[1])
+    total = max(c.total_len, world_size)
+    if world_size != c.world_size:
+        changes["world_size"] = world_size
+        changes["seq_lens"] = tuple(split_lengths(total, world_size))
+        changes["faults"] = tuple(
+            f for f in c.faults if f.get("rank") is None or f["rank"] < world_size
+        )
     lens = changes.get("seq_lens", tuple(c.seq_lens))
     if len(set(lens)) > 1 and not caps.uneven:
-        unit = 2 * world
+        unit = 2 * world_size
         total = max(unit, (sum(lens) + unit - 1) // unit * unit)
-        changes["seq_lens"] = tuple(split_lengths(total, world))
+        changes["seq_lens"] = tuple(split_lengths(total, world_size))
     lens = changes.get("seq_lens", tuple(c.seq_lens))
     if 0 in lens and not caps.idle_ranks:  # an idle rank gets one token (the others keep theirs)
         changes["seq_lens"] = tuple(max(1, int(n)) for n in lens)
@@ -324,8 +357,8 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
     if changes.get("layout", c.layout) == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
         changes["seq_lens"] = even_lengths(lens)
     heads_q, heads_kv = c.heads_q, changes.get("heads_kv", c.heads_kv)
-    if caps.heads_divisible_by_world and (heads_q % world or heads_kv % world):
-        changes["heads_q"], changes["heads_kv"] = divisible_heads(heads_q, heads_kv, world)
+    if caps.heads_divisible_by_world and (heads_q % world_size or heads_kv % world_size):
+        changes["heads_q"], changes["heads_kv"] = divisible_heads(heads_q, heads_kv, world_size)
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
         changes["head_dim"] = min(caps.head_dims, key=lambda d: abs(d - c.head_dim))
     if "seq_lens" in changes:

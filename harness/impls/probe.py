@@ -1,12 +1,12 @@
-"""Localisation probes: the implementation under test re-run on the same case with its values kept on
-one key block, or its output gradient kept on one query block.
+"""Localisation probes: the implementation under test re-run on the same case with its values kept
+on one key block, or its output gradient kept on one query block.
 
 Attention is linear in V and its gradients are linear in dout, so these runs split the error
 exactly: out = sum over key blocks b of out(V kept on b), and dk/dv = sum over query blocks a of
 dk/dv(dout kept on a). A block is one rank's shard (what the ring passes at each step).
 
-A probe is loaded in the ranks by name (`harness.impls.probe:p_<hex>`, resolved with allow_import), so
-the pool and worker need no changes; the name encodes (inner implementation, kind, block).
+A probe is loaded in the ranks by name (`harness.impls.probe:p_<hex>`, resolved with allow_import),
+so the pool and worker need no changes; the name encodes (inner implementation, kind, block).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def _probe(inner: str, kind: str, block: int) -> Impl:
         if kind == "kv":
             return impl.run(q, k, v if ctx.rank == block else v * 0, ctx)
         out, lse = _split(impl.run(q, k, v, ctx))
-        if ctx.rank != block:  # same forward value, zero gradient: backward still runs on every rank
+        # same forward value, zero gradient: backward still runs on every rank
+        if ctx.rank != block:
             out = out.detach() + out * 0
         return out if lse is None else (out, lse)
 

@@ -5,11 +5,11 @@ once, in `VARIANTS` (name -> `Variant`: capabilities and a per-variant option), 
 `make(name)`. An adapter module imports torch and the harness only (never this registry); its
 third-party library is imported inside `make`, so listing the built-ins or reading their
 capabilities imports no third-party library. Installed packages add names through the entry-point
-group `ring_harness.impls`. An explicit `package.module:attr` imports arbitrary code, so it is accepted
-only with `allow_import=True` (the command line); a case file may only *name* an implementation.
-`mutant:NAME` names a bug variant of the reference ring (ring_impl.mutants, for `ring-harness
-selftest` and the regression corpus): ours, so no import permission is needed, but never a default
-and never listed among the built-ins.
+group `ring_harness.impls`. An explicit `package.module:attr` imports arbitrary code, so it is
+accepted only with `allow_import=True` (the command line); a case file may only *name* an
+implementation. `mutant:NAME` names a bug variant of the reference ring (ring_impl.mutants, for
+`ring-harness selftest` and the regression corpus): ours, so no import permission is needed, but
+never a default and never listed among the built-ins.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from typing import Any
 
 from harness.context import Capabilities, Impl
 from harness.errors import ImplError, MissingDependency
-from harness.impls.adapters.reference import MUTANT_PREFIX  # ring_impl.mutants: resolved without an import permission
+
+# ring_impl.mutants: resolved without an import permission
+from harness.impls.adapters.reference import MUTANT_PREFIX
 from ring_impl.masks import MASK_FEATURES
 
 __all__ = [
@@ -48,9 +50,20 @@ __all__ = [
 ENTRY_POINT_GROUP = "ring_harness.impls"
 ADAPTER_PACKAGE = "harness.impls.adapters"
 # the built-in adapter modules, in listing order; each declares VARIANTS, EXTRA and make(name)
-ADAPTER_MODULES = ("reference", "flash_ring", "ring_attention_pytorch", "torch_ring", "ring_flash_attn", "torch_cp",
-                   "torch_flex_cp", "te_cp", "yunchang", "deepspeed",
-                   "deepspeed_alst", "deepspeed_fpdt")
+ADAPTER_MODULES = (
+    "reference",
+    "flash_ring",
+    "ring_attention_pytorch",
+    "torch_ring",
+    "ring_flash_attn",
+    "torch_cp",
+    "torch_flex_cp",
+    "te_cp",
+    "yunchang",
+    "deepspeed",
+    "deepspeed_alst",
+    "deepspeed_fpdt",
+)
 
 _MODULE_ATTR = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
@@ -61,18 +74,24 @@ def _builtin_modules() -> dict[str, ModuleType]:
     for short in ADAPTER_MODULES:
         mod_name = f"{ADAPTER_PACKAGE}.{short}"
         try:
-            module = importlib.import_module(mod_name)  # our adapter: imports torch and the harness only
+            # our adapter: imports torch and the harness only
+            module = importlib.import_module(mod_name)
         except ImportError as e:
-            raise ImplError(f"built-in adapter module {mod_name!r} failed to import: {_one_line(e)}") from None
+            raise ImplError(
+                f"built-in adapter module {mod_name!r} failed to import: {_one_line(e)}"
+            ) from None
         for name in module.VARIANTS:
             if name in table:
-                raise ImplError(f"built-in {name!r} is declared by both {table[name].__name__} and {mod_name}")
+                raise ImplError(
+                    f"built-in {name!r} is declared by both {table[name].__name__} and {mod_name}"
+                )
             table[name] = module
     return table
 
 
 class _BuiltinTargets(Mapping[str, str]):
-    """Read-only view: built-in name -> "module:make", derived from ADAPTER_MODULES on each access."""
+    """Read-only view: built-in name -> "module:make", derived from ADAPTER_MODULES on each
+    access."""
 
     def __getitem__(self, name: str) -> str:
         return f"{_builtin_modules()[name].__name__}:make"
@@ -96,14 +115,15 @@ def builtin_names() -> list[str]:
 
 
 def declared_capabilities(name: str) -> Capabilities | None:
-    """A built-in's declared capabilities, read without its third-party library (None: not a built-in)."""
+    """A built-in's declared capabilities, read without its third-party library (None: not a
+    built-in)."""
     module = _builtin_modules().get(name)
     return None if module is None else module.VARIANTS[name].capabilities
 
 
 def extra_of(name: str) -> str | None:
-    """The optional extra that installs a built-in's library (`ring-harness[EXTRA]`); None when it needs none
-    or is not a built-in. Imports no third-party library."""
+    """The optional extra that installs a built-in's library (`ring-harness[EXTRA]`); None when it
+    needs none or is not a built-in. Imports no third-party library."""
     module = _builtin_modules().get(name)
     return None if module is None else getattr(module, "EXTRA", None)
 
@@ -138,10 +158,14 @@ def _did_you_mean(e: BaseException) -> str:
     import difflib
     import re
 
-    m = re.search(r"(Capabilities|Impl)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(e))
+    m = re.search(
+        r"(Capabilities|Impl)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(e)
+    )
     if not m:
         return ""
-    fields = [f.name for f in dataclasses.fields(Capabilities if m.group(1) == "Capabilities" else Impl)]
+    fields = [
+        f.name for f in dataclasses.fields(Capabilities if m.group(1) == "Capabilities" else Impl)
+    ]
     close = difflib.get_close_matches(m.group(2), fields, n=1)
     return f" (did you mean {close[0]!r}?)" if close else f" (its fields: {', '.join(fields)})"
 
@@ -175,13 +199,18 @@ def _as_impl(obj: Any, name: str) -> Impl:
             except ImplError as e:
                 raise ImplError(f"implementation {name!r}: {e}") from None
             except Exception as e:
-                raise ImplError(f"implementation {name!r}: its factory raised {type(e).__name__}: "
-                                f"{_one_line(e)}{_did_you_mean(e)}") from None
+                raise ImplError(
+                    f"implementation {name!r}: its factory raised {type(e).__name__}: "
+                    f"{_one_line(e)}{_did_you_mean(e)}"
+                ) from None
             if isinstance(made, Impl):
                 return made
-            raise ImplError(f"implementation {name!r}: factory returned {type(made).__name__}, not an Impl")
-        # a bare run(q, k, v, ctx) declares nothing, so it is taken to support everything (every mask of the
-        # mask language, idle ranks): every case runs as supported, none as an undeclared-feature probe
+            raise ImplError(
+                f"implementation {name!r}: factory returned {type(made).__name__}, not an Impl"
+            )
+        # a bare run(q, k, v, ctx) declares nothing, so it is taken to support everything (every
+        # mask of the mask language, idle ranks): every case runs as supported, none as an
+        # undeclared-feature probe
         every = Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True)
         return Impl(name=name, run=obj, capabilities=every, declared=False)
     raise ImplError(f"implementation {name!r} is neither an Impl nor a callable run(q, k, v, ctx)")
@@ -195,13 +224,17 @@ def _resolve_builtin(name: str, module: ModuleType) -> Impl:
     except ImportError as e:
         extra = getattr(module, "EXTRA", None)
         if extra is None:
-            raise MissingDependency(f"implementation {name!r} cannot be imported: {_one_line(e)}") from None
+            raise MissingDependency(
+                f"implementation {name!r} cannot be imported: {_one_line(e)}"
+            ) from None
         raise MissingDependency(
             f"implementation {name!r} needs the optional extra: "
             f"pip install 'ring-harness[{extra}]' ({_one_line(e)})"
         ) from None
     if not isinstance(impl, Impl):
-        raise ImplError(f"implementation {name!r}: factory returned {type(impl).__name__}, not an Impl")
+        raise ImplError(
+            f"implementation {name!r}: factory returned {type(impl).__name__}, not an Impl"
+        )
     return impl
 
 
@@ -234,33 +267,50 @@ def _resolve_module_attr(name: str) -> Impl:
     try:
         obj = _import_target(name)
     except ImportError as e:
-        raise ImplError(f"cannot import {mod_name!r} for implementation {name!r}: {_one_line(e)}") from None
+        raise ImplError(
+            f"cannot import {mod_name!r} for implementation {name!r}: {_one_line(e)}"
+        ) from None
     except AttributeError:
-        raise ImplError(f"module {mod_name!r} has no attribute {attr!r} (implementation {name!r})") from None
+        raise ImplError(
+            f"module {mod_name!r} has no attribute {attr!r} (implementation {name!r})"
+        ) from None
     except ImplError as e:  # a declaration mistake (Capabilities, Impl) made at import time
         raise ImplError(f"implementation {name!r}: {e}") from None
-    except Exception as e:  # the user's module raised while it was imported: their code, not a ring's run
-        raise ImplError(f"importing {mod_name!r} for implementation {name!r} raised {type(e).__name__}: "
-                        f"{_one_line(e)}{_did_you_mean(e)}") from None
+    # the user's module raised while it was imported: their code, not a ring's run
+    except Exception as e:
+        raise ImplError(
+            f"importing {mod_name!r} for implementation {name!r} raised "
+            f"{type(e).__name__}: "
+            f"{_one_line(e)}{_did_you_mean(e)}"
+        ) from None
     return _as_impl(obj, name)
 
 
 def module_path_of(obj: Any) -> str:
-    """`package.module:attr` of an Impl or a run(q, k, v, ctx) function defined at the top level of an importable
-    module, so that the rank processes (other interpreters) can import it; the module's import root is put on
-    PYTHONPATH for the ranks started from now on. One HarnessError line when it has no such name."""
+    """`package.module:attr` of an Impl or a run(q, k, v, ctx) function defined at the top level of
+    an importable module, so that the rank processes (other interpreters) can import it; the
+    module's import root is put on PYTHONPATH for the ranks started from now on. One HarnessError
+    line when it has no such name."""
     if isinstance(obj, str):
         return obj
     fn = obj.run if isinstance(obj, Impl) else obj
     mod = sys.modules.get(getattr(fn, "__module__", "") or "")
     what = f"{type(obj).__name__} {getattr(obj, 'name', getattr(obj, '__name__', ''))!r}"
     if mod is None or mod.__name__ == "__main__" or not getattr(mod, "__file__", None):
-        raise ImplError(f"{what}: the ranks import the implementation, so define it at the top level of an "
-                        "importable module (not __main__), or give its name as 'package.module:attr'")
+        raise ImplError(
+            f"{what}: the ranks import the implementation, so define it at the top "
+            "level of an "
+            "importable module (not __main__), or give its name as "
+            "'package.module:attr'"
+        )
     attr = next((k for k, v in vars(mod).items() if v is obj), None)
     if attr is None:
-        raise ImplError(f"{what}: not found as a top-level name of {mod.__name__}; the ranks import the "
-                        f"implementation, so bind it to a module-level name (or give 'package.module:attr')")
+        raise ImplError(
+            f"{what}: not found as a top-level name of {mod.__name__}; the ranks "
+            "import the "
+            "implementation, so bind it to a module-level name (or give "
+            "'package.module:attr')"
+        )
     depth = mod.__name__.count(".") + (2 if os.path.basename(mod.__file__) == "__init__.py" else 1)
     root = str(Path(mod.__file__).resolve().parents[depth - 1])
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -270,14 +320,16 @@ def module_path_of(obj: Any) -> str:
 
 
 def is_module_path(name: str) -> bool:
-    """True for `package.module:attr` names, whose resolution imports arbitrary code (only allowed from
-    the caller, never from a case file); `mutant:NAME` and built-in or entry-point names are not."""
+    """True for `package.module:attr` names, whose resolution imports arbitrary code (only allowed
+    from the caller, never from a case file); `mutant:NAME` and built-in or entry-point names are
+    not."""
     name = name.strip() if isinstance(name, str) else ""
     return ":" in name and not name.startswith(MUTANT_PREFIX) and name not in BUILTINS
 
 
 def resolve(name: str, allow_import: bool = True) -> Impl:
-    """The Impl for `name`: a built-in, an entry point, or (with allow_import) `package.module:attr`.
+    """The Impl for `name`: a built-in, an entry point, or (with allow_import)
+    `package.module:attr`.
 
     Raises ImplError with a one-line message for unknown names, refused imports and missing
     optional dependencies.
@@ -297,45 +349,54 @@ def resolve(name: str, allow_import: bool = True) -> Impl:
             raise ImplError(f"implementation {name!r} is not of the form package.module:attr")
         if not allow_import:
             raise ImplError(
-                f"implementation {name!r} is a module path; a case file may only name a built-in or "
+                f"implementation {name!r} is a module path; a case file may only name a built-in "
+                "or "
                 "installed implementation (give module paths on the command line)"
             )
         return _resolve_module_attr(name)
     installed = entry_point_names()
-    known = f"built-in: {', '.join(builtins)}" + (f"; installed: {', '.join(installed)}" if installed else "")
-    raise ImplError(f"unknown implementation {name!r}; {known}; or give package.module:attr "
-                    "(or mutant:NAME for selftest's bug variants)")
+    known = f"built-in: {', '.join(builtins)}" + (
+        f"; installed: {', '.join(installed)}" if installed else ""
+    )
+    raise ImplError(
+        f"unknown implementation {name!r}; {known}; or give package.module:attr "
+        "(or mutant:NAME for selftest's bug variants)"
+    )
 
 
-def _runnable_backends() -> set[str]:
+def _runnable_devices() -> set[str]:
+    """The devices ranks can hold tensors on here: cpu with gloo, cuda with NCCL and a GPU."""
     import torch
     import torch.distributed as dist
 
     out = set()
     if dist.is_available() and dist.is_gloo_available():
-        out.add("gloo")
+        out.add("cpu")
     if dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available():
-        out.add("nccl")
+        out.add("cuda")
     return out
 
 
-def _kernel(name: str, backends: set[str], here: set[str]) -> str | None:
+def _kernel(name: str, devices: set[str], here: set[str]) -> str | None:
     """The flash-attn kernel a built-in whose adapter declares `KERNEL` gets on this machine's ranks
-    ("cpu-standin" on gloo without a real flash-attn, "flash-attn 2.8.3", "none"); None for the others."""
+    ("cpu-standin" on gloo without a real flash-attn, "flash-attn 2.8.3", "none"); None for the
+    others."""
     module = _builtin_modules().get(name)
     if module is None or getattr(module, "KERNEL", None) is None:
         return None
     from harness.kernels import flash_standin
 
-    return flash_standin.rank_label("gloo" if "gloo" in backends & here else "nccl")
+    return flash_standin.rank_label("gloo" if "cpu" in devices & here else "nccl")
 
 
 def describe() -> list[dict]:
-    """Rows for `ring-harness impls`: name, source, available (and why not), version, capabilities, and
-    for adapters of flash-attn libraries the kernel their ranks use here (`kernel`)."""
-    here = _runnable_backends()
+    """Rows for `ring-harness impls`: name, source, available (and why not), version, capabilities,
+    and for adapters of flash-attn libraries the kernel their ranks use here (`kernel`)."""
+    here = _runnable_devices()
     rows = []
-    names = [(n, "built-in") for n in builtin_names()] + [(n, "entry point") for n in entry_point_names()]
+    names = [(n, "built-in") for n in builtin_names()] + [
+        (n, "entry point") for n in entry_point_names()
+    ]
     for name, source in names:
         row: dict[str, Any] = {
             "name": name,
@@ -346,7 +407,7 @@ def describe() -> list[dict]:
             "capabilities": None,
         }
         caps = declared_capabilities(name)
-        kernel = _kernel(name, set(caps.backends) if caps else set(), here)
+        kernel = _kernel(name, set(caps.devices) if caps else set(), here)
         if kernel is not None:
             row["kernel"] = kernel
         try:
@@ -357,15 +418,11 @@ def describe() -> list[dict]:
             rows.append(row)
             continue
         row.update(version=impl.version, capabilities=impl.capabilities.to_dict())
-        backends = set(impl.capabilities.backends)
-        if backends & here:
+        devices = set(impl.capabilities.devices)
+        if devices & here:
             row["available"] = True
         else:
-            need = ", ".join(sorted(backends))
-            row["why"] = (
-                f"needs backend {need}"
-                + (" (CUDA)" if "nccl" in backends else "")
-                + f"; here: {', '.join(sorted(here)) or 'none'}"
-            )
+            need = ", ".join(sorted(devices))
+            row["why"] = f"needs device {need}; here: {', '.join(sorted(here)) or 'none'}"
         rows.append(row)
     return rows

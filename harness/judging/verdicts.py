@@ -6,25 +6,27 @@
   `apply_faults` accounts for its faults.
 - Faults: a case whose faults did not all fire is `invalid` (never `pass`: it tested nothing). A
   send buffer overwritten while its send was in flight makes a completed run `silent-corruption` (a
-  transport that reads the buffer late delivers the new data). Under delay / straggler / early-read /
-  send-reuse a deterministic implementation must reproduce the fault-free hashes bit for bit, else
+  transport that reads the buffer late delivers the new data). Under delay / straggler / early-read
+  / send-reuse a deterministic implementation must reproduce the fault-free hashes bit for bit, else
   `diverged`. `expected_verdict` says what a correct implementation must end in under given faults.
 - How the checks read verdicts: `fault_ok` (a fault-stage case), `PROBE_OUTCOMES` (a probe of an
   undeclared feature), `killed_by` (which checks a failing result failed: selftest's kill matrix).
 
 The fault-free baseline a benign-fault case is compared with is run by the caller
-(`harness.runner.baseline_for`) and passed in: judging never runs a case.
+(`harness.runner.baseline_for`) and passed in: judging never runs a case. So are the oracle's
+outputs (`needs_oracle` says when they are needed): judging never computes them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.case import Case
 from harness.faults.schema import BENIGN, FATAL, FaultSpec, parse_faults
-from harness.judging.judge import check_leak, check_tensors
-from harness.judging.oracle import references
+from harness.judging.tensor_checks import check_leak, check_tensors
+from harness.oracle.assemble import Pair
 from harness.result import TENSORS, CaseResult, Verdict
 
 MAP_LIMIT = 1 << 22  # error maps are kept when batch * tokens * heads is at most this
@@ -40,8 +42,8 @@ PROBE_OUTCOMES = {
 
 
 def expected_verdict(specs: tuple[FaultSpec, ...]) -> Verdict | None:
-    """What a correct implementation must end in: fail-stop under drop/crash, pass under benign faults,
-    anything (None) when a corrupt fault is involved."""
+    """What a correct implementation must end in: fail-stop under drop/crash, pass under benign
+    faults, anything (None) when a corrupt fault is involved."""
     kinds = {s.kind for s in specs}
     if kinds & FATAL:
         return Verdict.FAIL_STOP
@@ -52,7 +54,11 @@ def expected_verdict(specs: tuple[FaultSpec, ...]) -> Verdict | None:
 
 def case_expected(case: Case) -> Verdict | None:
     """`expected_verdict` of a case's faults; pass for a fault-free case."""
-    return expected_verdict(parse_faults(case.faults, case.world_size)) if case.faults else Verdict.PASS
+    return (
+        expected_verdict(parse_faults(case.faults, case.world_size))
+        if case.faults
+        else Verdict.PASS
+    )
 
 
 def probe_acceptable(r: CaseResult) -> bool:
@@ -68,7 +74,8 @@ def fault_ok(r: CaseResult) -> bool:
 
 
 def killed_by(r: CaseResult) -> list[str]:
-    """Which checks a failing result failed: tensors, leak check, send-buffer check, fault verdict, verdict."""
+    """Which checks a failing result failed: tensors, leak check, send-buffer check, fault verdict,
+    verdict."""
     out = []
     if r.case.faults:
         out.append(f"fault verdict ({'+'.join(sorted({f['kind'] for f in r.case.faults}))})")
@@ -96,7 +103,8 @@ def failure_signature(r: CaseResult) -> tuple[str, ...]:
     sig: list[str] = [str(r.verdict)]
     if r.verdict == Verdict.SILENT_CORRUPTION:
         sig += sorted({c.tensor for c in r.failed_checks()})
-        sig += sorted({f"{c.tensor}@{c.grid}" for c in r.failed_checks() if c.grid})  # precision lost
+        # precision lost
+        sig += sorted({f"{c.tensor}@{c.grid}" for c in r.failed_checks() if c.grid})
         if r.leak is not None and not r.leak.passed:
             sig.append("leak")
         if r.extra.get("violations"):
@@ -114,113 +122,183 @@ def failure_signature(r: CaseResult) -> tuple[str, ...]:
 
 # -- judging one case ------------------------------------------------------------------------------
 
-def judge(case: Case, impl: str, reply: Any, oracle_s: float = 0.0, keep_shards: bool = False,
-          baseline: dict | None = None) -> CaseResult:
+
+def judge(
+    case: Case,
+    impl: str,
+    reply: Any,
+    outputs: Pair | None,
+    oracle_s: float = 0.0,
+    keep_shards: bool = False,
+    baseline: dict | None = None,
+) -> CaseResult:
     """Turn the ranks' replies (a `harness.ranks.protocol.PoolReply`) into a CaseResult with exactly
     one verdict; a faulted case's verdict then accounts for its faults (unfired: invalid; benign:
-    bit-identical to the `baseline` run)."""
-    res = _judge(case, impl, reply, oracle_s, keep_shards)
+    bit-identical to the `baseline` run). `outputs` is the oracle's (exact, base) pair; it may be
+    None only when `needs_oracle` says False."""
+    res = _judge(case, impl, reply, outputs, oracle_s, keep_shards)
     if case.faults:
         apply_faults(res, case, reply, baseline)
     return res
 
 
-def _judge(case: Case, impl: str, reply: Any, oracle_s: float, keep_shards: bool) -> CaseResult:
-    """The fault-unaware verdict: hang, fail-stop, diverged, silent-corruption or pass."""
+def needs_oracle(case: Case, reply: Any) -> bool:
+    """Whether judging these replies compares tensors with the oracle: no ring rank hung, died,
+    raised or diverged, and no rank outside the ring failed."""
+    got = _gather(case, "-", reply, 0.0)
+    return not _stopped(got, case)
+
+
+@dataclass
+class _Replies:
+    """The ranks' replies of one case, sorted out by group rank."""
+
+    res: CaseResult
+    shards: dict = field(default_factory=dict)
+    leak_shards: dict = field(default_factory=dict)
+    statuses: dict = field(default_factory=dict)
+    when: dict[int, float] = field(default_factory=dict)  # group rank -> time.time() of its error
+    outside: dict = field(default_factory=dict)  # failed ranks outside the ring group
+
+
+def _gather(case: Case, impl: str, reply: Any, oracle_s: float) -> _Replies:
+    """A CaseResult (verdict pass so far) with the replies' hangs, deaths, errors, hashes and
+    timings, and the ring ranks' tensors."""
     off = case.group_offset
     in_group = range(off, off + case.world_size)
     res = CaseResult(case=case, impl=impl, verdict=Verdict.PASS)
     res.timings = {"wall_s": reply.wall_s, "oracle_s": oracle_s, "pool_restarted": reply.restarted}
     res.hung = {r - off: s for r, s in reply.hung.items() if r in in_group}
     res.dead = {r - off: s for r, s in reply.dead.items()}
-    outside = {r: s for r, s in {**reply.hung, **reply.dead}.items() if r not in in_group}
-    shards, leak_shards, statuses = {}, {}, {}
-    when: dict[int, float] = {}  # group rank -> time.time() of its error
+    got = _Replies(
+        res, outside={r: s for r, s in {**reply.hung, **reply.dead}.items() if r not in in_group}
+    )
     for r, rep in reply.replies.items():
         if r not in in_group:
             continue
         g = r - off
-        statuses[g] = rep.get("status")
+        got.statuses[g] = rep.get("status")
         if rep.get("status") == "ok":
-            shards[g] = rep["tensors"]
+            got.shards[g] = rep["tensors"]
             res.hashes[g] = rep["hashes"]
             res.timings[f"rank{g}"] = rep.get("timings", {})
             if "leak" in rep:
-                leak_shards[g] = rep["leak"]
+                got.leak_shards[g] = rep["leak"]
         elif rep.get("error"):
             res.errors[g] = rep["error"]
-            when[g] = float(rep.get("error_time", 0.0))
+            got.when[g] = float(rep.get("error_time", 0.0))
             if rep.get("where"):
                 res.extra.setdefault("where", {})[g] = rep["where"]
         for k in ("comm", "faults"):
             if k in rep:
                 res.extra.setdefault(k, {})[g] = rep[k]
-        if rep.get("kernel"):  # the flash-attn kernel a flash-attn library ran on (e.g. cpu-standin)
+        # the flash-attn kernel a flash-attn library ran on (e.g. cpu-standin)
+        if rep.get("kernel"):
             res.extra["kernel"] = rep["kernel"]
+    return got
+
+
+def _stopped(got: _Replies, case: Case) -> bool:
+    """Set the verdict of a run that did not complete (hang, fail-stop, diverged); True if so."""
+    res = got.res
     if res.hung:
         res.verdict = Verdict.HANG
-        res.detail = f"deadline {case.deadline_s:g} s passed; rank(s) {sorted(res.hung)} still running"
+        res.detail = (
+            f"deadline {case.deadline_s:g} s passed; rank(s) {sorted(res.hung)} still running"
+        )
         res.detail += "".join(f"; {w}" for w in _pending_ops(res.hung))
-        return res
-    if outside:
+        return True
+    if got.outside:
         res.verdict = Verdict.FAIL_STOP
-        res.detail = f"ranks outside the ring group failed: {sorted(outside)}"
-        return res
-    if any(s == "diverged" for s in statuses.values()):
+        res.detail = f"ranks outside the ring group failed: {sorted(got.outside)}"
+        return True
+    if any(s == "diverged" for s in got.statuses.values()):
         res.verdict = Verdict.DIVERGED
         res.detail = "; ".join(f"rank {g}: {res.errors[g]}" for g in sorted(res.errors))
-        return res
+        return True
     if res.errors or res.dead:
         res.verdict = Verdict.FAIL_STOP
-        res.detail, res.extra["root_cause"] = _fail_stop_story(res, when)
+        res.detail, res.extra["root_cause"] = _fail_stop_story(res, got.when)
+        return True
+    return False
+
+
+def _judge(
+    case: Case, impl: str, reply: Any, outputs: Pair | None, oracle_s: float, keep_shards: bool
+) -> CaseResult:
+    """The fault-unaware verdict: hang, fail-stop, diverged, silent-corruption or pass."""
+    got = _gather(case, impl, reply, oracle_s)
+    res = got.res
+    if _stopped(got, case):
         return res
-    ref, base = references(case)
+    if outputs is None:
+        raise ValueError(
+            f"{case.summary()}: judging needs the oracle's outputs; the caller computes them"
+        )
+    exact, base = outputs
     small = case.batch * case.total_len * case.heads_q <= MAP_LIMIT
-    res.checks = check_tensors(case, shards, ref, base, maps=res.maps if small else None)
+    res.checks = check_tensors(case, got.shards, exact, base, maps=res.maps if small else None)
     if keep_shards:
-        res.shards = shards
-    res.leak = check_leak(case, leak_shards)
+        res.shards = got.shards
+    res.leak = check_leak(case, got.leak_shards)
     bad = res.failed_checks()
     if bad or (res.leak is not None and not res.leak.passed):
         res.verdict = Verdict.SILENT_CORRUPTION
-        parts = [f"{c.tensor}@rank{c.rank} " + (f"x{c.ratio:.3g}" if c.ratio > 1 or not c.grid else
-                                                 f"on the {c.grid} grid (precision lost)")
-                 for c in sorted(bad, key=lambda c: -c.ratio)[:4]]
+        parts = [
+            f"{c.tensor}@rank{c.rank} "
+            + (
+                f"x{c.ratio:.3g}"
+                if c.ratio > 1 or not c.grid
+                else f"on the {c.grid} grid (precision lost)"
+            )
+            for c in sorted(bad, key=lambda c: -c.ratio)[:4]
+        ]
         if res.leak is not None and res.leak.leaks:
             lk = res.leak.leaks[0]
-            parts.append(f"leak: {lk['tensor']} nonzero at hidden key {lk['token']} on rank {lk['rank']}")
+            parts.append(
+                f"leak: {lk['tensor']} nonzero at hidden key {lk['token']} on rank {lk['rank']}"
+            )
         res.detail = "; ".join(parts)
     return res
 
 
 def adapter_error(r: CaseResult) -> str | None:
-    """One line when a run failed in the implementation's adapter rather than in its ring: every ring rank raised
-    before any communication op, or every rank returned an output or gradient of the wrong shape or type. None
-    otherwise (a ring that raises, dies or hangs mid-ring is a fail-stop or a hang: a finding)."""
+    """One line when a run failed in the implementation's adapter rather than in its ring: every
+    ring rank raised before any communication op, or every rank returned an output or gradient of
+    the wrong shape or type. None otherwise (a ring that raises, dies or hangs mid-ring is a
+    fail-stop or a hang: a finding)."""
     w = r.case.world_size
     if r.dead or r.hung or len(r.errors) < w:
         return None
     comm = r.extra.get("comm", {})
-    if r.verdict == Verdict.DIVERGED and all(r.errors[g].startswith("ShapeError") for g in range(w)):
+    if r.verdict == Verdict.DIVERGED and all(
+        r.errors[g].startswith("ShapeError") for g in range(w)
+    ):
         return f"run(q, k, v, ctx) returned a wrong result on every rank: {r.errors[0].split(' (at ')[0]}"
     if r.verdict == Verdict.FAIL_STOP and all(not comm.get(g) for g in range(w)):
         where = r.extra.get("where", {}).get(0, "")
-        return (f"run(q, k, v, ctx) raised on every rank before any communication: {r.errors[0]}"
-                + (f" [your code: {where}]" if where and where not in r.errors[0] else ""))
+        return f"run(q, k, v, ctx) raised on every rank before any communication: {r.errors[0]}" + (
+            f" [your code: {where}]" if where and where not in r.errors[0] else ""
+        )
     return None
 
 
 def _fail_stop_story(res: CaseResult, when: dict[int, float]) -> tuple[str, list[int]]:
-    """The fail-stop detail, root cause first: the earliest error a rank raised (a rank that raises
-    closes its connections, so the errors it causes on the others come after it), or the ranks that
-    died; the other ranks' errors follow as consequences. Returns (detail, ranks of the root cause)."""
+    """The fail-stop detail, root cause first: the earliest error a rank raised (a rank that
+    raises closes its connections, so the errors it causes on the others come after it), or the
+    ranks that died; the other ranks' errors follow as consequences. Returns (detail, ranks of
+    the root cause)."""
     raised = sorted(res.errors, key=lambda g: (when.get(g, float("inf")), g))
     if res.dead:  # a death is the cause of the errors it provokes
         root = sorted(res.dead)
         parts = [f"rank {g} died ({d.split(';')[0]})" for g, d in sorted(res.dead.items())]
         later = raised
     else:
-        root, parts, later = raised[:1], [f"rank {g}: {res.errors[g]}" for g in raised[:1]], raised[1:]
+        root, parts, later = (
+            raised[:1],
+            [f"rank {g}: {res.errors[g]}" for g in raised[:1]],
+            raised[1:],
+        )
     detail = "; ".join(parts)
     if later:
         detail += "; consequences: " + "; ".join(f"rank {g}: {res.errors[g]}" for g in later)
@@ -234,14 +312,16 @@ def _pending_ops(hung: dict[int, str]) -> list[str]:
         lines = text.splitlines()
         if lines and lines[0].startswith(head):
             rest = [ln.strip() for ln in lines[1:] if ln.startswith("  pending ")]
-            out.append(", ".join([lines[0][len(head):], *rest]))
+            out.append(", ".join([lines[0][len(head) :], *rest]))
     return out
 
 
 # -- faults ----------------------------------------------------------------------------------------
 
+
 def fired_counts(res: CaseResult, notes: dict[int, dict]) -> Counter[int]:
-    """Fault id -> times fired over every rank: the survivors' reports plus dead ranks' crash notes."""
+    """Fault id -> times fired over every rank: the survivors' reports plus dead ranks' crash
+    notes."""
     total: Counter[int] = Counter()
     for rep in res.extra.get("faults", {}).values():
         for fid, n in rep.get("fired", {}).items():
@@ -252,7 +332,9 @@ def fired_counts(res: CaseResult, notes: dict[int, dict]) -> Counter[int]:
     return total
 
 
-def _crash_checks(specs: tuple[FaultSpec, ...], res: CaseResult, notes: dict[int, dict]) -> list[str]:
+def _crash_checks(
+    specs: tuple[FaultSpec, ...], res: CaseResult, notes: dict[int, dict]
+) -> list[str]:
     """Crash faults whose rank did not die the scheduled way (exit 0, exit 1, SIGKILL)."""
     bad = []
     for s in specs:
@@ -266,7 +348,8 @@ def _crash_checks(specs: tuple[FaultSpec, ...], res: CaseResult, notes: dict[int
 
 
 def apply_faults(res: CaseResult, case: Case, reply: Any, baseline: dict | None = None) -> None:
-    """Adjust a judged faulted run in place: invalid / violations / bit identity / expected verdict."""
+    """Adjust a judged faulted run in place: invalid / violations / bit identity / expected
+    verdict."""
     specs = parse_faults(case.faults, case.world_size)
     if not specs:
         return
@@ -282,18 +365,24 @@ def apply_faults(res: CaseResult, case: Case, reply: Any, baseline: dict | None 
     unknown = [s for s in unfired if (s.rank in silent if s.rank is not None else bool(silent))]
     missing = [s for s in unfired if s not in unknown]
     crash_bad = _crash_checks(specs, res, notes)
-    violations = [v for rep in res.extra.get("faults", {}).values() for v in rep.get("violations", [])]
+    violations = [
+        v for rep in res.extra.get("faults", {}).values() for v in rep.get("violations", [])
+    ]
     if unknown:
         res.extra["unverified"] = [s.fid for s in unknown]
-        res.detail = "; ".join([detail] * bool(detail) + [f"unverified (its rank died or hung): {s.describe()}"
-                                                             for s in unknown])
+        res.detail = "; ".join(
+            [detail] * bool(detail)
+            + [f"unverified (its rank died or hung): {s.describe()}" for s in unknown]
+        )
     why = [f"fault never fired: {s.describe()}" for s in missing] + crash_bad
     if why and outcome == Verdict.HANG:  # a hang is the finding whatever else happened
         res.detail = "; ".join([res.detail, *why])
     elif why:
         res.extra["outcome"] = outcome
         res.verdict = Verdict.INVALID
-        res.detail = "; ".join(why) + f" (the run was otherwise {outcome}{': ' + detail if detail else ''})"
+        res.detail = (
+            "; ".join(why) + f" (the run was otherwise {outcome}{': ' + detail if detail else ''})"
+        )
     elif violations:
         res.extra["violations"] = violations
         more = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
@@ -306,11 +395,17 @@ def apply_faults(res: CaseResult, case: Case, reply: Any, baseline: dict | None 
         _compare_baseline(res, baseline, _deterministic(reply))
     if res.verdict == Verdict.FAIL_STOP:
         _fail_stop_detail(res)
-    res.extra["as_expected"] = res.verdict != Verdict.INVALID and (expected is None or res.verdict == expected)
+    res.extra["as_expected"] = res.verdict != Verdict.INVALID and (
+        expected is None or res.verdict == expected
+    )
 
 
 def _deterministic(reply: Any) -> bool:
-    return all(rep.get("deterministic", True) for rep in reply.replies.values() if rep.get("status") == "ok")
+    return all(
+        rep.get("deterministic", True)
+        for rep in reply.replies.values()
+        if rep.get("status") == "ok"
+    )
 
 
 def _compare_baseline(res: CaseResult, baseline: dict, deterministic: bool) -> None:
@@ -319,8 +414,12 @@ def _compare_baseline(res: CaseResult, baseline: dict, deterministic: bool) -> N
     if baseline.get("verdict") != Verdict.PASS or not deterministic:
         return
     hashes = baseline.get("hashes", {})
-    diffs = [f"{t}@rank{g}" for g, hs in sorted(res.hashes.items()) for t, h in sorted(hs.items())
-             if hashes.get(g, {}).get(t) != h]
+    diffs = [
+        f"{t}@rank{g}"
+        for g, hs in sorted(res.hashes.items())
+        for t, h in sorted(hs.items())
+        if hashes.get(g, {}).get(t) != h
+    ]
     res.extra["bit_identical"] = not diffs
     if diffs:
         res.verdict = Verdict.DIVERGED
@@ -328,7 +427,8 @@ def _compare_baseline(res: CaseResult, baseline: dict, deterministic: bool) -> N
 
 
 def _fail_stop_detail(res: CaseResult) -> None:
-    """Record which surviving ranks raised an error naming a peer and operation, and which completed."""
+    """Record which surviving ranks raised an error naming a peer and operation, and which
+    completed."""
     alive = set(range(res.case.world_size)) - set(res.dead)
     clear = sorted(g for g, e in res.errors.items() if "peer rank" in e or "died" in e)
     completed = sorted(alive - set(res.errors))

@@ -1,24 +1,27 @@
 """Install the CPU stand-in for flash-attn's Python API where no real flash-attn is importable.
 
-ring-flash-attn 0.1.8 and yunchang 0.6.4 call flash-attn's CUDA kernels through a few Python functions of
-`flash_attn.flash_attn_interface`; their ring logic is plain torch.distributed and runs on gloo. With
-`standin/` (a plain folder, no `__init__.py`) first on sys.path, `import flash_attn` gives ring-harness's
-CPU stand-in (`standin/flash_attn`, flash-attn 2.8.3's signatures and numerics; see its docstrings for what
-each library imports and what is refused), and the libraries run for real on CPU ranks.
+ring-flash-attn 0.1.8 and yunchang 0.6.4 call flash-attn's CUDA kernels through a few Python
+functions of `flash_attn.flash_attn_interface`; their ring logic is plain torch.distributed and runs
+on gloo. With `standin/` (a plain folder, no `__init__.py`) first on sys.path, `import flash_attn`
+gives ring-harness's CPU stand-in (`standin/flash_attn`, flash-attn 2.8.3's signatures and numerics;
+see its docstrings for what each library imports and what is refused), and the libraries run for
+real on CPU ranks.
 
-Who calls `install()`: the pool's rank processes (`harness.ranks.worker.serve`), once, when their backend is
-gloo (CPU tensors, which no real flash-attn takes). The parent process never installs it: adapters import
-their library inside the run, on the ranks. `rank_label(backend)` says, without installing anything, what a
-rank on that backend will use (`ring-harness impls` shows it); `serves_gloo()` whether the stand-in can serve
-gloo ranks here (no real flash-attn importable), which the flash-attn adapters use to declare gloo.
+Who calls `install()`: the pool's rank processes (`harness.ranks.worker.serve`), once, when their
+backend is gloo (CPU tensors, which no real flash-attn takes). The parent process never installs it:
+adapters import their library inside the run, on the ranks. `rank_label(backend)` says, without
+installing anything, what a rank on that backend will use (`ring-harness impls` shows it);
+`serves_gloo()` whether the stand-in can serve gloo ranks here (no real flash-attn importable),
+which the flash-attn adapters use to declare gloo.
 
-Rank processes may also get `standin/` through PYTHONPATH; `install()` then finds the stand-in already
-importable and inserts nothing. A real flash-attn is never shadowed: `install()` checks with
+Rank processes may also get `standin/` through PYTHONPATH; `install()` then finds the stand-in
+already importable and inserts nothing. A real flash-attn is never shadowed: `install()` checks with
 `importlib.util.find_spec` first and leaves sys.path alone when one is found.
 
 transformers: ring-flash-attn 0.1.8's package `__init__` imports its HF adapter, which imports
 `transformers` at import time. When no real transformers is importable, `install()` also puts
-`standin/hf-stub` (a minimal import-time stub, see its docstring) on sys.path, whatever flash-attn is used.
+`standin/hf-stub` (a minimal import-time stub, see its docstring) on sys.path, whatever flash-attn
+is used.
 
 This module imports the standard library only (no torch, nothing from `harness`).
 """
@@ -74,9 +77,9 @@ def _is_standin_module(name: str) -> bool | None:
 def install() -> bool:
     """Put `standin/` first on sys.path unless a real flash-attn is importable.
 
-    Returns True when `import flash_attn` now gives the stand-in (also when it already did), False when a
-    real flash-attn is (or would be) imported instead. Also installs the transformers stub when no real
-    transformers is importable. Idempotent.
+    Returns True when `import flash_attn` now gives the stand-in (also when it already did), False
+    when a real flash-attn is (or would be) imported instead. Also installs the transformers stub
+    when no real transformers is importable. Idempotent.
     """
     if _find("transformers") is None:
         _prepend(HF_STUB_DIR)
@@ -103,9 +106,9 @@ def _real_version() -> str:
 
 
 def kernel_label() -> str:
-    """"cpu-standin" when `flash_attn` is (or would import as) the stand-in, "flash-attn <version>" for a
-    real one, "none" when no flash_attn is importable. Does not import a flash_attn not yet imported,
-    unless it is real and its distribution metadata is missing."""
+    """ "cpu-standin" when `flash_attn` is (or would import as) the stand-in, "flash-attn <version>"
+    for a real one, "none" when no flash_attn is importable. Does not import a flash_attn not yet
+    imported, unless it is real and its distribution metadata is missing."""
     imported = _is_standin_module("flash_attn")
     if imported:
         return STANDIN_LABEL
@@ -129,8 +132,8 @@ def real_flash_attn() -> bool:
 
 
 def serves_gloo() -> bool:
-    """Whether gloo (CPU) ranks here get the stand-in: no real flash-attn is importable (one would be used
-    instead, and real flash-attn kernels take CUDA tensors only)."""
+    """Whether gloo (CPU) ranks here get the stand-in: no real flash-attn is importable (one would
+    be used instead, and real flash-attn kernels take CUDA tensors only)."""
     return not real_flash_attn()
 
 

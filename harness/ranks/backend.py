@@ -1,5 +1,6 @@
-"""Backend and device choice, in one place: gloo on CPU here, NCCL on cuda:LOCAL_RANK under torchrun,
-or gloo ranks sharing the visible GPUs with P2P staged through host buffers (`Placement`)."""
+"""Backend and device choice, in one place: gloo on CPU here, NCCL on cuda:LOCAL_RANK under
+torchrun, or gloo ranks sharing the visible GPUs with P2P staged through host buffers
+(`Placement`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
-            raise ValueError(f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)}")
+            raise ValueError(
+                f"unknown device {self.device!r}; expected one of {', '.join(DEVICES)}"
+            )
 
     @property
     def staged(self) -> bool:
@@ -35,7 +38,9 @@ class Placement:
     @classmethod
     def from_env(cls) -> Placement:
         """$RING_HARNESS_DEVICE and $RING_HARNESS_STAGE_P2P, else CPU without staging."""
-        return cls(os.environ.get(DEVICE_ENV) or "cpu", os.environ.get(STAGE_ENV, "") not in ("", "0"))
+        return cls(
+            os.environ.get(DEVICE_ENV) or "cpu", os.environ.get(STAGE_ENV, "") not in ("", "0")
+        )
 
     def describe(self) -> str:
         if self.device == "cuda":

@@ -18,9 +18,14 @@ LAUNCHERS = ("local", "torchrun")
 
 
 @contextlib.contextmanager
-def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4,
-              placement: Placement | None = None) -> Iterator[Pool | None]:
-    """The ranks for a command: `size` local workers (`local`, on `placement`), or torchrun's processes."""
+def open_pool(
+    launcher: str = "local",
+    backend: str | None = None,
+    size: int = 4,
+    placement: Placement | None = None,
+) -> Iterator[Pool | None]:
+    """The ranks for a command: `size` local workers (`local`, on `placement`), or torchrun's
+    processes."""
     if launcher == "local":
         from harness.ranks.pool import RankPool
 
@@ -32,8 +37,10 @@ def open_pool(launcher: str = "local", backend: str | None = None, size: int = 4
     from harness.ranks.torchrun import TorchrunPool, launched_by_torchrun, torch_threads_for_rank
 
     if not launched_by_torchrun():
-        raise HarnessError("--launcher torchrun needs to be started by torchrun, e.g. "
-                           "torchrun --nproc-per-node 8 -m harness check --launcher torchrun")
+        raise HarnessError(
+            "--launcher torchrun needs to be started by torchrun, e.g. "
+            "torchrun --nproc-per-node 8 -m harness check --launcher torchrun"
+        )
     torch_threads_for_rank()
     pool = TorchrunPool(backend)
     try:

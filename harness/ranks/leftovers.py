@@ -52,9 +52,10 @@ def _of_parent(pid: int, parent: int) -> bool:
 
 
 def _group_left(pgid: int, parent: int) -> set[int]:
-    """Live processes still in worker `pgid`'s process group (what the worker spawned, or the worker).
-    No /proc scan unless the group still exists. A pid reused by an unrelated process that leads its
-    own group is not ours: the group is skipped (while our group has members its id cannot be reused)."""
+    """Live processes still in worker `pgid`'s process group (what the worker spawned, or the
+    worker). No /proc scan unless the group still exists. A pid reused by an unrelated process that
+    leads its own group is not ours: the group is skipped (while our group has members its id cannot
+    be reused)."""
     leader = _stat(pgid)
     if leader is not None and leader[0] != "Z" and not _of_parent(pgid, parent):
         return set()
@@ -66,13 +67,23 @@ def _group_left(pgid: int, parent: int) -> set[int]:
         pass  # exists, owned by someone else: look
     out = set()
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None and st[1] == pgid and st[0] != "Z":
+        if (
+            entry.isdigit()
+            and (st := _stat(int(entry))) is not None
+            and st[1] == pgid
+            and st[0] != "Z"
+        ):
             out.add(int(entry))
     return out
 
 
-def leftover_workers(pids: Iterable[int], parent: int | None = None, wait_s: float = 10.0, scan: bool = False,
-                     groups: bool = True) -> list[str]:
+def leftover_workers(
+    pids: Iterable[int],
+    parent: int | None = None,
+    wait_s: float = 10.0,
+    scan: bool = False,
+    groups: bool = True,
+) -> list[str]:
     """Processes a run started that are still alive after it, waiting up to `wait_s` for them to go;
     one line "<pid>: <command line>" each, [] when none is left.
 
@@ -97,7 +108,8 @@ def leftover_workers(pids: Iterable[int], parent: int | None = None, wait_s: flo
                 if WORKER in cmd and f"--parent {parent} " in cmd + " " and _alive(int(entry)):
                     left.add(int(entry))
         if parent == os.getpid():
-            left -= zygote_pids()  # this process's own zygotes: their command line is a worker's, they are not
+            # this process's own zygotes: their command line is a worker's, they are not
+            left -= zygote_pids()
         if not left or time.monotonic() > end:
             return [f"{p}: {_cmdline(p)[:120]}" for p in sorted(left)]
         time.sleep(0.2)

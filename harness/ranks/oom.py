@@ -2,20 +2,20 @@
 
 A rank the kernel's OOM killer ends gets SIGKILL like one killed by hand, and once it is dead its
 memory figures are gone from /proc (the parent's `wait4` rusage is no help: Linux carries the
-parent's own high-water mark into a child's `ru_maxrss` across fork/vfork + exec). So while the ranks
-live, one daemon thread of the parent samples every watched rank's VmRSS/VmHWM from /proc/<pid>/status
-and the machine's MemAvailable every `SAMPLE_S`; when a rank is found dead by SIGKILL, `describe`
-weighs the evidence, strongest first:
+parent's own high-water mark into a child's `ru_maxrss` across fork/vfork + exec). So while the
+ranks live, one daemon thread of the parent samples every watched rank's VmRSS/VmHWM from
+/proc/<pid>/status and the machine's MemAvailable every `SAMPLE_S`; when a rank is found dead by
+SIGKILL, `describe` weighs the evidence, strongest first:
 
-1. the kernel log (/dev/kmsg or `dmesg`, where readable) names the pid in an OOM kill: out of memory,
-   at the anon-rss the kernel reports;
+1. the kernel log (/dev/kmsg or `dmesg`, where readable) names the pid in an OOM kill: out of
+   memory, at the anon-rss the kernel reports;
 2. the memory cgroup's oom_kill counter rose since the rank started: likely out of memory;
 3. the machine had little memory left just before the death (MemAvailable under
    `LOW_MEMORY_FRACTION` of the limit), or the rank alone held over half the limit: likely out of
    memory;
-otherwise the SIGKILL came from elsewhere (a user, a fault injector, a job scheduler) and the words say
-so, with the rank's last peak RSS. The wording keeps the pool's form "killed by signal 9 ..." (the
-verdict shows what comes before the first ';').
+otherwise the SIGKILL came from elsewhere (a user, a fault injector, a job scheduler) and the words
+say so, with the rank's last peak RSS. The wording keeps the pool's form "killed by signal 9 ..."
+(the verdict shows what comes before the first ';').
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 
 SAMPLE_S = 0.25  # how often the watcher reads the ranks' RSS and the machine's free memory
 RECENT_S = 5.0  # free-memory samples this close to a death count as "just before" it
-LOW_MEMORY_FRACTION = 0.08  # MemAvailable under this share of the limit (or under LOW_MEMORY_BYTES): near it
+# MemAvailable under this share of the limit (or under LOW_MEMORY_BYTES): near it
+LOW_MEMORY_FRACTION = 0.08
 LOW_MEMORY_BYTES = 512 << 20
 GIB = float(1 << 30)
-REAP_WAIT_S = 5.0  # a rank that raised at start can take seconds to exit on a loaded machine (torch teardown)
+# a rank that raised at start can take seconds to exit on a loaded machine (torch teardown)
+REAP_WAIT_S = 5.0
 
 
 @dataclass
@@ -55,7 +57,8 @@ class _Rank:
 class _State:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ranks: dict[int, _Rank] = field(default_factory=dict)
-    free: deque = field(default_factory=lambda: deque(maxlen=int(60 / SAMPLE_S)))  # (t, MemAvailable bytes)
+    # (t, MemAvailable bytes)
+    free: deque = field(default_factory=lambda: deque(maxlen=int(60 / SAMPLE_S)))
     thread: threading.Thread | None = None
 
 
@@ -66,7 +69,8 @@ _STATE = _State()
 
 
 def proc_memory(pid: int) -> tuple[int, int] | None:
-    """(VmRSS, VmHWM) of a live process in bytes; None when it is gone (or a zombie: no Vm lines)."""
+    """(VmRSS, VmHWM) of a live process in bytes; None when it is gone (or a zombie: no Vm
+    lines)."""
     rss = hwm = None
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -106,7 +110,10 @@ def _cgroup_dirs() -> list[str]:
     for line in lines:
         _, ctrl, path = line.split(":", 2)
         if ctrl == "":
-            dirs += [f"/sys/fs/cgroup{path}".rstrip("/"), "/sys/fs/cgroup/unified" + path.rstrip("/")]
+            dirs += [
+                f"/sys/fs/cgroup{path}".rstrip("/"),
+                "/sys/fs/cgroup/unified" + path.rstrip("/"),
+            ]
         elif "memory" in ctrl.split(","):
             dirs += [f"/sys/fs/cgroup/memory{path}".rstrip("/"), "/sys/fs/cgroup/memory"]
     return [d for d in dirs if os.path.isdir(d)]
@@ -118,7 +125,9 @@ def _read_int(path: str) -> int | None:
             text = f.read().strip()
     except OSError:
         return None
-    return None if text in ("", "max") else int(text) if text.isdigit() else None
+    if text in ("", "max") or not text.isdigit():
+        return None
+    return int(text)
 
 
 def memory_limit() -> int:
@@ -133,7 +142,8 @@ def memory_limit() -> int:
 
 
 def cgroup_oom_kills() -> int | None:
-    """The memory cgroup's count of OOM kills (v2 memory.events, v1 memory.oom_control); None if unknown."""
+    """The memory cgroup's count of OOM kills (v2 memory.events, v1 memory.oom_control); None if
+    unknown."""
     for d in _cgroup_dirs():
         for name in ("memory.events", "memory.oom_control"):
             try:
@@ -181,7 +191,9 @@ def kernel_log(max_bytes: int = 4 << 20) -> list[tuple[float, str]] | None:
         finally:
             os.close(fd)
     try:
-        text = subprocess.run(["dmesg"], capture_output=True, timeout=2.0, check=True).stdout.decode(errors="replace")
+        text = subprocess.run(
+            ["dmesg"], capture_output=True, timeout=2.0, check=True
+        ).stdout.decode(errors="replace")
     except (OSError, subprocess.SubprocessError):
         return None
     out = []
@@ -192,8 +204,11 @@ def kernel_log(max_bytes: int = 4 << 20) -> list[tuple[float, str]] | None:
     return out
 
 
-def oom_record(pid: int, records: list[tuple[float, str]] | None, since: float | None = None) -> str | None:
-    """The kernel's OOM-kill message naming `pid` (logged at or after `since`, seconds since boot), if any."""
+def oom_record(
+    pid: int, records: list[tuple[float, str]] | None, since: float | None = None
+) -> str | None:
+    """The kernel's OOM-kill message naming `pid` (logged at or after `since`, seconds since boot),
+    if any."""
     for ts, msg in reversed(records or []):
         if since is not None and ts < since:
             break
@@ -213,7 +228,8 @@ def _boot_seconds() -> float:
 
 
 def watch(proc: subprocess.Popen) -> subprocess.Popen:
-    """Sample `proc`'s memory until it dies (the sampler thread starts on the first call); returns it."""
+    """Sample `proc`'s memory until it dies (the sampler thread starts on the first call); returns
+    it."""
     st = _STATE
     with st.lock:
         st.ranks[proc.pid] = _Rank(proc.pid, time.monotonic(), cgroup_oom_kills())
@@ -221,14 +237,17 @@ def watch(proc: subprocess.Popen) -> subprocess.Popen:
             for pid in [p for p, r in st.ranks.items() if r.done][:1024]:
                 st.ranks.pop(pid, None)
         if st.thread is None or not st.thread.is_alive():
-            st.thread = threading.Thread(target=_sample_forever, daemon=True, name="rank-memory-watch")
+            st.thread = threading.Thread(
+                target=_sample_forever, daemon=True, name="rank-memory-watch"
+            )
             st.thread.start()
     sample_once()
     return proc
 
 
 def sample_once() -> None:
-    """One round: every watched live rank's RSS and high-water mark, and the machine's free memory."""
+    """One round: every watched live rank's RSS and high-water mark, and the machine's free
+    memory."""
     st = _STATE
     now = time.monotonic()
     with st.lock:
@@ -310,14 +329,21 @@ def evidence(rank: int, pid: int, *, limit: int | None = None) -> Evidence:
 
 
 def sigkill_cause(ev: Evidence) -> str:
-    """The likely cause of a SIGKILL, one phrase without ';' (the verdict shows what precedes it)."""
+    """The likely cause of a SIGKILL, one phrase without ';' (the verdict shows what precedes
+    it)."""
     at = f"rank {ev.rank} at {_gib(ev.peak)} peak RSS" if ev.peak else f"rank {ev.rank}"
     lim = f"of the {_gib(ev.limit)} limit" if ev.limit and ev.limit < 1 << 61 else ""
     if ev.kernel:
         m = re.search(r"anon-rss:(\d+)kB", ev.kernel)
         anon = f"rank {ev.rank} at {_gib(int(m.group(1)) * 1024)} anonymous RSS" if m else at
-        return f"out of memory: {anon} (the kernel's OOM killer: {ev.kernel[:160].replace(';', ',')})"
-    low = ev.min_free is not None and ev.limit and ev.min_free < max(LOW_MEMORY_BYTES, LOW_MEMORY_FRACTION * ev.limit)
+        return (
+            f"out of memory: {anon} (the kernel's OOM killer: {ev.kernel[:160].replace(';', ',')})"
+        )
+    low = (
+        ev.min_free is not None
+        and ev.limit
+        and ev.min_free < max(LOW_MEMORY_BYTES, LOW_MEMORY_FRACTION * ev.limit)
+    )
     big = ev.peak is not None and ev.limit and ev.peak > 0.5 * ev.limit
     if ev.cgroup_ooms:
         return f"out of memory (likely: the memory cgroup counted {ev.cgroup_ooms} OOM kill(s)): {at} {lim}".strip()
@@ -326,10 +352,14 @@ def sigkill_cause(ev: Evidence) -> str:
         return f"likely out of memory: {at} {lim}, {why}".replace("  ", " ")
     log = "no OOM kill in the kernel log" if ev.kernel_readable else "kernel log unreadable"
     free = f", {_gib(ev.min_free)} free just before" if ev.min_free is not None else ""
-    return f"not out of memory as far as the evidence shows: {at} {lim}{free}, {log}".replace("  ", " ")
+    return f"not out of memory as far as the evidence shows: {at} {lim}{free}, {log}".replace(
+        "  ", " "
+    )
 
 
-def how_it_died(rank: int, proc: subprocess.Popen, *, wait_s: float = REAP_WAIT_S, limit: int | None = None) -> str:
+def how_it_died(
+    rank: int, proc: subprocess.Popen, *, wait_s: float = REAP_WAIT_S, limit: int | None = None
+) -> str:
     """'still running', 'exit N', 'killed by signal N (NAME)' and, for SIGKILL, its likely cause."""
     try:
         code = proc.wait(timeout=wait_s)
@@ -354,36 +384,44 @@ def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
 
 # -- up front: will a case fit? --------------------------------------------------------------------
 
-# Calibrated on this 2-core 24 GiB host with the tiled reference kernel (issue #21), 32,768 tokens W=4 zigzag
-# causal bf16 h4 d64: each rank peaked at 0.82-0.86 GiB (an idle worker holds ~0.26 GiB). Per rank: idle worker
-# + bytes per local token per (query head x head_dim) + the tile workspace (~24 B per score entry of one tile).
-# The oracle (issue #12), by default computed by the ranks after their run (`oracle="ranks"`), in two passes
-# (harness.ranks.reference) whose memory is the share's own positions, never the whole sequence at head_dim width:
-# the rows pass holds its rows' q/dout/out/dq (+ the float64 term sums) and one block of generated keys, the keys
-# pass its keys' k/v/dk/dv (+ the column sums) and one block of generated queries; each holds one tile's
-# workspace (harness.ranks.reference.block: at most SCORE_BUDGET score entries, float64 and float32 temporaries);
-# the keys pass also holds every row's statistics (B x Hq floats per token). Its parts are pickled while sent.
-# Measured in a fresh process (`ring-harness bench --only oracle_split`, figure (d); 2^21-entry tiles): one share's
-# peak above the process at 32,768 tokens, W = 2 / 4 / 8: 289 / 159 / 115 MiB (with glibc's default allocator 297 /
-# 213 / 148), up to ~53 B per position x head x dim beyond a ~70 MiB workspace (~35 B per score entry); the 32k
-# case end to end (`python scripts/long_case.py`): ranks peaked at 0.73-0.82 GiB (the ring's run the larger part),
-# the parent at 1.18-1.31 GiB. The parent holds the
-# parts until they are assembled (one set of global tensors: they partition the positions), the references and
-# the judging. `oracle="local"`: the parent computes every share itself (the same tiles, one share at a time).
+# Calibrated on this 2-core 24 GiB host with the tiled reference kernel (issue #21), 32,768 tokens
+# W=4 zigzag causal bf16 h4 d64: each rank peaked at 0.82-0.86 GiB (an idle worker holds ~0.26 GiB).
+# Per rank: idle worker + bytes per local token per (query head x head_dim) + the tile workspace
+# (~24 B per score entry of one tile). The oracle (issue #12), by default computed by the ranks
+# after their run (`oracle="ranks"`), in two passes (harness.oracle.shares) whose memory is the
+# share's own positions, never the whole sequence at head_dim width: the rows pass holds its rows'
+# q/dout/out/dq (+ the float64 term sums) and one block of generated keys, the keys pass its keys'
+# k/v/dk/dv (+ the column sums) and one block of generated queries; each holds one tile's workspace
+# (harness.oracle.tiles.block: at most SCORE_BUDGET score entries, float64 and float32 temporaries);
+# the keys pass also holds every row's statistics (B x Hq floats per token). Its parts are pickled
+# while sent. Measured in a fresh process (`ring-harness bench --only oracle_split`, figure (d);
+# 2^21-entry tiles): one share's peak above the process at 32,768 tokens, W = 2 / 4 / 8: 289 / 159 /
+# 115 MiB (with glibc's default allocator 297 / 213 / 148), up to ~53 B per position x head x dim
+# beyond a ~70 MiB workspace (~35 B per score entry); the 32k case end to end (`python
+# scripts/long_case.py`): ranks peaked at 0.73-0.82 GiB (the ring's run the larger part), the parent
+# at 1.18-1.31 GiB. The parent holds the parts until they are assembled (one set of global tensors:
+# they partition the positions), the oracle's outputs and the judging. `oracle="local"`: the parent
+# computes every share itself (the same tiles, one share at a time).
 RANK_IDLE = 300 << 20
 RANK_BYTES_PER_TOKEN_HD = 256  # x local tokens x heads_q x head_dim
 TILE_BYTES_PER_SCORE = 24
 PARENT_IDLE = 600 << 20
-PARENT_BYTES_PER_TOKEN_HD = 96  # x total tokens x heads_q x head_dim: references, base, judging
-SHARE_BYTES_PER_POS_HD = 96  # x the share's positions x heads_q x head_dim: a pass's tensors (53 B) and their pickle
-SHARE_BYTES_PER_TOKEN_H = 96  # x total tokens x batch x heads_q: every row's statistics, float64 and base
-SHARE_BYTES_PER_SCORE = 48  # x one tile's score entries: float64 and float32 temporaries (q.k, P, dP, dS, s dS)
-PARENT_BYTES_PER_PART_HD = 32  # x total tokens x heads_q x head_dim: the passes' parts held before assembly
+# x total tokens x heads_q x head_dim: exact and base outputs, judging
+PARENT_BYTES_PER_TOKEN_HD = 96
+# x the share's positions x heads_q x head_dim: a pass's tensors (53 B) and their pickle
+SHARE_BYTES_PER_POS_HD = 96
+# x total tokens x batch x heads_q: every row's statistics, float64 and base
+SHARE_BYTES_PER_TOKEN_H = 96
+# x one tile's score entries: float64 and float32 temporaries (q.k, P, dP, dS, s dS)
+SHARE_BYTES_PER_SCORE = 48
+# x total tokens x heads_q x head_dim: the passes' parts held before assembly
+PARENT_BYTES_PER_PART_HD = 32
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a case is expected to need at its peak: each rank, the parent, all together, and what is free."""
+    """Bytes a case is expected to need at its peak: each rank, the parent, all together, and what
+    is free."""
 
     per_rank: int
     ranks: int
@@ -400,29 +438,40 @@ class MemoryEstimate:
         return self.total <= self.available
 
     def words(self) -> str:
-        where = ("the ranks compute the oracle, the parent assembles and judges" if self.oracle == "ranks"
-                 else "for the parent's oracle and judging")
-        return (f"needs ~{_gib(self.total)} ({self.ranks} ranks x {_gib(self.per_rank)} + "
-                f"{_gib(self.parent)}; {where}), {_gib(self.available)} available")
+        where = (
+            "the ranks compute the oracle, the parent assembles and judges"
+            if self.oracle == "ranks"
+            else "for the parent's oracle and judging"
+        )
+        return (
+            f"needs ~{_gib(self.total)} ({self.ranks} ranks x {_gib(self.per_rank)} + "
+            f"{_gib(self.parent)}; {where}), {_gib(self.available)} available"
+        )
 
 
 def oracle_share_bytes(case) -> int:
-    """Peak bytes of computing one share of the case's oracle (harness.ranks.reference), the largest share."""
-    from harness.ranks.reference import block
+    """Peak bytes of computing one share of the case's oracle (harness.oracle.shares), the largest
+    share."""
+    from harness.oracle.tiles import block
 
     hd = case.heads_q * case.head_dim * case.batch
     local = max(case.seq_lens) if case.seq_lens else 0
     side = min(block(case), max(local, 1))
     scores = side * min(block(case), case.total_len) * case.heads_q * case.batch
-    return (SHARE_BYTES_PER_POS_HD * local * hd + SHARE_BYTES_PER_TOKEN_H * case.total_len * case.batch * case.heads_q
-            + SHARE_BYTES_PER_SCORE * scores)
+    return (
+        SHARE_BYTES_PER_POS_HD * local * hd
+        + SHARE_BYTES_PER_TOKEN_H * case.total_len * case.batch * case.heads_q
+        + SHARE_BYTES_PER_SCORE * scores
+    )
 
 
-def estimate(case, available: int | None = None, tile_budget: int | None = None,
-             oracle: str = "ranks") -> MemoryEstimate:
-    """Peak memory of running `case`: ranks running a reference-like ring with tiled blocks, and the oracle
-    computed by the ranks (`oracle="ranks"`: each rank's peak is the larger of its run and its share, run one
-    after the other) or by the parent (`"local"`: one share at a time, all of them in the parent)."""
+def estimate(
+    case, available: int | None = None, tile_budget: int | None = None, oracle: str = "ranks"
+) -> MemoryEstimate:
+    """Peak memory of running `case`: ranks running a reference-like ring with tiled blocks, and the
+    oracle computed by the ranks (`oracle="ranks"`: each rank's peak is the larger of its run and
+    its share, run one after the other) or by the parent (`"local"`: one share at a time, all of
+    them in the parent)."""
     from ring_impl.kernel import tile_scores
 
     hd = case.heads_q * case.head_dim * case.batch

@@ -5,15 +5,15 @@ never collide); control messages go over per-rank Unix sockets with an auth key.
 in its own session and is killed as a group (SIGTERM, then SIGKILL). A case that passes its
 deadline gets each pending rank's faulthandler stack, then the pool is torn down and restarted
 on the next case. Workers also die with the parent (PDEATHSIG), so nothing is left running.
+Reading what a dead or hung rank left, and ending its process group: harness.ranks.postmortem.
 
 `history` lists what the ranks ran since their last start (case, implementation, leak run), oldest
-first, bounded (HISTORY_MAX): a failure that depends on what ran before (a buffer cached across calls
-and not zeroed) is reproduced from it (harness.search.history). A start (a restart) clears it.
+first, bounded (HISTORY_MAX): a failure that depends on what ran before (a buffer cached across
+calls and not zeroed) is reproduced from it (harness.search.history). A start (a restart) clears it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -30,7 +30,7 @@ from pathlib import Path
 from harness import case as case_mod
 from harness import interrupt
 from harness.errors import PoolError
-from harness.ranks import oom, wire, zygote
+from harness.ranks import oom, postmortem, wire, zygote
 from harness.ranks.backend import Placement
 from harness.ranks.protocol import (
     OK,
@@ -50,15 +50,11 @@ from harness.ranks.protocol import (
 __all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
 
 START_TIMEOUT_S = 120.0
-TERM_GRACE_S = 2.0  # a worker's time to exit after SIGTERM before SIGKILL
-REAP_TIMEOUT_S = 5.0  # a SIGKILLed worker is reaped within this, or directly (`_reap`)
 MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
-STACK_GRACE_S = 1.0
-TMPDIR_ENV = "RING_HARNESS_TMPDIR"  # where the pool's ring-harness-* dir goes (default: tempfile.gettempdir())
+# where the pool's ring-harness-* dir goes (default: tempfile.gettempdir())
+TMPDIR_ENV = "RING_HARNESS_TMPDIR"
 _SOCKET_PATH_MAX = 107  # AF_UNIX paths: 108 bytes with the terminating NUL; rank<N>.sock must fit
 HISTORY_MAX = 256  # runs kept in RankPool.history (the oldest dropped first)
-
-
 
 
 def _project_root() -> str:
@@ -66,11 +62,14 @@ def _project_root() -> str:
 
 
 def temp_root() -> str:
-    """Where a pool makes its private dir: $RING_HARNESS_TMPDIR (created if missing; tests point it at
-    pytest's tmp_path), else tempfile.gettempdir(). A root too deep for the ranks' Unix socket paths
-    falls back to tempfile.gettempdir()."""
+    """Where a pool makes its private dir: $RING_HARNESS_TMPDIR (created if missing; tests point it
+    at pytest's tmp_path), else tempfile.gettempdir(). A root too deep for the ranks' Unix socket
+    paths falls back to tempfile.gettempdir()."""
     root = os.environ.get(TMPDIR_ENV) or tempfile.gettempdir()
-    if len(os.path.join(os.path.abspath(root), "ring-harness-xxxxxxxx", "rank9999.sock")) > _SOCKET_PATH_MAX:
+    if (
+        len(os.path.join(os.path.abspath(root), "ring-harness-xxxxxxxx", "rank9999.sock"))
+        > _SOCKET_PATH_MAX
+    ):
         return tempfile.gettempdir()
     os.makedirs(root, exist_ok=True)
     return root
@@ -78,8 +77,9 @@ def temp_root() -> str:
 
 @dataclass(frozen=True)
 class Ran:
-    """One run the ranks made since their last start: the case, the implementation it ran under, whether
-    the leak run (a second forward + backward in the same case) was asked for, and its import permission."""
+    """One run the ranks made since their last start: the case, the implementation it ran under,
+    whether the leak run (a second forward + backward in the same case) was asked for, and its
+    import permission."""
 
     case: case_mod.Case
     impl: str
@@ -90,8 +90,8 @@ class Ran:
 
 @dataclass
 class _Standby:
-    """Workers started ahead (see RankPool.spare): their dir, processes, auth key, size; the finalizer
-    kills them and removes the dir."""
+    """Workers started ahead (see RankPool.spare): their dir, processes, auth key, size; the
+    finalizer kills them and removes the dir."""
 
     dir: str
     procs: list[subprocess.Popen]
@@ -103,14 +103,21 @@ class _Standby:
 class RankPool:
     """`size` worker ranks on `backend`; use as a context manager or call close()."""
 
-    def __init__(self, size: int = 4, backend: str = "gloo", *, spare: bool = False,
-                 placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 4,
+        backend: str = "gloo",
+        *,
+        spare: bool = False,
+        placement: Placement | None = None,
+    ) -> None:
         self.size = size
         self.backend = backend
         # the ranks' device and P2P staging (default: $RING_HARNESS_DEVICE, $RING_HARNESS_STAGE_P2P)
         self.placement = placement or Placement.from_env()
-        # spare: from the first restart on, keep a standby set of started workers (torch imported, waiting to be
-        # connected), so the next restart after a hang or a death costs a rendezvous, not a fresh interpreter per rank
+        # spare: from the first restart on, keep a standby set of started workers (torch imported,
+        # waiting to be connected), so the next restart after a hang or a death costs a rendezvous,
+        # not a fresh interpreter per rank
         self.spare = spare
         self._standby: _Standby | None = None
         self.procs: list[subprocess.Popen] = []
@@ -122,12 +129,13 @@ class RankPool:
         self.fresh_group = False
         self._case_id = 0
         self._finalizer = None
-        self.history: deque[Ran] = deque(maxlen=HISTORY_MAX)  # what the ranks ran since their last start
+        # what the ranks ran since their last start
+        self.history: deque[Ran] = deque(maxlen=HISTORY_MAX)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the workers (or adopt the standby set) and wait, with a deadline, until every one is
-        ready; with `spare`, on a restart, launch the next standby set in the background."""
+        """Start the workers (or adopt the standby set) and wait, with a deadline, until every one
+        is ready; with `spare`, on a restart, launch the next standby set in the background."""
         self._release()
         sb = self._standby
         self._standby = None
@@ -135,8 +143,9 @@ class RankPool:
             if sb is not None:
                 sb.finalizer()
             sb = self._launch(self.size)
-        # the set's finalizer (registered before anything could fail) now belongs to the pool: close(),
-        # garbage collection or interpreter exit always kill these workers and remove their dir
+        # the set's finalizer (registered before anything could fail) now belongs to the pool:
+        # close(), garbage collection or interpreter exit always kill these workers and remove their
+        # dir
         self.dir, self.procs, self._finalizer = sb.dir, sb.procs, sb.finalizer
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
@@ -147,12 +156,17 @@ class RankPool:
                     if time.monotonic() < deadline:
                         interrupt.check("starting the ranks")
                         continue
-                    raise PoolError(f"rank {r} did not finish rendezvous within {START_TIMEOUT_S:.0f} s: "
-                                    f"{self._log_tail(r)}")
+                    raise PoolError(
+                        f"rank {r} did not finish rendezvous within "
+                        f"{START_TIMEOUT_S:.0f} s: "
+                        f"{postmortem.log_tail(self.dir, r)}"
+                    )
                 try:
                     wire.recv(c)
                 except EOFError:
-                    raise PoolError(f"rank {r} exited during rendezvous: {self._death(r)}") from None
+                    raise PoolError(
+                        f"rank {r} exited during rendezvous: {self._death(r)}"
+                    ) from None
         except (PoolError, EOFError, OSError) as e:
             self.close()
             raise PoolError(f"rank pool failed to start: {e}") from None
@@ -161,20 +175,25 @@ class RankPool:
         self.starts += 1
         self.heals = 0
         self.fresh_group = False
-        if self.spare and self.starts > 1:  # from the first restart on: ranks that hang or die once tend to again,
-            self._standby = self._launch(self.size)  # and a check that never restarts does not pay for idle workers
+        # from the first restart on: ranks that hang or die once tend to again,
+        if self.spare and self.starts > 1:
+            # and a check that never restarts does not pay for idle workers
+            self._standby = self._launch(self.size)
 
     def _launch(self, size: int) -> _Standby:
         """Start `size` worker processes in a new private dir without waiting for them: each imports
         torch, then waits for the pool to connect (harness.ranks.worker.serve)."""
         workdir = tempfile.mkdtemp(prefix="ring-harness-", dir=temp_root())
         procs: list[subprocess.Popen] = []
-        finalizer = weakref.finalize(self, _kill_all, procs, workdir)
+        finalizer = weakref.finalize(self, postmortem.kill_all, procs, workdir)
         authkey = os.urandom(16)
         env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
-        # the ranks import what the parent can: this project, then the caller's directory (as `python -m`
-        # does, so `--impl myring:my_ring` works from the folder holding myring.py), then PYTHONPATH
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_project_root(), os.getcwd(), env.get("PYTHONPATH")]))
+        # the ranks import what the parent can: this project, then the caller's directory (as
+        # `python -m` does, so `--impl myring:my_ring` works from the folder holding myring.py),
+        # then PYTHONPATH
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [_project_root(), os.getcwd(), env.get("PYTHONPATH")])
+        )
         try:
             for r in range(size):
                 procs.append(self._spawn(workdir, size, r, env))
@@ -185,11 +204,26 @@ class RankPool:
 
     def _spawn(self, workdir: str, size: int, r: int, env: dict[str, str]) -> subprocess.Popen:
         """Start worker rank r in its own session, its output to log-<r>.txt in its dir."""
-        cmd = [sys.executable, "-m", "harness.ranks.worker", "--rank", str(r), "--size", str(size),
-               "--dir", workdir, "--backend", self.backend, "--parent", str(os.getpid()),
-               "--device", self.placement.device] + (["--stage-p2p"] if self.placement.stage_p2p else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "harness.ranks.worker",
+            "--rank",
+            str(r),
+            "--size",
+            str(size),
+            "--dir",
+            workdir,
+            "--backend",
+            self.backend,
+            "--parent",
+            str(os.getpid()),
+            "--device",
+            self.placement.device,
+        ] + (["--stage-p2p"] if self.placement.stage_p2p else [])
         log = os.path.join(workdir, f"log-{r}.txt")
-        if zygote.enabled():  # forked from a process that has imported torch already (harness.ranks.zygote)
+        # forked from a process that has imported torch already (harness.ranks.zygote)
+        if zygote.enabled():
             try:
                 return oom.watch(zygote.zygote_for(env).fork(cmd[3:], env, log))
             except OSError:
@@ -197,29 +231,42 @@ class RankPool:
                     raise
         # spawned afresh: RING_HARNESS_FORK=0, or this process's zygote could not start
         with open(log, "wb") as f:
-            return oom.watch(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+            return oom.watch(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
 
     def _connect(self, r: int, authkey: bytes, deadline: float) -> Connection:
         path = os.path.join(self.dir, f"rank{r}.sock")
         while True:
             if self.procs[r].poll() is not None:
-                raise PoolError(f"rank {r} exited with {self.procs[r].returncode} during start: {self._log_tail(r)}")
+                tail = postmortem.log_tail(self.dir, r)
+                raise PoolError(
+                    f"rank {r} exited with {self.procs[r].returncode} during start: {tail}"
+                )
             if os.path.exists(path):
                 try:
                     return Client(path, family="AF_UNIX", authkey=authkey)
                 except (ConnectionRefusedError, FileNotFoundError):
                     pass
             if time.monotonic() > deadline:
-                raise PoolError(f"rank {r} did not start within {START_TIMEOUT_S:.0f} s: {self._log_tail(r)}")
+                tail = postmortem.log_tail(self.dir, r)
+                raise PoolError(f"rank {r} did not start within {START_TIMEOUT_S:.0f} s: {tail}")
             interrupt.check("starting the ranks")
             time.sleep(0.02)
 
     def close(self) -> None:
-        """Stop every worker, the standby set's too (politely, then SIGTERM, then SIGKILL), and remove
-        the temp dirs."""
-        if self._standby is not None:  # its exit starts now, beside the current set's: both end together
-            _signal_groups(self._standby.procs, signal.SIGTERM)
+        """Stop every worker, the standby set's too (politely, then SIGTERM, then SIGKILL), and
+        remove the temp dirs."""
+        # its exit starts now, beside the current set's: both end together
+        if self._standby is not None:
+            postmortem.signal_groups(self._standby.procs, signal.SIGTERM)
         self._release()
         if self._standby is not None:
             self._standby.finalizer()
@@ -265,25 +312,52 @@ class RankPool:
         return True
 
     # -- running a case --------------------------------------------------------------------
-    def run(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
-            leak: bool = True) -> PoolReply:
+    def run(
+        self,
+        case: case_mod.Case,
+        impl: str | None = None,
+        *,
+        allow_import: bool = False,
+        leak: bool = True,
+    ) -> PoolReply:
         """Send the case to every rank and collect replies, within the case's deadline."""
         return self.collect(self.submit(case, impl, allow_import=allow_import, leak=leak))
 
-    def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
-               leak: bool = True, whole_world: bool = False) -> LocalTicket:
-        """Send a case to every rank (restarting the pool if needed); the deadline starts now. A stop request
-        (harness.interrupt) raises Interrupted here, between cases."""
+    def submit(
+        self,
+        case: case_mod.Case,
+        impl: str | None = None,
+        *,
+        allow_import: bool = False,
+        leak: bool = True,
+        whole_world: bool = False,
+    ) -> LocalTicket:
+        """Send a case to every rank (restarting the pool if needed); the deadline starts now. A
+        stop request (harness.interrupt) raises Interrupted here, between cases."""
         interrupt.check("before the next case")
         restarted = self.ensure(case.pool_size, exact=whole_world)
         self.history.append(Ran(case, impl or case.impl, leak, allow_import, whole_world))
         self._case_id += 1
-        msg = RunMessage(op=RUN, case=case_mod.to_dict(case), impl=impl or case.impl, allow_import=allow_import,
-                         leak=leak, case_id=self._case_id, fresh_group=self.fresh_group and not restarted)
+        msg = RunMessage(
+            op=RUN,
+            case=case_mod.to_dict(case),
+            impl=impl or case.impl,
+            allow_import=allow_import,
+            leak=leak,
+            case_id=self._case_id,
+            fresh_group=self.fresh_group and not restarted,
+        )
         self.fresh_group = False
-        ticket = LocalTicket(start=time.monotonic(), deadline_s=case.deadline_s, pending={}, dead={},
-                             case_id=self._case_id, stacks={r: self._stack_size(r) for r in range(self.size)},
-                             restarted=restarted)
+        stacks = {r: postmortem.stack_size(self.dir, r) for r in range(self.size)}
+        ticket = LocalTicket(
+            start=time.monotonic(),
+            deadline_s=case.deadline_s,
+            pending={},
+            dead={},
+            case_id=self._case_id,
+            stacks=stacks,
+            restarted=restarted,
+        )
         for r, c in enumerate(self.conns):
             try:
                 wire.send(c, msg)
@@ -293,7 +367,8 @@ class RankPool:
         return ticket
 
     def collect(self, ticket: LocalTicket) -> PoolReply:
-        """Wait for every rank's reply until the deadline; report hung ranks' stacks and dead ranks."""
+        """Wait for every rank's reply until the deadline; report hung ranks' stacks and dead
+        ranks."""
         out = PoolReply(restarted=ticket["restarted"], dead=dict(ticket["dead"]))
         pending: dict[Connection, int] = ticket["pending"]
         deadline = ticket["start"] + ticket["deadline_s"]
@@ -303,7 +378,8 @@ class RankPool:
             if not ready:
                 if left <= interrupt.POLL_S:
                     break
-                if interrupt.requested():  # stop waiting; the ranks are mid-case: restart before any other case
+                # stop waiting; the ranks are mid-case: restart before any other case
+                if interrupt.requested():
                     self.broken = True
                     interrupt.check(f"waiting for {len(pending)} rank(s)")
                 continue
@@ -314,7 +390,8 @@ class RankPool:
                 except (EOFError, OSError):
                     out.dead[r] = self._death(r)
         out.wall_s = time.monotonic() - ticket["start"]
-        out.notes = {r: n for r in out.dead if (n := self._fault_note(r, ticket.get("case_id"))) is not None}
+        notes = {r: postmortem.fault_note(self.dir, r, ticket.get("case_id")) for r in out.dead}
+        out.notes = {r: n for r, n in notes.items() if n is not None}
         if pending or out.dead:
             self.broken = True
         if any(rep.get("status") not in SETTLED for rep in out.replies.values()):
@@ -325,16 +402,26 @@ class RankPool:
             if self.heals > MAX_HEALS:
                 self.broken = True
         if pending:
-            out.hung = self._stacks(sorted(pending.values()), ticket["stacks"])
+            out.hung = postmortem.stacks(
+                self.dir, self.procs, sorted(pending.values()), ticket["stacks"]
+            )
             self._release()  # the standby set (if any) stays: the next case adopts it
         return out
 
-    def oracle(self, case: case_mod.Case, timeout_s: float, oracle_pass: OraclePass = "rows",
-               stats: tuple | None = None) -> dict[int, tuple]:
-        """One pass of every ring rank's share of the case's oracle (harness.ranks.reference), sent back over
-        the ranks' own sockets (never a process group): group rank -> (float64 part, base part). A rank that
-        fails, dies or passes `timeout_s` raises PoolError, and the pool restarts on the next case."""
-        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id, oracle_pass=oracle_pass)
+    def oracle(
+        self,
+        case: case_mod.Case,
+        timeout_s: float,
+        oracle_pass: OraclePass = "rows",
+        stats: tuple | None = None,
+    ) -> dict[int, tuple]:
+        """One pass of every ring rank's share of the case's oracle (harness.oracle.shares), sent
+        back over the ranks' own sockets (never a process group): group rank -> (float64 part, base
+        part). A rank that fails, dies or passes `timeout_s` raises PoolError, and the pool restarts
+        on the next case."""
+        msg = OracleMessage(
+            op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id, oracle_pass=oracle_pass
+        )
         if stats is not None:
             msg["stats"] = stats
         what = f"the oracle ({oracle_pass} pass) of {case.summary()}"
@@ -358,146 +445,33 @@ class RankPool:
                 continue
             if not ready:
                 self.broken = True
-                raise PoolError(f"{what}: rank(s) {sorted(pending.values())} passed its deadline of {timeout_s:.0f} s")
+                raise PoolError(
+                    f"{what}: rank(s) {sorted(pending.values())} passed its deadline "
+                    f"of {timeout_s:.0f} s"
+                )
             for c in ready:
                 r = pending.pop(c)
                 try:
                     rep = wire.recv(c)
                 except (EOFError, OSError):
                     self.broken = True
-                    raise PoolError(f"{what}: rank {r} died computing its part ({self._death(r)})") from None
-                if rep.get("op") != ORACLE_RESULT or rep.get("case_id") != self._case_id or rep.get("status") != OK:
-                    self.broken = True  # the other ranks' replies are still on their way: start afresh
-                    raise PoolError(f"{what}: rank {r}: {rep.get('error') or 'unexpected reply ' + str(rep.get('op'))}")
+                    raise PoolError(
+                        f"{what}: rank {r} died computing its part ({self._death(r)})"
+                    ) from None
+                if (
+                    rep.get("op") != ORACLE_RESULT
+                    or rep.get("case_id") != self._case_id
+                    or rep.get("status") != OK
+                ):
+                    # the other ranks' replies are still on their way: start afresh
+                    self.broken = True
+                    raise PoolError(
+                        f"{what}: rank {r}: "
+                        f"{rep.get('error') or 'unexpected reply ' + str(rep.get('op'))}"
+                    )
                 parts[r - case.group_offset] = rep["parts"]
         return parts
 
-    # -- diagnostics -----------------------------------------------------------------------
-    def _fault_note(self, r: int, case_id: int | None) -> dict | None:
-        """The note rank r's fault interposer left (faults fired, a scheduled crash) before it died."""
-        try:
-            with open(os.path.join(self.dir, f"faults-{r}")) as f:
-                note = json.load(f)
-        except (OSError, ValueError, TypeError):
-            return None
-        return note if isinstance(note, dict) and note.get("case_id") == case_id else None
-
-    def _pending_ops(self, r: int) -> str:
-        """The ops rank r had in flight when it last blocked (written by its fault interposer)."""
-        try:
-            with open(os.path.join(self.dir, f"pending-{r}"), errors="replace") as f:
-                return f.read().strip()
-        except (OSError, TypeError):
-            return ""
-
-    def _stack_size(self, r: int) -> int:
-        try:
-            return os.path.getsize(os.path.join(self.dir, f"stack-{r}.txt"))
-        except OSError:
-            return 0
-
-    def _stacks(self, ranks: list[int], offsets: dict[int, int]) -> dict[int, str]:
-        """Ask each hung rank for its Python stack (faulthandler on SIGUSR1) and read it."""
-        for r in ranks:
-            try:
-                os.kill(self.procs[r].pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        time.sleep(STACK_GRACE_S)
-        stacks = {}
-        for r in ranks:
-            try:
-                with open(os.path.join(self.dir, f"stack-{r}.txt"), errors="replace") as f:
-                    f.seek(offsets.get(r, 0))
-                    stacks[r] = f.read().strip() or "(no stack dumped)"
-            except OSError:
-                stacks[r] = "(no stack file)"
-            ops = self._pending_ops(r)
-            if ops:
-                stacks[r] = f"pending ops: {ops}\n{stacks[r]}"
-        return stacks
-
     def _death(self, r: int) -> str:
-        """How rank r died (for SIGKILL, the likely cause: harness.ranks.oom) and its log's tail."""
-        return oom.describe(r, self.procs[r], self._log_tail(r))
-
-    def _log_tail(self, r: int, n: int = 600) -> str:
-        """The log's last `n` characters; after a fatal signal, faulthandler's report of where it struck."""
-        try:
-            text = Path(self.dir, f"log-{r}.txt").read_text(errors="replace").strip()
-        except (OSError, TypeError):
-            return "(no log)"
-        crash = fatal_frames(text)
-        return crash or (text[-n:].replace("\n", " | ") if text else "(empty log)")
-
-
-def fatal_frames(log: str, frames: int = 6) -> str:
-    """'Fatal Python error: Segmentation fault; File ... <- File ...' from the last faulthandler report in a
-    rank's log, innermost frame first; '' when the log has none."""
-    i = log.rfind("Fatal Python error")
-    if i < 0:
-        return ""
-    lines = [ln.strip() for ln in log[i:].splitlines() if ln.strip()]
-    blocks: list[list[str]] = []
-    for ln in lines[1:]:
-        if ln.startswith(("Current thread", "Thread ")):
-            blocks.append([ln])
-        elif ln.startswith("File ") and blocks:
-            blocks[-1].append(ln)
-    # the crashing thread, or (when it has no Python frame: a backend's own thread) the deepest other one
-    blocks.sort(key=lambda b: (not (b[0].startswith("Current thread") and len(b) > 1), -len(b)))
-    kept = next((b[1:] for b in blocks if len(b) > 1), [])
-    return f"{lines[0]}; " + (" <- ".join(kept[:frames]) if kept else "no Python frame")
-
-
-def _kill_all(procs: list[subprocess.Popen], workdir: str | None) -> None:
-    """SIGTERM every worker's process group, then SIGKILL what is left; remove the temp dir (always,
-    even when killing raised)."""
-    try:
-        _kill_groups(procs)
-    finally:
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _signal_groups(procs: list[subprocess.Popen], sig: int) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _kill_groups(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM, a grace of TERM_GRACE_S (less when a stop was requested: nobody waits for their results), then
-    SIGKILL what is left."""
-    _signal_groups(procs, signal.SIGTERM)
-    end = time.monotonic() + (TERM_GRACE_S if interrupt.requested() is None else 0.5)
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.01, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            _reap(p)
-
-
-def _reap(p: subprocess.Popen) -> None:
-    """Wait for a SIGKILLed worker, with a deadline. A SIGTERM the CLI raises as an exception can land inside one
-    of Popen's own calls and leave its waitpid lock held; an unbounded `p.wait()` then blocks forever (seen: a
-    check interrupted under load hung in close for 34 min, its other pool's workers alive). Past the deadline the
-    worker (dead: SIGKILL) is reaped with os.waitpid directly, without that lock."""
-    try:
-        p.wait(timeout=REAP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        try:
-            os.waitpid(p.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-
+        """How rank r died and its log's tail (harness.ranks.postmortem)."""
+        return postmortem.death(self.dir, r, self.procs[r])

@@ -1,9 +1,9 @@
-"""The process protocol, made explicit: the `Pool` interface, every message between the parent and
-its ranks, the tickets, and what comes back (`PoolReply`).
+"""The process protocol, made explicit: the `Pool` interface, every message between the parent
+and its ranks, the tickets, and what comes back (`PoolReply`).
 
 Two pools provide `Pool`: `ranks.pool.RankPool` (worker processes on this machine, messages over
-Unix sockets) and `ranks.torchrun.TorchrunPool` (torchrun's processes, messages over a gloo control
-group). A caller drives either the same way::
+Unix sockets) and `ranks.torchrun.TorchrunPool` (torchrun's processes, messages over a gloo
+control group). A caller drives either the same way::
 
     ticket = pool.submit(case, impl)   # every rank starts the case; the deadline starts now
     ...                                # (the parent computes the oracle meanwhile)
@@ -31,23 +31,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypedDict, TypeVar, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Literal,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:
     from harness.case import Case
 
 # -- message kinds (the "op" key) ----------------------------------------------------------------
 Op = Literal["run", "stop", "ping", "ready", "pong", "result", "oracle", "oracle-result"]
-OraclePass = Literal["rows", "keys"]  # the two passes of a rank's oracle share (harness.ranks.reference)
+# the two passes of a rank's oracle share (harness.oracle.shares)
+OraclePass = Literal["rows", "keys"]
 ORACLE_PASSES: Final = ("rows", "keys")
 RUN: Final = "run"  # parent -> rank: run one case
-ORACLE: Final = "oracle"  # parent -> rank: compute one pass of your share of a case's oracle (harness.ranks.reference)
+# parent -> rank: compute one pass of your share of a case's oracle (harness.oracle.shares)
+ORACLE: Final = "oracle"
 STOP: Final = "stop"  # parent -> rank: leave the loop and exit
 PING: Final = "ping"  # parent -> rank: are you there?
 READY: Final = "ready"  # rank -> parent: rendezvous done, waiting for cases
 PONG: Final = "pong"  # rank -> parent: answer to ping
 RESULT: Final = "result"  # rank -> parent: one case's outcome on this rank
-ORACLE_RESULT: Final = "oracle-result"  # rank -> parent: that pass's part of its oracle share (or why not)
+# rank -> parent: that pass's part of its oracle share (or why not)
+ORACLE_RESULT: Final = "oracle-result"
 
 # -- a rank's outcome of one case (the "status" key of a result) -----------------------------------
 Status = Literal["ok", "idle", "error", "diverged"]
@@ -55,10 +67,12 @@ OK: Final = "ok"  # ran to the end; tensors, hashes and timings are in the reply
 IDLE: Final = "idle"  # this rank is outside the case's ring (a smaller ring on a larger pool)
 ERROR: Final = "error"  # the implementation raised (a result, not a worker crash)
 DIVERGED: Final = "diverged"  # the implementation returned a tensor of the wrong shape
-SETTLED: Final = (OK, IDLE)  # statuses after which the rank's process groups can be reused as they are
+# statuses after which the rank's process groups can be reused as they are
+SETTLED: Final = (OK, IDLE)
 
 
-# -- parent -> rank ------------------------------------------------------------------------------------
+# -- parent -> rank
+# ------------------------------------------------------------------------------------
 class _RunRequired(TypedDict):
     op: Literal["run"]
     case: dict[str, Any]  # harness.case.to_dict(case)
@@ -71,21 +85,23 @@ class _RunRequired(TypedDict):
 class RunMessage(_RunRequired, total=False):
     """Run one case on this rank."""
 
-    fresh_group: bool  # build new process groups first (the last case raised mid-ring); local pool only
+    # build new process groups first (the last case raised mid-ring); local pool only
+    fresh_group: bool
 
 
 class _OracleRequired(TypedDict):
     op: Literal["oracle"]
     case: dict[str, Any]  # harness.case.to_dict(case)
     case_id: int  # echoed in the reply
-    oracle_pass: OraclePass  # "rows": its query rows against every key; "keys": its keys against every query
+    # "rows": its query rows against every key; "keys": its keys against every query
+    oracle_pass: OraclePass
 
 
 class OracleMessage(_OracleRequired, total=False):
-    """Compute one pass of this rank's share of a case's oracle (outside the fault interposer: no fault
-    touches it)."""
+    """Compute one pass of this rank's share of a case's oracle (outside the fault interposer: no
+    fault touches it)."""
 
-    stats: tuple[Any, Any]  # "keys": every row's (float64, base) `harness.ranks.reference.RowStats`
+    stats: tuple[Any, Any]  # "keys": every row's (float64, base) `harness.oracle.shares.RowStats`
 
 
 class StopMessage(TypedDict):
@@ -100,7 +116,8 @@ class PingMessage(TypedDict):
     op: Literal["ping"]
 
 
-# -- rank -> parent ------------------------------------------------------------------------------------
+# -- rank -> parent
+# ------------------------------------------------------------------------------------
 class ReadyMessage(TypedDict):
     """Sent once by a pool worker after rendezvous."""
 
@@ -140,8 +157,10 @@ class ResultMessage(_ResultRequired, total=False):
     leak: dict[str, Any]  # ok, masked case without faults: "dk", "dv" of the leak run
     deterministic: bool  # the implementation's own claim (bit-identical reruns)
     error: str  # error / diverged: one line naming the exception and where it came from
-    error_time: float  # error / diverged: time.time() when it was raised (orders root cause and consequences)
-    kernel: str  # the flash-attn kernel a flash-attn library ran on ("cpu-standin" or "flash-attn X.Y")
+    # error / diverged: time.time() when it was raised (orders root cause and consequences)
+    error_time: float
+    # the flash-attn kernel a flash-attn library ran on ("cpu-standin" or "flash-attn X.Y")
+    kernel: str
     traceback: str  # error: the tail of the traceback
     comm: list[list]  # op log, one [kind, peer, bytes, phase, state] per call (not for idle)
     faults: FaultReport  # not for idle
@@ -155,18 +174,27 @@ class _OracleResultRequired(TypedDict):
 
 
 class OracleResultMessage(_OracleResultRequired, total=False):
-    """One pass of one rank's share of the oracle: (float64 reference, base) `harness.ranks.reference.RowsPart`s
+    """One pass of one rank's share of the oracle: (float64, base) `harness.oracle.shares.RowsPart`s
     or `KeysPart`s."""
 
     parts: tuple[Any, Any]  # ok
     error: str  # error: one line (an oracle failure is the harness's, never the implementation's)
 
 
-Message = (RunMessage | OracleMessage | OracleResultMessage | StopMessage | PingMessage | ReadyMessage | PongMessage
-           | ResultMessage)
+Message = (
+    RunMessage
+    | OracleMessage
+    | OracleResultMessage
+    | StopMessage
+    | PingMessage
+    | ReadyMessage
+    | PongMessage
+    | ResultMessage
+)
 
 
-# -- tickets: what submit() hands back and collect() takes -----------------------------------------------
+# -- tickets: what submit() hands back and collect() takes
+# -----------------------------------------------
 class LocalTicket(TypedDict):
     """RankPool: the case is on its way to every rank; collect() waits on these connections."""
 
@@ -175,7 +203,8 @@ class LocalTicket(TypedDict):
     pending: dict[Connection, int]  # connection -> global rank, until its reply arrives
     dead: dict[int, str]  # global rank -> how it died (the send already failed)
     case_id: int
-    stacks: dict[int, int]  # global rank -> size of its stack file before the case (read from there)
+    # global rank -> size of its stack file before the case (read from there)
+    stacks: dict[int, int]
     restarted: bool  # submit() (re)started the pool
 
 
@@ -198,41 +227,56 @@ class PoolReply:
     replies: dict[int, ResultMessage] = field(default_factory=dict)  # global rank -> reply
     hung: dict[int, str] = field(default_factory=dict)  # global rank -> stack dump
     dead: dict[int, str] = field(default_factory=dict)  # global rank -> exit status + log tail
-    notes: dict[int, dict] = field(default_factory=dict)  # dead global rank -> the faults it saw fire (its note)
+    # dead global rank -> the faults it saw fire (its note)
+    notes: dict[int, dict] = field(default_factory=dict)
     wall_s: float = 0.0
     restarted: bool = False
 
 
 @runtime_checkable
 class Pool(Protocol[TicketT]):
-    """What every pool provides and callers (runner.run_case, the checks, bench, localise, the pytest
-    plugin) use. `RankPool` is a `Pool[LocalTicket]`, `TorchrunPool` a `Pool[TorchrunTicket]`; callers
-    treat the ticket as opaque and annotate with plain `Pool`."""
+    """What every pool provides and callers (runner.run_case, the checks, bench, localise, the
+    pytest plugin) use. `RankPool` is a `Pool[LocalTicket]`, `TorchrunPool` a
+    `Pool[TorchrunTicket]`; callers treat the ticket as opaque and annotate with plain `Pool`."""
 
     size: int  # ranks started (the largest ring a case can use)
     backend: str  # "gloo" or "nccl"
     broken: bool  # the next submit() restarts the ranks (a rank died or hung)
     fresh_group: bool  # the next case runs on fresh process groups (the last one raised mid-ring)
 
-    def submit(self, case: Case, impl: str | None = None, *, allow_import: bool = False, leak: bool = True,
-               whole_world: bool = False) -> TicketT:
+    def submit(
+        self,
+        case: Case,
+        impl: str | None = None,
+        *,
+        allow_import: bool = False,
+        leak: bool = True,
+        whole_world: bool = False,
+    ) -> TicketT:
         """Start `case` on every rank (the case's own impl unless `impl`); the deadline starts now.
         `whole_world`: the implementation needs the ring to be every rank of the pool."""
         ...
 
     def collect(self, ticket: TicketT) -> PoolReply:
-        """Wait (up to the case's deadline) for every rank's reply to the case `ticket` stands for."""
+        """Wait (up to the case's deadline) for every rank's reply to the case `ticket` stands
+        for."""
         ...
 
-    def oracle(self, case: Case, timeout_s: float, oracle_pass: OraclePass = "rows",
-               stats: tuple[Any, Any] | None = None) -> dict[int, tuple[Any, Any]]:
-        """One pass of every ring rank's share of `case`'s oracle: group rank -> (float64 part, base part)
-        (`harness.ranks.reference`: "rows", then "keys" given every row's `stats`), within `timeout_s`; a
-        PoolError when a rank fails, dies or passes it."""
+    def oracle(
+        self,
+        case: Case,
+        timeout_s: float,
+        oracle_pass: OraclePass = "rows",
+        stats: tuple[Any, Any] | None = None,
+    ) -> dict[int, tuple[Any, Any]]:
+        """One pass of every ring rank's share of `case`'s oracle: group rank -> (float64 part, base
+        part) (`harness.oracle.shares`: "rows", then "keys" given every row's `stats`), within
+        `timeout_s`; a PoolError when a rank fails, dies or passes it."""
         ...
 
     def ensure(self, size: int, exact: bool = False) -> bool:
-        """Have at least (`exact`: exactly) `size` healthy ranks; True when the ranks were (re)started."""
+        """Have at least (`exact`: exactly) `size` healthy ranks; True when the ranks were
+        (re)started."""
         ...
 
     def pids(self) -> list[int]:

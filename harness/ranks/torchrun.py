@@ -21,6 +21,7 @@ import torch
 
 from harness import case as case_mod
 from harness.ranks.backend import choose_backend, device_for
+from harness.ranks.execute import Groups, handle_case, handle_oracle
 from harness.ranks.protocol import (
     OK,
     ORACLE,
@@ -33,7 +34,6 @@ from harness.ranks.protocol import (
     StopMessage,
     TorchrunTicket,
 )
-from harness.ranks.worker import Groups, handle_case, handle_oracle
 
 HANG_EXIT = 124
 
@@ -53,8 +53,11 @@ class _Watchdog:
 
     @staticmethod
     def _fire(rank: int, deadline_s: float, what: str) -> None:
-        sys.stderr.write(f"ring-harness: rank {rank}: verdict hang: {what} passed its deadline of {deadline_s:g} s; "
-                         f"stack follows\n")
+        sys.stderr.write(
+            f"ring-harness: rank {rank}: verdict hang: {what} passed its deadline of "
+            f"{deadline_s:g} s; "
+            f"stack follows\n"
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(HANG_EXIT)
@@ -72,12 +75,15 @@ class TorchrunPool:
 
         self.backend = choose_backend(backend)
         self.device = device_for(self.backend)
-        if self.backend == "gloo":  # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn exists
+        # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn exists
+        if self.backend == "gloo":
             from harness.kernels import flash_standin
 
             flash_standin.install()
         if not dist.is_initialized():
-            dist.init_process_group(self.backend, init_method="env://", timeout=datetime.timedelta(seconds=300))
+            dist.init_process_group(
+                self.backend, init_method="env://", timeout=datetime.timedelta(seconds=300)
+            )
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.ctrl = dist.new_group(backend="gloo")
@@ -88,8 +94,9 @@ class TorchrunPool:
         self.broken = False  # never: a hang ends the whole job instead
         self.fresh_group = False  # never: groups are not rebuilt under torchrun
 
-    def _broadcast(self, msg: RunMessage | OracleMessage | StopMessage | None
-                   ) -> RunMessage | OracleMessage | StopMessage:
+    def _broadcast(
+        self, msg: RunMessage | OracleMessage | StopMessage | None
+    ) -> RunMessage | OracleMessage | StopMessage:
         import torch.distributed as dist
 
         box = [msg]
@@ -108,16 +115,32 @@ class TorchrunPool:
         if size > self.size or (exact and size != self.size):
             from harness.errors import HarnessError
 
-            raise HarnessError(f"case needs {'exactly ' if exact else ''}{size} ranks but torchrun started {self.size}")
+            raise HarnessError(
+                f"case needs {'exactly ' if exact else ''}{size} ranks but torchrun "
+                f"started {self.size}"
+            )
         return False
 
-    def submit(self, case: case_mod.Case, impl: str | None = None, *, allow_import: bool = False,
-               leak: bool = True, whole_world: bool = False) -> TorchrunTicket:
+    def submit(
+        self,
+        case: case_mod.Case,
+        impl: str | None = None,
+        *,
+        allow_import: bool = False,
+        leak: bool = True,
+        whole_world: bool = False,
+    ) -> TorchrunTicket:
         """Broadcast the case and run rank 0's share of it now (under the case's watchdog)."""
         self.ensure(case.pool_size, exact=whole_world)
         self._case_id += 1
-        msg = RunMessage(op=RUN, case=case_mod.to_dict(case), impl=impl or case.impl, allow_import=allow_import,
-                         leak=leak, case_id=self._case_id)
+        msg = RunMessage(
+            op=RUN,
+            case=case_mod.to_dict(case),
+            impl=impl or case.impl,
+            allow_import=allow_import,
+            leak=leak,
+            case_id=self._case_id,
+        )
         self._broadcast(msg)
         start = time.monotonic()
         dog = _Watchdog(self.rank, case.deadline_s, f"case {self._case_id} ({case.summary()})")
@@ -128,16 +151,27 @@ class TorchrunPool:
         """Gather every rank's result of the case (the watchdog still guards the wait)."""
         replies = self._gather(ticket["reply"])
         ticket["dog"].cancel()
-        return PoolReply(replies={r: rep for r, rep in enumerate(replies)}, wall_s=time.monotonic() - ticket["start"])
+        return PoolReply(
+            replies={r: rep for r, rep in enumerate(replies)},
+            wall_s=time.monotonic() - ticket["start"],
+        )
 
-    def oracle(self, case: case_mod.Case, timeout_s: float, oracle_pass: OraclePass = "rows",
-               stats: tuple | None = None) -> dict[int, tuple]:
+    def oracle(
+        self,
+        case: case_mod.Case,
+        timeout_s: float,
+        oracle_pass: OraclePass = "rows",
+        stats: tuple | None = None,
+    ) -> dict[int, tuple]:
         """One pass of every ring rank's share of the case's oracle, each computed on its own device
-        (cuda:LOCAL_RANK under NCCL) outside the fault interposer and gathered over the control group; group
-        rank -> (float64 part, base part). A rank's error raises PoolError; the watchdog guards `timeout_s`."""
+        (cuda:LOCAL_RANK under NCCL) outside the fault interposer and gathered over the control
+        group; group rank -> (float64 part, base part). A rank's error raises PoolError; the
+        watchdog guards `timeout_s`."""
         from harness.errors import PoolError
 
-        msg = OracleMessage(op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id, oracle_pass=oracle_pass)
+        msg = OracleMessage(
+            op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id, oracle_pass=oracle_pass
+        )
         if stats is not None:
             msg["stats"] = stats
         self._broadcast(msg)
@@ -160,7 +194,8 @@ class TorchrunPool:
             if msg["op"] == STOP:
                 return
             if msg["op"] == ORACLE:
-                self._gather(handle_oracle(msg, self.rank, self.device))  # rank 0's watchdog guards the wait
+                # rank 0's watchdog guards the wait
+                self._gather(handle_oracle(msg, self.rank, self.device))
                 continue
             case = case_mod.from_dict(msg["case"])
             dog = _Watchdog(self.rank, case.deadline_s, f"case {msg['case_id']} ({case.summary()})")
@@ -190,4 +225,6 @@ class TorchrunPool:
 
 def torch_threads_for_rank() -> None:
     """Leave the CPU to the GPUs' host threads: one intra-op thread per rank process."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    )

@@ -26,7 +26,8 @@ def _tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _reduce_tensor(t: torch.Tensor):
-    """Plain strided CPU tensors as raw bytes; anything else (CUDA, sparse, quantized) as torch pickles it."""
+    """Plain strided CPU tensors as raw bytes; anything else (CUDA, sparse, quantized) as torch
+    pickles it."""
     if t.layout != torch.strided or t.is_quantized or t.device.type != "cpu" or t.requires_grad:
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     c = t.contiguous()

@@ -1,15 +1,17 @@
-"""Rank workers forked from a process that has already imported torch (a zygote), not started afresh.
+"""Rank workers forked from a process that has already imported torch (a zygote), not started
+afresh.
 
 A fresh worker interpreter spends ~1.5 s of CPU importing torch and warming autograd up; on 2 cores
 that was most of what a pool start, a fresh-rank confirmation or a restart after a dead rank cost.
-The zygote pays it once per owner process: `python -m harness.ranks.worker --zygote`, single-threaded
-on the Python side, never touching a device, forks one child per request. The child leads its own
-session, takes the request's environment, log file and arguments, and runs the worker's main, exactly
-as a spawned worker does. The zygote reaps its children and reports each exit status, so the owner
-holds a `Forked` handle that answers like `subprocess.Popen` (pid, poll, wait, returncode).
+The zygote pays it once per owner process: `python -m harness.ranks.worker --zygote`,
+single-threaded on the Python side, never touching a device, forks one child per request. The child
+leads its own session, takes the request's environment, log file and arguments, and runs the
+worker's main, exactly as a spawned worker does. The zygote reaps its children and reports each exit
+status, so the owner holds a `Forked` handle that answers like `subprocess.Popen` (pid, poll, wait,
+returncode).
 
-The chain dies with the owner: the zygote watches the owner (PDEATHSIG and a poll), each worker watches
-the zygote. A worker's command line is the zygote's, which names `harness.ranks.worker` and
+The chain dies with the owner: the zygote watches the owner (PDEATHSIG and a poll), each worker
+watches the zygote. A worker's command line is the zygote's, which names `harness.ranks.worker` and
 `--parent <owner pid>`, so the leftover checks (harness.ranks.leftovers) see it as before.
 `RING_HARNESS_FORK=0` spawns every worker afresh instead.
 """
@@ -31,25 +33,47 @@ from collections.abc import Callable
 from harness import interrupt
 
 FORK_ENV = "RING_HARNESS_FORK"  # "0": spawn each worker afresh (no zygote)
-VOLATILE = ("RING_HARNESS_AUTHKEY", "PYTEST_CURRENT_TEST")  # per pool or per test: not the zygote's business
-# what the zygote's imports (python, torch and its libraries) may read from the environment: a zygote serves
-# the pools whose environment agrees on these; a child takes its pool's whole environment before it runs
-IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO",
-              "HIP", "ROCM", "TRITON")
+# per pool or per test: not the zygote's business
+VOLATILE = ("RING_HARNESS_AUTHKEY", "PYTEST_CURRENT_TEST")
+# what the zygote's imports (python, torch and its libraries) may read from the environment: a
+# zygote serves the pools whose environment agrees on these; a child takes its pool's whole
+# environment before it runs
+IMPORT_ENV = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "TORCH",
+    "PYTORCH",
+    "CUDA",
+    "NCCL",
+    "GLOO",
+    "HIP",
+    "ROCM",
+    "TRITON",
+)
 START_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 30.0
 
 
-_FAILED: list[str] = []  # why a zygote of this process could not start: then workers are spawned afresh
+# why a zygote of this process could not start: then workers are spawned afresh
+_FAILED: list[str] = []
 
 
 def enabled() -> bool:
-    return (os.environ.get(FORK_ENV, "1") != "0" and not _FAILED and hasattr(os, "fork")
-            and sys.platform.startswith("linux"))
+    return (
+        os.environ.get(FORK_ENV, "1") != "0"
+        and not _FAILED
+        and hasattr(os, "fork")
+        and sys.platform.startswith("linux")
+    )
 
 
 class Forked:
-    """A worker forked by a zygote, with the part of `subprocess.Popen`'s interface the pool uses."""
+    """A worker forked by a zygote, with the part of `subprocess.Popen`'s interface the pool
+    uses."""
 
     def __init__(self, zygote: Zygote, pid: int, args: list[str]) -> None:
         self._zygote = zygote
@@ -88,9 +112,22 @@ class Zygote:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.owner = os.getpid()
-        cmd = [sys.executable, "-m", "harness.ranks.worker", "--zygote", "--parent", str(self.owner)]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "harness.ranks.worker",
+            "--zygote",
+            "--parent",
+            str(self.owner),
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self._cond = threading.Condition()
         self._exits: dict[int, int] = {}
         self._replies: list[str] = []
@@ -102,11 +139,16 @@ class Zygote:
         try:
             with self._cond:
                 while not self._cond.wait_for(lambda: self._ready or self._dead, interrupt.POLL_S):
-                    interrupt.check("starting the ranks")  # a stop request (SIGTERM) does not wait for the import
+                    # a stop request (SIGTERM) does not wait for the import
+                    interrupt.check("starting the ranks")
                     if time.monotonic() > deadline:
-                        raise OSError(f"the worker zygote did not start within {START_TIMEOUT_S:.0f} s")
+                        raise OSError(
+                            f"the worker zygote did not start within {START_TIMEOUT_S:.0f} s"
+                        )
             if self._dead:
-                raise OSError(f"the worker zygote exited during its start (exit {self.proc.poll()})")
+                raise OSError(
+                    f"the worker zygote exited during its start (exit {self.proc.poll()})"
+                )
         except BaseException:
             self.close()
             raise
@@ -128,7 +170,8 @@ class Zygote:
             self._cond.notify_all()
 
     def alive(self) -> bool:
-        """Running, and this process's own (a forked copy of the owner must not use the owner's pipes)."""
+        """Running, and this process's own (a forked copy of the owner must not use the owner's
+        pipes)."""
         return self.owner == os.getpid() and not self._dead and self.proc.poll() is None
 
     def fork(self, argv: list[str], env: dict[str, str], log: str) -> Forked:
@@ -152,8 +195,9 @@ class Zygote:
         return Forked(self, int(rest), [sys.executable, "-m", "harness.ranks.worker", *argv])
 
     def exit_status(self, pid: int, timeout: float | None) -> int | None:
-        """The child's exit status as Popen gives it (-N: signal N); None while it runs. When the zygote is
-        gone, a child that no longer exists counts as killed (its status went with the zygote)."""
+        """The child's exit status as Popen gives it (-N: signal N); None while it runs. When the
+        zygote is gone, a child that no longer exists counts as killed (its status went with the
+        zygote)."""
         with self._cond:
             self._cond.wait_for(lambda: pid in self._exits or self._dead, timeout)
             if pid in self._exits:
@@ -188,16 +232,19 @@ _ZYGOTES_LOCK = threading.Lock()
 
 
 def zygote_for(env: dict[str, str]) -> Zygote:
-    """This process's zygote for `env` (what it imported depends on the IMPORT_ENV variables and the working
-    directory); started on first use, kept until the process exits."""
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))) + (("cwd", os.getcwd()),)
+    """This process's zygote for `env` (what it imported depends on the IMPORT_ENV variables and the
+    working directory); started on first use, kept until the process exits."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_ENV))) + (
+        ("cwd", os.getcwd()),
+    )
     with _ZYGOTES_LOCK:
         z = _ZYGOTES.get(key)
         if z is None or not z.alive():
             try:
                 z = _ZYGOTES[key] = Zygote({k: v for k, v in env.items() if k not in VOLATILE})
             except OSError as e:
-                _FAILED.append(str(e))  # the pool spawns its workers instead, from now on (they show their errors)
+                # the pool spawns its workers instead, from now on (they show their errors)
+                _FAILED.append(str(e))
                 raise
         return z
 
@@ -221,8 +268,8 @@ def close_all() -> None:
 
 def serve(owner: int, preload: Callable[[], None], entry: Callable[[list[str], int], None]) -> None:
     """Run as the zygote: `preload()` once, then fork a child per request line on stdin, which runs
-    `entry(argv, zygote_pid)` (the worker's main); report each child's pid and exit status on stdout, until
-    stdin closes or the owner dies."""
+    `entry(argv, zygote_pid)` (the worker's main); report each child's pid and exit status on
+    stdout, until stdin closes or the owner dies."""
     try:
         import ctypes
 
@@ -252,11 +299,16 @@ def serve(owner: int, preload: Callable[[], None], entry: Callable[[list[str], i
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 try:
-                    pid = _fork_one(json.loads(line), entry, (stdin.fileno(), out.fileno(), wake_r, wake_w))
+                    pid = _fork_one(
+                        json.loads(line), entry, (stdin.fileno(), out.fileno(), wake_r, wake_w)
+                    )
                     children.add(pid)
                     out.write(f"pid {pid}\n".encode())
                 except Exception as e:  # noqa: BLE001 (reported to the owner, which raises it)
-                    out.write(f"error {type(e).__name__}: {e}\n".replace("\n", " ").strip().encode() + b"\n")
+                    out.write(
+                        f"error {type(e).__name__}: {e}\n".replace("\n", " ").strip().encode()
+                        + b"\n"
+                    )
                 out.flush()
         for pid in list(children):
             try:

@@ -1,8 +1,9 @@
-"""The default fixed battery: a few dozen small cases that together cover every feature
-(each mask, layout, dtype, uneven and even splits, odd zigzag chunks, GQA/MQA, value distribution, world
-sizes 1-4 and 8, a ring inside a subgroup that overlaps ranks 0..W-1 and one disjoint from them; every
-primitive of the mask language, idle ranks). An implementation that declares fewer features gets every
-case adapted to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer cases."""
+"""The default fixed battery: a few dozen small cases that together cover every feature (each mask,
+layout, dtype, uneven and even splits, odd zigzag chunks, GQA/MQA, value distribution, world sizes
+1-4 and 8, a ring inside a subgroup that overlaps ranks 0..W-1 and one disjoint from them; every
+primitive of the mask language, idle ranks). An implementation that declares fewer features gets
+every case adapted to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer
+cases."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def _docs(total: int) -> MaskSpec:
     return MaskSpec("document", doc_starts=tuple(sorted(set(s for s in starts if s < total))))
 
 
-def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "reference",
-                    model_calls: bool = True) -> list[Case]:
-    """The fixed battery around `world_size`; `dtype` restricts it to one dtype. `model_calls`: the cases of
-    how models call a ring (`model_call_cases`) run last."""
+def default_battery(
+    world_size: int = 4, dtype: str | None = None, impl: str = "reference", model_calls: bool = True
+) -> list[Case]:
+    """The fixed battery around `world_size`; `dtype` restricts it to one dtype. `model_calls`: the
+    cases of how models call a ring (`model_call_cases`) run last."""
     w = world_size
     total = 6 * w + 3  # not divisible by W or 2W: every layout gets uneven shards
     cases: list[Case] = []
@@ -43,11 +45,17 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
         for mask in MASKS.values():
             add(layout=layout, mask=mask, heads_q=2, heads_kv=2, head_dim=16)
         add(layout=layout, mask=_docs(total), heads_q=2, heads_kv=2, head_dim=16)
-    add(layout="zigzag", mask=MaskSpec("document", doc_starts=_docs(total).doc_starts, causal=False))
-    basics = len(cases) + 1  # every layout x mask, non-causal documents, and the zigzag case inserted below
+    add(
+        layout="zigzag", mask=MaskSpec("document", doc_starts=_docs(total).doc_starts, causal=False)
+    )
+    # every layout x mask, non-causal documents, and the zigzag case inserted below
+    basics = len(cases) + 1
     for dt in ("fp16", "bf16"):
-        for layout, mask in (("zigzag", MASKS["causal"]), ("striped", MASKS["window"]),
-                             ("contiguous", _docs(total))):
+        for layout, mask in (
+            ("zigzag", MASKS["causal"]),
+            ("striped", MASKS["window"]),
+            ("contiguous", _docs(total)),
+        ):
             add(layout=layout, mask=mask, dtype=dt, heads_q=4, heads_kv=2, head_dim=32)
         add(layout="contiguous", mask=MASKS["causal"], dtype=dt, values="large", head_dim=32)
     add(layout="zigzag", mask=MASKS["causal"], values="near-tie")
@@ -64,37 +72,71 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
         add(layout="contiguous", mask=MASKS["window"], seq_lens=lens)
     # other world sizes, and a ring inside a subgroup of a larger pool
     for other in sorted({1, 2, 3, 8} - {w}):
-        add(world_size=other, total_len=6 * other + 1, layout="zigzag", mask=MASKS["causal"], heads_q=4, heads_kv=2)
+        add(
+            world_size=other,
+            total_len=6 * other + 1,
+            layout="zigzag",
+            mask=MASKS["causal"],
+            heads_q=4,
+            heads_kv=2,
+        )
         add(world_size=other, total_len=5 * other + 2, layout="striped", mask=_docs(5 * other + 2))
-    add(world_size=max(2, min(w, 3)), group_offset=1, layout="zigzag", mask=MASKS["causal"],
-        total_len=6 * max(2, min(w, 3)) + 1)
+    add(
+        world_size=max(2, min(w, 3)),
+        group_offset=1,
+        layout="zigzag",
+        mask=MASKS["causal"],
+        total_len=6 * max(2, min(w, 3)) + 1,
+    )
     # an even split at every world size (the cases above are uneven on purpose)
     for ws in sorted({1, 2, 3, 8, w}):
-        add(world_size=ws, total_len=8 * ws, layout="contiguous", mask=MASKS["causal"], heads_q=4, heads_kv=2)
-    # an even split with an odd local length in the zigzag layout (two unequal chunks per rank; every other
-    # zigzag case has odd lengths only in an uneven split), bf16 with a flash head_dim: for a ring that
-    # needs even chunks (`Capabilities.zigzag_odd`) it is the one undeclared feature. The check probes an
-    # undeclared feature with the first case using it, so this one goes before the other zigzag cases;
-    # seeded after the rest, so theirs do not change
+        add(
+            world_size=ws,
+            total_len=8 * ws,
+            layout="contiguous",
+            mask=MASKS["causal"],
+            heads_q=4,
+            heads_kv=2,
+        )
+    # an even split with an odd local length in the zigzag layout (two unequal chunks per rank;
+    # every other zigzag case has odd lengths only in an uneven split), bf16 with a flash head_dim:
+    # for a ring that needs even chunks (`Capabilities.zigzag_odd`) it is the one undeclared
+    # feature. The check probes an undeclared feature with the first case using it, so this one goes
+    # before the other zigzag cases; seeded after the rest, so theirs do not change
     first_zigzag = next(i for i, c in enumerate(cases) if c.layout == "zigzag")
-    cases.insert(first_zigzag, make_case(world_size=w, seq_lens=(3,) * w, layout="zigzag", mask=MASKS["causal"],
-                                         dtype="bf16", heads_q=4, heads_kv=2, head_dim=32, impl=impl,
-                                         seed=len(cases) + 1))
-    # the mask language (ring_impl.masks) and idle ranks, seeded after everything above so those cases keep
-    # their seeds: every primitive and combinator, edges on shard edges, rows and ranks that see nothing
+    cases.insert(
+        first_zigzag,
+        make_case(
+            world_size=w,
+            seq_lens=(3,) * w,
+            layout="zigzag",
+            mask=MASKS["causal"],
+            dtype="bf16",
+            heads_q=4,
+            heads_kv=2,
+            head_dim=32,
+            impl=impl,
+            seed=len(cases) + 1,
+        ),
+    )
+    # the mask language (ring_impl.masks) and idle ranks, seeded after everything above so those
+    # cases keep their seeds: every primitive and combinator, edges on shard edges, rows and ranks
+    # that see nothing
     for layout, lens, mask in language_cases(w, total):
         add(layout=layout, seq_lens=lens, mask=mask, heads_q=4, heads_kv=2)
-    # a second subgroup, disjoint from ranks 0..W-1 (global ranks 2, 3: a CP group beside a TP or DP group),
-    # seeded after everything above. In the subgroup above (global ranks 1..3) a group-local rank read as a
-    # global one can still name a member, so a ring that confuses the two talks to the wrong process or to
-    # itself, and what it does depends on timing; here every such peer is outside the group and the ring
-    # fails the same way on every run
+    # a second subgroup, disjoint from ranks 0..W-1 (global ranks 2, 3: a CP group beside a TP or DP
+    # group), seeded after everything above. In the subgroup above (global ranks 1..3) a group-local
+    # rank read as a global one can still name a member, so a ring that confuses the two talks to
+    # the wrong process or to itself, and what it does depends on timing; here every such peer is
+    # outside the group and the ring fails the same way on every run
     add(world_size=2, group_offset=2, layout="contiguous", mask=MASKS["causal"], total_len=7)
-    # run order (seeds stay as above): the disjoint subgroup and the mask language right after the basics, not
-    # last, so a ring wrong on one primitive, on an idle rank or on group ranks fails within the first ~25 cases
-    # (selftest: those mutants were found after ~65 runs)
+    # run order (seeds stay as above): the disjoint subgroup and the mask language right after the
+    # basics, not last, so a ring wrong on one primitive, on an idle rank or on group ranks fails
+    # within the first ~25 cases (selftest: those mutants were found after ~65 runs)
     n_language = len(language_cases(w, total))
-    cases = cases[:basics] + cases[-1:] + cases[-n_language - 1:-1] + cases[basics:-n_language - 1]
+    cases = (
+        cases[:basics] + cases[-1:] + cases[-n_language - 1 : -1] + cases[basics : -n_language - 1]
+    )
     if model_calls:
         for kw in model_call_cases(w):
             add(**kw)
@@ -104,34 +146,66 @@ def default_battery(world_size: int = 4, dtype: str | None = None, impl: str = "
 
 
 def model_call_cases(w: int) -> list[dict]:
-    """How models call a ring (harness.calls, harness.inputs), one case each, seeded after the rest: evaluation
-    (no_grad), serving (inference_mode), activation checkpointing both ways; q, k, v as views of a fused
-    projection (GQA: split; MHA: unbind) and transposed from (b, h, s, d), a transposed dout; the magnitudes of
-    trained models (outlier channels, raw q.k past fp16's range, an attention sink). Causal zigzag and striped
-    where a layout matters: a forward-only path that skips blocks by rank order is right on contiguous only."""
+    """How models call a ring (harness.calls, harness.inputs), one case each, seeded after the rest:
+    evaluation (no_grad), serving (inference_mode), activation checkpointing both ways; q, k, v as
+    views of a fused projection (GQA: split; MHA: unbind) and transposed from (b, h, s, d), a
+    transposed dout; the magnitudes of trained models (outlier channels, raw q.k past fp16's range,
+    an attention sink). Causal zigzag and striped where a layout matters: a forward-only path that
+    skips blocks by rank order is right on contiguous only."""
     total = 6 * w + 3
     causal, window = MASKS["causal"], MASKS["window"]
     gqa = {"heads_q": 4, "heads_kv": 2}
     return [
         dict(call="no-grad", layout="zigzag", mask=causal, **gqa),
-        dict(call="inference-mode", layout="striped", mask=causal, dtype="bf16", head_dim=32, **gqa),
-        dict(call="checkpoint-reentrant", layout="zigzag", mask=causal, dtype="bf16", head_dim=32, **gqa),
+        dict(
+            call="inference-mode", layout="striped", mask=causal, dtype="bf16", head_dim=32, **gqa
+        ),
+        dict(
+            call="checkpoint-reentrant",
+            layout="zigzag",
+            mask=causal,
+            dtype="bf16",
+            head_dim=32,
+            **gqa,
+        ),
         dict(call="checkpoint", layout="contiguous", mask=window, **gqa),
         dict(inputs="fused-qkv", layout="zigzag", mask=causal, **gqa),
-        dict(inputs="fused-qkv", layout="contiguous", mask=causal, dtype="fp16", heads_q=2, heads_kv=2, head_dim=32),
+        dict(
+            inputs="fused-qkv",
+            layout="contiguous",
+            mask=causal,
+            dtype="fp16",
+            heads_q=2,
+            heads_kv=2,
+            head_dim=32,
+        ),
         dict(inputs="transposed", layout="striped", mask=causal, dtype="bf16", head_dim=32, **gqa),
         dict(inputs="strided-dout", layout="contiguous", mask=causal, **gqa),
-        dict(values="qk-overflow", layout="contiguous", mask=causal, dtype="fp16", head_dim=32, total_len=total + 8),
+        dict(
+            values="qk-overflow",
+            layout="contiguous",
+            mask=causal,
+            dtype="fp16",
+            head_dim=32,
+            total_len=total + 8,
+        ),
         dict(values="outliers", layout="zigzag", mask=causal, dtype="bf16", head_dim=32, **gqa),
-        dict(values="sink", layout="striped", mask=causal, dtype="fp16", head_dim=32, total_len=8 * w + 5),
+        dict(
+            values="sink",
+            layout="striped",
+            mask=causal,
+            dtype="fp16",
+            head_dim=32,
+            total_len=8 * w + 5,
+        ),
     ]
 
 
 def language_cases(w: int, total: int) -> list[tuple[str, tuple[int, ...], MaskSpec]]:
-    """(layout, seq_lens, mask) of the battery's mask-language cases at world size `w`: Llama 4 chunked
-    attention and prefix-LM with an idle rank, a bidirectional window, LongNet dilation, a block table with
-    inverse-causal, documents without their prefix, a mask that leaves whole ranks seeing nothing, and
-    block-causal attention inside each packed document (per-document)."""
+    """(layout, seq_lens, mask) of the battery's mask-language cases at world size `w`: Llama 4
+    chunked attention and prefix-LM with an idle rank, a bidirectional window, LongNet dilation, a
+    block table with inverse-causal, documents without their prefix, a mask that leaves whole ranks
+    seeing nothing, and block-causal attention inside each packed document (per-document)."""
     idle = tuple([7, 0, 11, 9][i % 4] + i // 4 for i in range(w)) if w >= 2 else (total,)
     even = tuple(split_lengths(total, w))
     n_idle = sum(idle)
@@ -139,15 +213,40 @@ def language_cases(w: int, total: int) -> list[tuple[str, tuple[int, ...], MaskS
     docs = tuple(sorted({0, max(1, first - 2), min(n_idle - 1, first + 5)}))
     return [
         ("contiguous", idle, MaskSpec.of(and_(prim("causal"), prim("chunked", first + 1)))),
-        ("zigzag", idle, MaskSpec.of(or_(prim("causal"), prim("prefix", min(n_idle - 1, first + 3))))),
+        (
+            "zigzag",
+            idle,
+            MaskSpec.of(or_(prim("causal"), prim("prefix", min(n_idle - 1, first + 3)))),
+        ),
         ("striped", even, MaskSpec.of(prim("window", 3, 2))),
         ("contiguous", even, MaskSpec.of(prim("dilated", max(2, even[0] + 2), 2, 1))),
-        ("zigzag", even, MaskSpec.of(or_(prim("blocks", 5, ((0, 0), (1, 0), (2, 1), (3, 3), (4, 2))),
-                                         and_(prim("inverse-causal"), prim("window", 0, 3))))),
-        ("striped", even, MaskSpec.of(and_(prim("document", tuple(sorted({0, total // 3, total // 2 + 1}))),
-                                           not_(prim("prefix", 2)), prim("full")))),
+        (
+            "zigzag",
+            even,
+            MaskSpec.of(
+                or_(
+                    prim("blocks", 5, ((0, 0), (1, 0), (2, 1), (3, 3), (4, 2))),
+                    and_(prim("inverse-causal"), prim("window", 0, 3)),
+                )
+            ),
+        ),
+        (
+            "striped",
+            even,
+            MaskSpec.of(
+                and_(
+                    prim("document", tuple(sorted({0, total // 3, total // 2 + 1}))),
+                    not_(prim("prefix", 2)),
+                    prim("full"),
+                )
+            ),
+        ),
         ("contiguous", idle, MaskSpec.of(and_(prim("prefix", first), prim("inverse-causal")))),
-        ("zigzag", idle, MaskSpec.of(Expr("per-document", (docs,), (or_(prim("causal"), prim("chunked", 3)),)))),
+        (
+            "zigzag",
+            idle,
+            MaskSpec.of(Expr("per-document", (docs,), (or_(prim("causal"), prim("chunked", 3)),))),
+        ),
     ]
 
 

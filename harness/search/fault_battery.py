@@ -15,36 +15,67 @@ MASKS = (MaskSpec("none"), MaskSpec("causal"), MaskSpec("window", window=3))
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
-def fault_for(kind: str, world: int, rng: random.Random, n: int) -> dict:
+def fault_for(kind: str, world_size: int, rng: random.Random, n: int) -> dict:
     """One seeded fault of `kind` whose schedule fires on any ring of `world` ranks (op < W - 1)."""
-    rank = rng.randrange(world)
+    rank = rng.randrange(world_size)
     phase = rng.choice(("forward", "backward"))
-    index = rng.randrange(max(1, world - 1))
+    index = rng.randrange(max(1, world_size - 1))
     if kind == "delay":
         one = rng.random() < 0.5  # one rank only, or every rank
-        return make_fault(kind, rank=rank if one else None, phase=rng.choice(("forward", "backward", "any")),
-                          op=rng.choice(("any", "send", "recv")), index=rng.choice((None, index)),
-                          seconds=rng.choice((0.0, 0.005, 0.02, 0.05)), jitter=rng.choice((0.0, 0.01, 0.03)),
-                          where=rng.choice(("post", "complete")))
+        return make_fault(
+            kind,
+            rank=rank if one else None,
+            phase=rng.choice(("forward", "backward", "any")),
+            op=rng.choice(("any", "send", "recv")),
+            index=rng.choice((None, index)),
+            seconds=rng.choice((0.0, 0.005, 0.02, 0.05)),
+            jitter=rng.choice((0.0, 0.01, 0.03)),
+            where=rng.choice(("post", "complete")),
+        )
     if kind in ("early-read", "send-reuse"):
-        return make_fault(kind, rank=rng.choice((None, rank)), phase=rng.choice(("forward", "backward", "any")),
-                          index=rng.choice((None, index)))
+        return make_fault(
+            kind,
+            rank=rng.choice((None, rank)),
+            phase=rng.choice(("forward", "backward", "any")),
+            index=rng.choice((None, index)),
+        )
     if kind == "drop":
         return make_fault(kind, rank=rank, phase=phase, index=index)
     if kind == "corrupt":
-        return make_fault(kind, rank=rank, phase=phase, op=rng.choice(("send", "recv")), index=index,
-                          bit=rng.choice((None, 30, 22, 12)), count=rng.choice((1, 1, 4)))
+        return make_fault(
+            kind,
+            rank=rank,
+            phase=phase,
+            op=rng.choice(("send", "recv")),
+            index=index,
+            bit=rng.choice((None, 30, 22, 12)),
+            count=rng.choice((1, 1, 4)),
+        )
     if kind == "straggler":
-        return make_fault(kind, rank=rank, factor=rng.choice((2.0, 3.0, 4.0)),
-                          slow="comm" if n % 3 == 2 else "compute")
+        return make_fault(
+            kind,
+            rank=rank,
+            factor=rng.choice((2.0, 3.0, 4.0)),
+            slow="comm" if n % 3 == 2 else "compute",
+        )
     if kind == "crash":
-        return make_fault(kind, rank=rank, phase=phase, index=index, how=CRASH_HOW[n % len(CRASH_HOW)])
+        return make_fault(
+            kind, rank=rank, phase=phase, index=index, how=CRASH_HOW[n % len(CRASH_HOW)]
+        )
     raise HarnessError(f"unknown fault kind {kind!r}")
 
 
-def fault_cases(kinds: tuple[str, ...], n: int, *, impl: str = "reference", seed: int = 0,
-                deadline_s: float = 8.0, max_world: int = 4) -> list[Case]:
-    """`n` small seeded faulted cases (W 2..max_world, every layout and mask), kinds taken in turn."""
+def fault_cases(
+    kinds: tuple[str, ...],
+    n: int,
+    *,
+    impl: str = "reference",
+    seed: int = 0,
+    deadline_s: float = 8.0,
+    max_world: int = 4,
+) -> list[Case]:
+    """`n` small seeded faulted cases (W 2..max_world, every layout and mask), kinds taken in
+    turn."""
     if n < 1:
         raise HarnessError(f"--fault-cases must be at least 1, got {n}")
     rng = random.Random(f"fault-battery:{seed}")
@@ -52,12 +83,23 @@ def fault_cases(kinds: tuple[str, ...], n: int, *, impl: str = "reference", seed
     for i in range(n):
         kind = kinds[i % len(kinds)]
         w = rng.randint(2, max(2, max_world))
-        total = rng.randint(2 * w, 8 * w)  # >= 2 tokens per rank: no empty zigzag shard skips a transfer
-        cases.append(make_case(
-            world_size=w, total_len=total, layout=rng.choice(LAYOUTS), mask=rng.choice(MASKS),
-            heads_q=rng.choice((2, 4)), heads_kv=2, head_dim=rng.choice((8, 16)), seed=rng.randrange(2**31),
-            impl=impl, deadline_s=deadline_s, faults=(fault_for(kind, w, rng, i // len(kinds)),),
-        ))
+        # >= 2 tokens per rank: no empty zigzag shard skips a transfer
+        total = rng.randint(2 * w, 8 * w)
+        cases.append(
+            make_case(
+                world_size=w,
+                total_len=total,
+                layout=rng.choice(LAYOUTS),
+                mask=rng.choice(MASKS),
+                heads_q=rng.choice((2, 4)),
+                heads_kv=2,
+                head_dim=rng.choice((8, 16)),
+                seed=rng.randrange(2**31),
+                impl=impl,
+                deadline_s=deadline_s,
+                faults=(fault_for(kind, w, rng, i // len(kinds)),),
+            )
+        )
     return cases
 
 

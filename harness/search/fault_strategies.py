@@ -27,31 +27,64 @@ def fault(draw, kind: str, world_size: int) -> dict:
     rank = st.integers(0, w - 1)
     phase = st.sampled_from(("forward", "backward", "any"))
     if kind == "delay":
-        return make_fault(kind, rank=draw(st.one_of(st.none(), rank)), phase=draw(phase),
-                          op=draw(st.sampled_from(("any", "send", "recv"))), index=draw(_index(w, True)),
-                          seconds=draw(st.sampled_from(SHORT_DELAYS)), jitter=draw(st.sampled_from(SHORT_DELAYS)),
-                          where=draw(st.sampled_from(("post", "complete"))))
+        return make_fault(
+            kind,
+            rank=draw(st.one_of(st.none(), rank)),
+            phase=draw(phase),
+            op=draw(st.sampled_from(("any", "send", "recv"))),
+            index=draw(_index(w, True)),
+            seconds=draw(st.sampled_from(SHORT_DELAYS)),
+            jitter=draw(st.sampled_from(SHORT_DELAYS)),
+            where=draw(st.sampled_from(("post", "complete"))),
+        )
     if kind in ("early-read", "send-reuse"):
-        return make_fault(kind, rank=draw(st.one_of(st.none(), rank)), phase=draw(phase), index=draw(_index(w, True)))
+        return make_fault(
+            kind,
+            rank=draw(st.one_of(st.none(), rank)),
+            phase=draw(phase),
+            index=draw(_index(w, True)),
+        )
     if kind == "drop":
-        return make_fault(kind, rank=draw(rank), phase=draw(st.sampled_from(("forward", "backward"))),
-                          index=draw(_index(w, False)))
+        return make_fault(
+            kind,
+            rank=draw(rank),
+            phase=draw(st.sampled_from(("forward", "backward"))),
+            index=draw(_index(w, False)),
+        )
     if kind == "corrupt":
-        return make_fault(kind, rank=draw(rank), phase=draw(phase), op=draw(st.sampled_from(("send", "recv"))),
-                          index=draw(_index(w, False)), bit=draw(st.one_of(st.none(), st.integers(0, 15))),
-                          count=draw(st.integers(1, 3)))
+        return make_fault(
+            kind,
+            rank=draw(rank),
+            phase=draw(phase),
+            op=draw(st.sampled_from(("send", "recv"))),
+            index=draw(_index(w, False)),
+            bit=draw(st.one_of(st.none(), st.integers(0, 15))),
+            count=draw(st.integers(1, 3)),
+        )
     if kind == "straggler":
-        return make_fault(kind, rank=draw(rank), factor=draw(st.sampled_from((2.0, 3.0, 4.0))),
-                          slow=draw(st.sampled_from(("compute", "comm"))))
+        return make_fault(
+            kind,
+            rank=draw(rank),
+            factor=draw(st.sampled_from((2.0, 3.0, 4.0))),
+            slow=draw(st.sampled_from(("compute", "comm"))),
+        )
     if kind == "crash":
-        return make_fault(kind, rank=draw(rank), phase=draw(st.sampled_from(("forward", "backward"))),
-                          index=draw(_index(w, False)), how=draw(st.sampled_from(CRASH_HOW)))
+        return make_fault(
+            kind,
+            rank=draw(rank),
+            phase=draw(st.sampled_from(("forward", "backward"))),
+            index=draw(_index(w, False)),
+            how=draw(st.sampled_from(CRASH_HOW)),
+        )
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
 @st.composite
-def faults(draw, world_size: int, kinds: tuple[str, ...] = KINDS, max_faults: int = 2) -> tuple[dict, ...]:
-    """0..max_faults fault mappings for a ring of `world_size` (none for W = 1: no communication)."""
+def faults(
+    draw, world_size: int, kinds: tuple[str, ...] = KINDS, max_faults: int = 2
+) -> tuple[dict, ...]:
+    """0..max_faults fault mappings for a ring of `world_size` (none for W = 1: no
+    communication)."""
     if world_size < 2 or not kinds:
         return ()
     n = draw(st.integers(0, max_faults))
@@ -67,11 +100,12 @@ def faults(draw, world_size: int, kinds: tuple[str, ...] = KINDS, max_faults: in
 
 
 @st.composite
-def faulted_cases(draw, kinds: tuple[str, ...] = KINDS, max_faults: int = 2, deadline_s: float = 10.0,
-                  **case_kw) -> object:
-    """A drawn Case (harness.strategies.cases, same keywords) with a drawn fault list and a short deadline.
-    The plain training call unless `model_calls=True`: a fault on a backward op never fires in a call
-    without one."""
+def faulted_cases(
+    draw, kinds: tuple[str, ...] = KINDS, max_faults: int = 2, deadline_s: float = 10.0, **case_kw
+) -> object:
+    """A drawn Case (harness.strategies.cases, same keywords) with a drawn fault list and a short
+    deadline. The plain training call unless `model_calls=True`: a fault on a backward op never
+    fires in a call without one."""
     from harness.search.strategies import cases
 
     case_kw.setdefault("model_calls", False)

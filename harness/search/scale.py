@@ -1,10 +1,10 @@
-"""The scale stage's cases: seven shapes that cross what breaks at training sizes and that the battery's
-toy cases never reach.
+"""The scale stage's cases: seven shapes that cross what breaks at training sizes and that the
+battery's toy cases never reach. The stage that runs them: harness.checks.stages.scale.
 
 - local lengths just past 1, 2 and 4 kernel tiles of each declared tile size (`Capabilities.tiles`,
   default 64 and 128), none a multiple of a tile: a rank's last tile is partly full;
-- global positions past 256 in bf16 and past 2048 in fp16 (the dtypes' exact integers), under causal,
-  window and document masks, with document starts and window edges beyond those limits;
+- global positions past 256 in bf16 and past 2048 in fp16 (the dtypes' exact integers), under
+  causal, window and document masks, with document starts and window edges beyond those limits;
 - head_dim 64, 80, 96 and 128; 16 and 32 query heads with GQA 4:1 and 8:1; batch 3 and 4;
 - every layout, uneven splits, W = 3, 4 and 8.
 
@@ -24,8 +24,8 @@ SEED = 2900  # the stage's seeds: SEED + case index
 
 
 def edge_lengths(tiles: tuple[int, ...]) -> list[int]:
-    """Local lengths one token past 1, 2 and 4 tiles of each size, moved up by 2 until no tile divides them:
-    (64, 128) -> 65, 129, 257, 513."""
+    """Local lengths one token past 1, 2 and 4 tiles of each size, moved up by 2 until no tile
+    divides them: (64, 128) -> 65, 129, 257, 513."""
     out = set()
     for t in tiles:
         for k in TILE_MULTIPLES:
@@ -37,45 +37,109 @@ def edge_lengths(tiles: tuple[int, ...]) -> list[int]:
 
 
 def _docs(total: int, *starts: int) -> MaskSpec:
-    return MaskSpec("document", doc_starts=tuple(sorted({0, *(s for s in starts if 0 < s < total)})))
+    return MaskSpec(
+        "document", doc_starts=tuple(sorted({0, *(s for s in starts if 0 < s < total)}))
+    )
 
 
-def scale_plan(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> list[Case]:
+def base_cases(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> list[Case]:
     """The stage's cases before adaptation (the reference runs them as they are)."""
     edges = edge_lengths(tiles)
     plan = [
-        # every tile edge on one ring, bf16 positions up to ~1k under causal, MQA, batch 3, head_dim 64
-        dict(world_size=min(8, max(2, len(edges))), seq_lens=tuple((edges * 8)[:min(8, max(2, len(edges)))]),
-             layout="contiguous", mask=MaskSpec("causal"), dtype="bf16", heads_q=2, heads_kv=1, head_dim=64,
-             batch=3),
+        # every tile edge on one ring, bf16 positions up to ~1k under causal, MQA, batch 3, head_dim
+        # 64
+        dict(
+            world_size=min(8, max(2, len(edges))),
+            seq_lens=tuple((edges * 8)[: min(8, max(2, len(edges)))]),
+            layout="contiguous",
+            mask=MaskSpec("causal"),
+            dtype="bf16",
+            heads_q=2,
+            heads_kv=1,
+            head_dim=64,
+            batch=3,
+        ),
         # the issue's shape: bf16 window crossing a tile, GQA 16/4, head_dim 128
-        dict(world_size=4, seq_lens=(149, 153, 151, 157), layout="zigzag", mask=MaskSpec("window", window=100),
-             dtype="bf16", heads_q=16, heads_kv=4, head_dim=128),
+        dict(
+            world_size=4,
+            seq_lens=(149, 153, 151, 157),
+            layout="zigzag",
+            mask=MaskSpec("window", window=100),
+            dtype="bf16",
+            heads_q=16,
+            heads_kv=4,
+            head_dim=128,
+        ),
         # bf16 documents starting past 256, 32/4 heads (8:1), head_dim 80
-        dict(world_size=4, seq_lens=(75, 73, 77, 71), layout="striped", mask=_docs(296, 67, 131, 257, 263, 281),
-             dtype="bf16", heads_q=32, heads_kv=4, head_dim=80),
+        dict(
+            world_size=4,
+            seq_lens=(75, 73, 77, 71),
+            layout="striped",
+            mask=_docs(296, 67, 131, 257, 263, 281),
+            dtype="bf16",
+            heads_q=32,
+            heads_kv=4,
+            head_dim=80,
+        ),
         # fp16 causal past 2048 on 8 ranks of more than 4 tiles each
-        dict(world_size=8, seq_lens=(261, 263, 265, 259, 267, 257, 269, 263), layout="contiguous",
-             mask=MaskSpec("causal"), dtype="fp16", heads_q=2, heads_kv=1, head_dim=64),
+        dict(
+            world_size=8,
+            seq_lens=(261, 263, 265, 259, 267, 257, 269, 263),
+            layout="contiguous",
+            mask=MaskSpec("causal"),
+            dtype="fp16",
+            heads_q=2,
+            heads_kv=1,
+            head_dim=64,
+        ),
         # fp16 window past 2048
-        dict(world_size=4, seq_lens=(525, 527, 523, 529), layout="zigzag", mask=MaskSpec("window", window=300),
-             dtype="fp16", heads_q=2, heads_kv=1, head_dim=32),
+        dict(
+            world_size=4,
+            seq_lens=(525, 527, 523, 529),
+            layout="zigzag",
+            mask=MaskSpec("window", window=300),
+            dtype="fp16",
+            heads_q=2,
+            heads_kv=1,
+            head_dim=32,
+        ),
         # fp16 documents starting past 2048 (2049 rounds to 2048 in fp16)
-        dict(world_size=4, seq_lens=(527, 523, 525, 529), layout="striped",
-             mask=_docs(2104, 517, 1041, 2049, 2051, 2087), dtype="fp16", heads_q=2, heads_kv=2, head_dim=32),
+        dict(
+            world_size=4,
+            seq_lens=(527, 523, 525, 529),
+            layout="striped",
+            mask=_docs(2104, 517, 1041, 2049, 2051, 2087),
+            dtype="fp16",
+            heads_q=2,
+            heads_kv=2,
+            head_dim=32,
+        ),
         # fp32, W = 3, GQA 8:1, batch 4, head_dim 96, no mask
-        dict(world_size=3, seq_lens=(67, 71, 65), layout="zigzag", mask=MaskSpec("none"), dtype="fp32",
-             heads_q=16, heads_kv=2, head_dim=96, batch=4),
+        dict(
+            world_size=3,
+            seq_lens=(67, 71, 65),
+            layout="zigzag",
+            mask=MaskSpec("none"),
+            dtype="fp32",
+            heads_q=16,
+            heads_kv=2,
+            head_dim=96,
+            batch=4,
+        ),
     ]
     return [make_case(impl=impl, seed=SEED + i, **kw) for i, kw in enumerate(plan)]
 
 
-def scale_cases(caps: Capabilities, impl: str = "reference", dtype: str | None = None,
-                deadline_s: float | None = None) -> list[Case]:
-    """The stage's cases adapted to `caps` (aimed at `caps.tiles`), one of each after adaptation; `dtype`
-    runs every case in that dtype."""
+def scale_cases(
+    caps: Capabilities,
+    impl: str = "reference",
+    dtype: str | None = None,
+    deadline_s: float | None = None,
+) -> list[Case]:
+    """The stage's cases adapted to `caps` (aimed at `caps.tiles`), one of each after adaptation;
+    `dtype` runs every case in that dtype."""
     out: dict[str, Case] = {}
-    for c in scale_plan(caps.tiles, impl):
+    for c in base_cases(caps.tiles, impl):
         if dtype is not None:
             c = c.replace(dtype=dtype)
         if deadline_s is not None:
@@ -86,4 +150,4 @@ def scale_cases(caps: Capabilities, impl: str = "reference", dtype: str | None =
     return list(out.values())
 
 
-__all__ = ["edge_lengths", "scale_cases", "scale_plan"]
+__all__ = ["base_cases", "edge_lengths", "scale_cases"]

@@ -4,9 +4,9 @@ still fails, repeat until none does or the budget is spent.
 
 "Simpler" follows the property-based strategies' shrink order: fewer ranks, no subgroup offset,
 fewer tokens, an even split, batch 1, fewer heads, a smaller head_dim, a simpler mask (none < causal
-< window < document < an expression, smaller windows, fewer documents; an expression: one operand alone,
-fewer operands, smaller parameters), contiguous layout, fp32, normal values, the
-default scale. Faults are kept: for a fault-stage failure the fault is the trigger.
+< window < document < an expression, smaller windows, fewer documents; an expression: one operand
+alone, fewer operands, smaller parameters), contiguous layout, fp32, normal values, the default
+scale. Faults are kept: for a fault-stage failure the fault is the trigger.
 
 Shrinking keeps the failure's signature (harness.search.signature: verdict, failing tensors or the
 leak, error class, implementation): a candidate that fails with another signature is a different
@@ -57,7 +57,9 @@ def _fewer_ranks(c: Case) -> Iterator[Case | None]:
         faults = tuple(f for f in c.faults if f.get("rank") is None or f["rank"] < w)
         if c.total_len < w or len(faults) != len(c.faults) or (faults and w < 2):
             continue
-        yield _variant(c, world_size=w, seq_lens=tuple(split_lengths(c.total_len, w)), faults=faults)
+        yield _variant(
+            c, world_size=w, seq_lens=tuple(split_lengths(c.total_len, w)), faults=faults
+        )
     for off in sorted({0, c.group_offset - 1}):
         if off < c.group_offset:
             yield _variant(c, group_offset=off)
@@ -80,8 +82,12 @@ def _fewer_tokens(c: Case) -> Iterator[Case | None]:
 def _smaller_shape(c: Case) -> Iterator[Case | None]:
     if c.batch > 1:
         yield _variant(c, batch=1)
-    pairs = sorted((hq, hkv) for hkv in range(1, c.heads_kv + 1) for hq in range(hkv, c.heads_q + 1, hkv)
-                   if (hq, hkv) != (c.heads_q, c.heads_kv))
+    pairs = sorted(
+        (hq, hkv)
+        for hkv in range(1, c.heads_kv + 1)
+        for hq in range(hkv, c.heads_q + 1, hkv)
+        if (hq, hkv) != (c.heads_q, c.heads_kv)
+    )
     for hq, hkv in pairs[:8]:
         yield _variant(c, heads_q=hq, heads_kv=hkv)
     for d in sorted({1, 2, 4, 8, c.head_dim // 2, c.head_dim - 1}):
@@ -90,13 +96,14 @@ def _smaller_shape(c: Case) -> Iterator[Case | None]:
 
 
 def _simpler_params(e: Expr) -> Iterator[Expr]:
-    """The primitive with one parameter made smaller (halved, or one less), then with fewer blocks/documents."""
+    """The primitive with one parameter made smaller (halved, or one less), then with fewer
+    blocks/documents."""
     for i, v in enumerate(e.params):
         if isinstance(v, int):
             for smaller in sorted({0, 1, v // 2, v - 1}):
                 if 0 <= smaller < v:
                     try:
-                        yield Expr(e.op, e.params[:i] + (smaller,) + e.params[i + 1:])
+                        yield Expr(e.op, e.params[:i] + (smaller,) + e.params[i + 1 :])
                     except ValueError:
                         pass
         elif e.op == "document":
@@ -108,19 +115,19 @@ def _simpler_params(e: Expr) -> Iterator[Expr]:
 
 
 def simpler_expressions(e: Expr) -> Iterator[Expr]:
-    """Strictly simpler expressions, most aggressive first: an operand alone, an operand dropped, a simpler
-    operand, then smaller parameters."""
+    """Strictly simpler expressions, most aggressive first: an operand alone, an operand dropped, a
+    simpler operand, then smaller parameters."""
     if e.op in COMBINATORS:
         yield from e.args
         if e.op in ("and", "or") and len(e.args) > 2:
             for i in range(len(e.args)):
-                yield Expr(e.op, args=e.args[:i] + e.args[i + 1:])
+                yield Expr(e.op, args=e.args[:i] + e.args[i + 1 :])
         if e.op == "per-document":
             for s in e.params[0][1:]:
                 yield Expr(e.op, (tuple(x for x in e.params[0] if x != s),), e.args)
         for i, a in enumerate(e.args):
             for b in simpler_expressions(a):
-                yield Expr(e.op, e.params, e.args[:i] + (b,) + e.args[i + 1:])
+                yield Expr(e.op, e.params, e.args[:i] + (b,) + e.args[i + 1 :])
         return
     yield from _simpler_params(e)
 
@@ -142,8 +149,12 @@ def _simpler_mask(c: Case) -> Iterator[Case | None]:
                 yield _variant(c, mask=MaskSpec("window", window=win))
     if m.kind == "document":
         for s in m.doc_starts[1:]:
-            yield _variant(c, mask=MaskSpec("document", doc_starts=tuple(x for x in m.doc_starts if x != s),
-                                            causal=m.causal))
+            yield _variant(
+                c,
+                mask=MaskSpec(
+                    "document", doc_starts=tuple(x for x in m.doc_starts if x != s), causal=m.causal
+                ),
+            )
         if not m.causal:
             yield _variant(c, mask=MaskSpec("document", doc_starts=m.doc_starts, causal=True))
 
@@ -172,20 +183,37 @@ def candidates(c: Case) -> Iterator[Case]:
 
 
 def case_size(c: Case) -> tuple:
-    """An order on cases towards the shrink target (fewer ranks, tokens, heads, ...; simpler mask)."""
+    """An order on cases towards the shrink target (fewer ranks, tokens, heads, ...; simpler
+    mask)."""
     mask = (SPEC_KINDS.index(c.mask.kind), c.mask.expr.size() if c.mask.expr is not None else 0)
-    return (c.world_size, c.total_len, c.batch, c.heads_q, c.heads_kv, c.head_dim, mask,
-            LAYOUTS.index(c.layout), c.group_offset)
+    return (
+        c.world_size,
+        c.total_len,
+        c.batch,
+        c.heads_q,
+        c.heads_kv,
+        c.head_dim,
+        mask,
+        LAYOUTS.index(c.layout),
+        c.group_offset,
+    )
 
 
-def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], *, budget_s: float = 60.0,
-           max_tries: int = 200, others: dict[Signature, CaseResult] | None = None,
-           signature: Callable[[CaseResult], Signature] = Signature.of,
-           fresh: Callable[[CaseResult], bool] | None = None) -> tuple[CaseResult, int]:
-    """(the smallest failing result found with `first`'s signature, candidates tried). `still_fails(case)`
-    returns the failing result of a candidate, or None when it passes (or does not fail the way that
-    counts). A candidate failing with another signature goes to `others` (signature -> smallest result).
-    `fresh(result)`: whether a result's failure reproduces alone on fresh ranks (see the module docstring)."""
+def shrink(
+    first: CaseResult,
+    still_fails: Callable[[Case], CaseResult | None],
+    *,
+    budget_s: float = 60.0,
+    max_tries: int = 200,
+    others: dict[Signature, CaseResult] | None = None,
+    signature: Callable[[CaseResult], Signature] = Signature.of,
+    fresh: Callable[[CaseResult], bool] | None = None,
+) -> tuple[CaseResult, int]:
+    """(the smallest failing result found with `first`'s signature, candidates tried).
+    `still_fails(case)` returns the failing result of a candidate, or None when it passes (or does
+    not fail the way that counts). A candidate failing with another signature goes to `others`
+    (signature -> smallest result). `fresh(result)`: whether a result's failure reproduces alone on
+    fresh ranks (see the module docstring)."""
     target = signature(first)
     chain, tried, start = [first], set(), time.monotonic()
     improved = True
@@ -203,7 +231,9 @@ def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], 
                 continue
             sig = signature(r)
             if sig != target:  # a different failure: recorded, not shrunk into
-                if others is not None and (sig not in others or case_size(r.case) < case_size(others[sig].case)):
+                if others is not None and (
+                    sig not in others or case_size(r.case) < case_size(others[sig].case)
+                ):
                     others[sig] = r
                 continue
             chain.append(r)
@@ -213,7 +243,8 @@ def shrink(first: CaseResult, still_fails: Callable[[Case], CaseResult | None], 
 
 
 def _confirmed(chain: list[CaseResult], fresh: Callable[[CaseResult], bool] | None) -> CaseResult:
-    """The newest accepted result whose failure reproduces on fresh ranks (the first one is taken as given)."""
+    """The newest accepted result whose failure reproduces on fresh ranks (the first one is taken as
+    given)."""
     if fresh is None:
         return chain[-1]
     for r in reversed(chain[1:]):

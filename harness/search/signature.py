@@ -1,12 +1,12 @@
-"""A failure's signature: what makes two failing runs the same bug, so that shrinking never swaps one
-failure for another (a candidate that fails differently is a *different* failure, saved and reported
-on its own, as hypothesis does with distinct errors).
+"""A failure's signature: what makes two failing runs the same bug, so that shrinking never swaps
+one failure for another (a candidate that fails differently is a *different* failure, saved and
+reported on its own, as hypothesis does with distinct errors).
 
-The signature is the implementation plus `judging.verdicts.failure_signature`: the verdict; for a wrong
-result the set of failing tensors and "leak" (the causality-leak check) or "send-buffer"; for a
-fail-stop or diverged run the root cause's exception type (its error class); the fault kinds of a
-faulted case. `failure_type` turns a signature into an exception class of its own, so hypothesis (which
-tells bugs apart by exception type and raise site) shrinks each signature separately.
+The signature is the implementation plus `judging.verdicts.failure_signature`: the verdict; for a
+wrong result the set of failing tensors and "leak" (the causality-leak check) or "send-buffer"; for
+a fail-stop or diverged run the root cause's exception type (its error class); the fault kinds of a
+faulted case. `failure_type` turns a signature into an exception class of its own, so hypothesis
+(which tells bugs apart by exception type and raise site) shrinks each signature separately.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from harness.result import CaseResult
 
 @dataclass(frozen=True)
 class Signature:
-    """One failure class of one implementation: verdict, then what failed (tensors, leak, error type)."""
+    """One failure class of one implementation: verdict, then what failed (tensors, leak, error
+    type)."""
 
     impl: str
-    parts: tuple[str, ...]  # failure_signature: (verdict, failing tensors / leak / error class, faults)
+    # failure_signature: (verdict, failing tensors / leak / error class, faults)
+    parts: tuple[str, ...]
 
     @classmethod
     def of(cls, r: CaseResult) -> Signature:
@@ -35,7 +37,8 @@ class Signature:
 
     @property
     def what(self) -> tuple[str, ...]:
-        """The failing tensors (and/or "leak", "send-buffer"), or the error class; then the fault kinds."""
+        """The failing tensors (and/or "leak", "send-buffer"), or the error class; then the fault
+        kinds."""
         return self.parts[1:]
 
     def label(self) -> str:
@@ -49,7 +52,8 @@ class Signature:
 
 
 class CaseFailed(Exception):
-    """A failing case inside the hypothesis test; `failure_type` makes one subclass per signature."""
+    """A failing case inside the hypothesis test; `failure_type` makes one subclass per
+    signature."""
 
     signature: Signature | None = None
 

@@ -1,11 +1,11 @@
 """Public hypothesis strategies that draw whole ring-attention Cases.
 
-Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Draws are ordered
-so that hypothesis shrinks a failure towards the smallest world size, then the shortest sequence,
-the fewest heads and the simplest mask (none < causal < window < document < an expression of the mask
-language, itself shrinking towards one primitive), then fp32, normal
-values and the default softmax scale; last the plain training call on contiguous inputs. Only
-structure and a seed are drawn; tensors are built from the seed inside the ranks.
+Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Draws are ordered so
+that hypothesis shrinks a failure towards the smallest world size, then the shortest sequence, the
+fewest heads and the simplest mask (none < causal < window < document < an expression of the mask
+language, itself shrinking towards one primitive), then fp32, normal values and the default softmax
+scale; last the plain training call on contiguous inputs. Only structure and a seed are drawn;
+tensors are built from the seed inside the ranks.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from ring_impl.masks import COMBINATORS, EXPR, MASK_KINDS, WINDOW_RIGHT, Expr, M
 
 DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
 FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)  # the head dims flash kernels are compiled for
-EXACT_LIMITS = tuple(sorted(n for n in EXACT_INTEGERS.values() if n < 1 << 16))  # bf16's and fp16's: beyond
+# bf16's and fp16's: beyond
+EXACT_LIMITS = tuple(sorted(n for n in EXACT_INTEGERS.values() if n < 1 << 16))
 #                             them a position computed in the input dtype rounds
-MERGE_VALUES = ("normal", "large", "near-tie")  # drawn first; the values of trained models by `model_call`
+# drawn first; the values of trained models by `model_call`
+MERGE_VALUES = ("normal", "large", "near-tie")
 MAX_DOCS = 6
 SMALL_WINDOW = 3
 
@@ -40,12 +42,15 @@ def _ordered(allowed: frozenset[str] | set[str], order: tuple[str, ...], what: s
 
 
 @st.composite
-def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True, idle: bool = False) -> tuple[int, ...]:
-    """Per-rank lengths: an even split, an uneven one (incl. length-1 shards, and with `idle` ranks that hold
-    no token: never all of them), or the largest that fits."""
+def seq_lens(
+    draw, world_size: int, max_tokens: int = 64, uneven: bool = True, idle: bool = False
+) -> tuple[int, ...]:
+    """Per-rank lengths: an even split, an uneven one (incl. length-1 shards, and with `idle` ranks
+    that hold no token: never all of them), or the largest that fits."""
     w = world_size
     # The total is drawn first on every branch and independently of W, so shrinking the world size
-    # keeps the sequence length (and a branch that drew less cannot win the shrink by being shorter).
+    # keeps the sequence length (and a branch that drew less cannot win the shrink by being
+    # shorter).
     total = max(draw(st.integers(1, max(max_tokens, w))), w)
     split = draw(st.sampled_from(("even", "uneven", "max") if uneven else ("even", "max")))
     if split == "max":
@@ -67,11 +72,12 @@ def seq_lens(draw, world_size: int, max_tokens: int = 64, uneven: bool = True, i
 
 @dataclass(frozen=True)
 class Sizes:
-    """How large a drawn case may be (`cases(sizes=...)`; the profiles' are `SIZES`). Local lengths are drawn
-    log-uniformly up to `max_local` (and `max_total` in all), or on a kernel tile edge (k * tile +- 1), or so
-    that the last positions pass a dtype's exact integers (EXACT_LIMITS) where `max_total` reaches them; head
-    dims from 1-32 or the flash set; `max_work` caps batch x heads_q x max(head_dim, WORK_DIM) x total^2 (what a
-    case costs the ring and the oracle): batch, then heads, then head_dim give way, never the lengths."""
+    """How large a drawn case may be (`cases(sizes=...)`; the profiles' are `SIZES`). Local lengths
+    are drawn log-uniformly up to `max_local` (and `max_total` in all), or on a kernel tile edge (k
+    * tile +- 1), or so that the last positions pass a dtype's exact integers (EXACT_LIMITS) where
+    `max_total` reaches them; head dims from 1-32 or the flash set; `max_work` caps batch x heads_q
+    x max(head_dim, WORK_DIM) x total^2 (what a case costs the ring and the oracle): batch, then
+    heads, then head_dim give way, never the lengths."""
 
     max_local: int
     max_total: int
@@ -81,28 +87,38 @@ class Sizes:
     max_work: int = 1 << 25
 
 
-WORK_DIM = 32  # a score entry costs about as much as 32 multiply-adds of q.k (exp, mask, softmax, backward)
+# a score entry costs about as much as 32 multiply-adds of q.k (exp, mask, softmax, backward)
+WORK_DIM = 32
 SIZES = {
-    # hundreds of tokens a rank (1-4 tiles of 64), totals past bf16's 256; fp16's 2048 is the scale stage's
+    # hundreds of tokens a rank (1-4 tiles of 64), totals past bf16's 256; fp16's 2048 is the scale
+    # stage's
     "ci": Sizes(max_local=320, max_total=800, max_work=1 << 24),
     "nightly": Sizes(max_local=4096, max_total=32768, max_head_dim=256, max_work=1 << 31),
 }
 
 
 def _log_int(draw, cap: int) -> int:
-    """1..cap, log-uniform; shrinks towards 1 through every integer on the way (steps < 1 token below ~150)."""
+    """1..cap, log-uniform; shrinks towards 1 through every integer on the way (steps < 1 token
+    below ~150)."""
     e = draw(st.integers(0, 1000))
     return max(1, min(cap, round(cap ** (e / 1000))))
 
 
 @st.composite
-def scaled_lens(draw, world_size: int, sizes: Sizes, tiles: tuple[int, ...] = (64, 128), uneven: bool = True,
-                idle: bool = False) -> tuple[int, ...]:
-    """Per-rank lengths at scale: a local length drawn log-uniformly (up to sizes.max_local), on a tile edge
-    (k * tile +- 1: a rank's last tile holds one token, or is one short of full) or so that the sequence
-    ends just past a dtype's exact integers; then an even split of W x that length or an uneven one around
-    it (idle ranks where declared). The local length is drawn independently of W, so shrinking the world
-    size keeps it, and it shrinks to the smallest failing one: log-uniform draws reach every integer."""
+def scaled_lens(
+    draw,
+    world_size: int,
+    sizes: Sizes,
+    tiles: tuple[int, ...] = (64, 128),
+    uneven: bool = True,
+    idle: bool = False,
+) -> tuple[int, ...]:
+    """Per-rank lengths at scale: a local length drawn log-uniformly (up to sizes.max_local), on a
+    tile edge (k * tile +- 1: a rank's last tile holds one token, or is one short of full) or so
+    that the sequence ends just past a dtype's exact integers; then an even split of W x that length
+    or an uneven one around it (idle ranks where declared). The local length is drawn independently
+    of W, so shrinking the world size keeps it, and it shrinks to the smallest failing one:
+    log-uniform draws reach every integer."""
     w = world_size
     cap = max(1, min(sizes.max_local, sizes.max_total // w))
     mode = draw(st.sampled_from(("log", "tile-edge", "exact-limit")))
@@ -114,24 +130,31 @@ def scaled_lens(draw, world_size: int, sizes: Sizes, tiles: tuple[int, ...] = (6
         k = draw(st.integers(1, max(1, (cap - 1) // t)))
         local = max(1, min(cap, k * t + draw(st.sampled_from((1, -1)))))
     else:
-        lim = draw(st.sampled_from([x for x in EXACT_LIMITS if x + 1 < w * cap] or [EXACT_LIMITS[0]]))
-        total = lim + draw(st.integers(1, 2 * w + 3))  # the last positions: lim + 1, ... (odd ones round)
+        lim = draw(
+            st.sampled_from([x for x in EXACT_LIMITS if x + 1 < w * cap] or [EXACT_LIMITS[0]])
+        )
+        # the last positions: lim + 1, ... (odd ones round)
+        total = lim + draw(st.integers(1, 2 * w + 3))
         local = max(1, min(cap, -(-total // w)))
         total = min(total, local * w)
     total = max(total or local * w, w)
     if not uneven or not draw(st.booleans()):
         return (max(1, total // w),) * w if not uneven else tuple(split_lengths(total, w))
-    lens = [draw(st.integers(0 if idle and w > 1 else 1, max(1, min(cap, 2 * local)))) for _ in range(w)]
+    lens = [
+        draw(st.integers(0 if idle and w > 1 else 1, max(1, min(cap, 2 * local)))) for _ in range(w)
+    ]
     if not any(lens):  # idle ranks, but not all of them
         lens[-1] = 1
     return tuple(lens)
 
 
-def within_work(sizes: Sizes, total: int, batch: int, heads_q: int, heads_kv: int,
-                head_dim: int) -> tuple[int, int, int, int]:
-    """(batch, heads_q, heads_kv, head_dim) cut down until batch x heads_q x max(head_dim, WORK_DIM) x total^2 <=
-    sizes.max_work: batch to 1, then the heads halved (the GQA ratio kept while it can be), then head_dim halved
-    (to WORK_DIM at least: below it a case costs no less)."""
+def within_work(
+    sizes: Sizes, total: int, batch: int, heads_q: int, heads_kv: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """(batch, heads_q, heads_kv, head_dim) cut down until batch x heads_q x max(head_dim, WORK_DIM)
+    x total^2 <= sizes.max_work: batch to 1, then the heads halved (the GQA ratio kept while it can
+    be), then head_dim halved (to WORK_DIM at least: below it a case costs no less)."""
+
     def work() -> int:
         return batch * heads_q * max(head_dim, WORK_DIM) * total * total
 
@@ -147,13 +170,14 @@ def within_work(sizes: Sizes, total: int, batch: int, heads_q: int, heads_kv: in
 
 
 def _even_within_budget(lens: tuple[int, ...]) -> tuple[int, ...]:
-    """Every odd length made even within the token budget: one token less, a length-1 shard one more (an
-    even split stays even)."""
+    """Every odd length made even within the token budget: one token less, a length-1 shard one more
+    (an even split stays even)."""
     return tuple(n - 1 if n % 2 and n > 1 else n + n % 2 for n in map(int, lens))
 
 
 def boundary_positions(layout: str, lens: tuple[int, ...]) -> list[int]:
-    """Global positions that start a new rank's tokens or a new zigzag chunk (the token after an edge)."""
+    """Global positions that start a new rank's tokens or a new zigzag chunk (the token after an
+    edge)."""
     total = sum(lens)
     owner = [0] * total
     for r, pos in enumerate(all_positions(layout, lens)):
@@ -169,28 +193,40 @@ def boundary_positions(layout: str, lens: tuple[int, ...]) -> list[int]:
     return sorted(edges)
 
 
-# primitives in shrink order (simplest first); an expression shrinks towards one leaf, then towards these
-PRIMITIVE_ORDER = ("causal", "full", "window", "prefix", "chunked", "document", "inverse-causal", "dilated",
-                   "blocks")
+# primitives in shrink order (simplest first); an expression shrinks towards one leaf, then towards
+# these
+PRIMITIVE_ORDER = (
+    "causal",
+    "full",
+    "window",
+    "prefix",
+    "chunked",
+    "document",
+    "inverse-causal",
+    "dilated",
+    "blocks",
+)
 MAX_DEPTH = 2
 
 
 def _near(boundaries: tuple[int, ...], lo: int, hi: int) -> st.SearchStrategy[int]:
-    """An integer in [lo, hi], half the time on or next to one of `boundaries` (a rank or zigzag-chunk
-    start), so that a window, chunk, segment or prefix edge falls exactly on a block edge."""
+    """An integer in [lo, hi], half the time on or next to one of `boundaries` (a rank or
+    zigzag-chunk start), so that a window, chunk, segment or prefix edge falls exactly on a block
+    edge."""
     near = sorted({b + d for b in boundaries for d in (-1, 0, 1) if lo <= b + d <= hi})
     return st.one_of(st.integers(lo, hi), st.sampled_from(near)) if near else st.integers(lo, hi)
 
 
 @st.composite
 def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = ()) -> Expr:
-    """One primitive of the declared `kinds`, its parameters drawn towards rank and chunk boundaries: a
-    window reaching exactly to the previous rank, a chunk or dilation segment ending where a shard ends, a
-    prefix ending at a shard start, document starts on shard starts."""
+    """One primitive of the declared `kinds`, its parameters drawn towards rank and chunk
+    boundaries: a window reaching exactly to the previous rank, a chunk or dilation segment ending
+    where a shard ends, a prefix ending at a shard start, document starts on shard starts."""
     op = draw(st.sampled_from(_ordered(kinds, PRIMITIVE_ORDER, "mask primitive")))
     n = max(1, total)
     gaps = tuple(b2 - b1 for b1, b2 in zip(boundaries, boundaries[1:], strict=False))
-    widths = tuple(b for b in boundaries if b > 0) + gaps  # shard lengths and starts: edges on block edges
+    # shard lengths and starts: edges on block edges
+    widths = tuple(b for b in boundaries if b > 0) + gaps
     if op == "window":
         right = st.one_of(st.just(0), _near(widths, 0, n)) if WINDOW_RIGHT in kinds else st.just(0)
         return prim("window", draw(_near(widths, 0, n)), draw(right))
@@ -205,7 +241,9 @@ def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, .
     if op == "document":
         if n == 1:
             return prim("document", (0,))
-        starts = draw(st.lists(_near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True))
+        starts = draw(
+            st.lists(_near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True)
+        )
         return prim("document", (0, *sorted(starts)))
     if op == "blocks":
         size = draw(_near(widths, 1, n))
@@ -217,7 +255,9 @@ def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, .
 
 
 @st.composite
-def expressions(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = (), depth: int = 0) -> Expr:
+def expressions(
+    draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = (), depth: int = 0
+) -> Expr:
     """A mask expression of the declared primitives and combinators, at most MAX_DEPTH deep; shrinks
     towards a single primitive."""
     ops = ["leaf"] + [c for c in COMBINATORS if c in kinds and depth < MAX_DEPTH]
@@ -227,39 +267,59 @@ def expressions(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, 
     sub = expressions(total, kinds, boundaries, depth + 1)
     if op == "not":
         return Expr("not", args=(draw(sub),))
-    if op == "per-document":  # documents starting on shard edges, the operand relative to each start
+    # documents starting on shard edges, the operand relative to each start
+    if op == "per-document":
         n = max(1, total)
-        starts = draw(st.lists(_near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True)) \
-            if n > 1 else []
+        starts = (
+            draw(
+                st.lists(
+                    _near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True
+                )
+            )
+            if n > 1
+            else []
+        )
         return Expr(op, ((0, *sorted(starts)),), (draw(sub),))
     return Expr(op, args=tuple(draw(st.lists(sub, min_size=2, max_size=3))))
 
 
 @st.composite
-def masks(draw, total: int, kinds: tuple[str, ...] = MASK_KINDS, boundaries: tuple[int, ...] = ()) -> MaskSpec:
-    """none, causal, a window (often a small one), packed documents whose starts are drawn at random or
-    on/next to rank and chunk `boundaries` (so documents straddle ranks), or, where the implementation
-    declares "expr" (ring_impl.masks), an expression of its declared primitives drawn towards those
-    boundaries (`expressions`)."""
+def masks(
+    draw, total: int, kinds: tuple[str, ...] = MASK_KINDS, boundaries: tuple[int, ...] = ()
+) -> MaskSpec:
+    """none, causal, a window (often a small one), packed documents whose starts are drawn at random
+    or on/next to rank and chunk `boundaries` (so documents straddle ranks), or, where the
+    implementation declares "expr" (ring_impl.masks), an expression of its declared primitives drawn
+    towards those boundaries (`expressions`)."""
     declared = set(kinds)
     kinds_ordered = _ordered(declared, (*MASK_KINDS, EXPR), "mask kind")
-    if EXPR in declared:  # about a third of the draws: the language's share of what users train with
+    # about a third of the draws: the language's share of what users train with
+    if EXPR in declared:
         kinds_ordered.append(EXPR)
     kind = draw(st.sampled_from(kinds_ordered))
     if kind == EXPR:
-        prims = (frozenset(k for k in declared if k in PRIMITIVE_ORDER) | frozenset(declared & set(COMBINATORS))
-                 | frozenset(declared & {WINDOW_RIGHT}))
+        prims = (
+            frozenset(k for k in declared if k in PRIMITIVE_ORDER)
+            | frozenset(declared & set(COMBINATORS))
+            | frozenset(declared & {WINDOW_RIGHT})
+        )
         if not prims & set(PRIMITIVE_ORDER):
             return MaskSpec("none")
         return MaskSpec.of(draw(expressions(total, prims, boundaries)))
     if kind in ("none", "causal"):
         return MaskSpec(kind)
     if kind == "window":
-        return MaskSpec("window", window=draw(st.one_of(st.integers(0, SMALL_WINDOW), st.integers(0, total))))
+        return MaskSpec(
+            "window", window=draw(st.one_of(st.integers(0, SMALL_WINDOW), st.integers(0, total)))
+        )
     if total == 1:
         return MaskSpec("document", doc_starts=(0,), causal=draw(st.sampled_from((True, False))))
     near = sorted({p + d for p in boundaries for d in (-1, 0, 1) if 1 <= p + d < total})
-    start = st.one_of(st.sampled_from(near), st.integers(1, total - 1)) if near else st.integers(1, total - 1)
+    start = (
+        st.one_of(st.sampled_from(near), st.integers(1, total - 1))
+        if near
+        else st.integers(1, total - 1)
+    )
     starts = draw(st.lists(start, max_size=min(MAX_DOCS - 1, total - 1), unique=True))
     causal = draw(st.sampled_from((True, False)))
     return MaskSpec("document", doc_starts=(0, *sorted(starts)), causal=causal)
@@ -279,7 +339,9 @@ def heads(draw, gqa: bool = True, max_heads: int = 6) -> tuple[int, int]:
     return kv * groups, kv
 
 
-def _head_dims(caps: Capabilities, max_head_dim: int, flash: bool = False) -> st.SearchStrategy[int]:
+def _head_dims(
+    caps: Capabilities, max_head_dim: int, flash: bool = False
+) -> st.SearchStrategy[int]:
     """A declared head dim, else 1..32 and (with `flash`) the flash set up to `max_head_dim`."""
     if caps.head_dims:
         dims = sorted(d for d in caps.head_dims if d <= max_head_dim) or [min(caps.head_dims)]
@@ -287,7 +349,9 @@ def _head_dims(caps: Capabilities, max_head_dim: int, flash: bool = False) -> st
     small = st.integers(1, min(32, max_head_dim))
     if not flash:
         return st.integers(1, max_head_dim)
-    return st.one_of(small, st.sampled_from([d for d in FLASH_HEAD_DIMS if d <= max_head_dim] or [max_head_dim]))
+    return st.one_of(
+        small, st.sampled_from([d for d in FLASH_HEAD_DIMS if d <= max_head_dim] or [max_head_dim])
+    )
 
 
 @st.composite
@@ -307,26 +371,29 @@ def cases(
     sizes: Sizes | None = None,
     model_calls: bool = True,
 ) -> Case:
-    """A whole Case the implementation declares it supports. Without `sizes`: small enough to run in ~0.1 s
-    (`max_tokens` in all, `max_head_dim`, `max_batch`, `max_heads`); with `sizes` (e.g. SIZES["ci"], what the
-    default check draws): at scale, aimed at the implementation's kernel tiles (`Capabilities.tiles`) and the
-    dtypes' exact integers.
+    """A whole Case the implementation declares it supports. Without `sizes`: small enough to run in
+    ~0.1 s (`max_tokens` in all, `max_head_dim`, `max_batch`, `max_heads`); with `sizes` (e.g.
+    SIZES["ci"], what the default check draws): at scale, aimed at the implementation's kernel tiles
+    (`Capabilities.tiles`) and the dtypes' exact integers.
 
     `pool_size` bounds world_size + group_offset (a ring inside a subgroup of the pool). Where the
-    capabilities say so, zigzag cases get even local lengths (`zigzag_odd=False`: an odd length is made
-    even, one token less, a length-1 shard two tokens) and head counts W divides (`heads_divisible_by_world`:
-    rounded up as `adapt` does, so they may exceed `max_heads`); the draws stay the same, so shrinking does.
-    `model_calls`: also draw how a model calls the ring (`model_call`); drawn last, so every other draw keeps
-    its place in the choice sequence.
+    capabilities say so, zigzag cases get even local lengths (`zigzag_odd=False`: an odd length is
+    made even, one token less, a length-1 shard two tokens) and head counts W divides
+    (`heads_divisible_by_world`: rounded up as `adapt` does, so they may exceed `max_heads`); the
+    draws stay the same, so shrinking does. `model_calls`: also draw how a model calls the ring
+    (`model_call`); drawn last, so every other draw keeps its place in the choice sequence.
     """
     caps = caps or Capabilities()
     lo, hi = caps.world_sizes
     hi = min(hi, max_world, pool_size)
     if lo > hi:
-        raise ValueError(f"capabilities need world sizes {caps.world_sizes}, budget allows at most {hi}")
+        raise ValueError(
+            f"capabilities need world sizes {caps.world_sizes}, budget allows at most {hi}"
+        )
     w = draw(st.integers(lo, hi))
     # always one draw (a skipped draw would make large rings look "simpler" to the shrinker)
-    inside = subgroups and getattr(caps, "subgroups", True)  # False: the ring must be global ranks 0..W-1
+    # False: the ring must be global ranks 0..W-1
+    inside = subgroups and getattr(caps, "subgroups", True)
     offset = draw(st.integers(0, max(0, pool_size - lo))) % (pool_size - w + 1) if inside else 0
     idle = getattr(caps, "idle_ranks", False)
     if sizes is None:
@@ -339,7 +406,8 @@ def cases(
     batch = draw(st.integers(1, max_batch))
     if sizes is not None:
         batch, hq, hkv, d = within_work(sizes, sum(lens), batch, hq, hkv, head_dim)
-        head_dim = d if not caps.head_dims else head_dim  # a declared head dim stays (heads and batch gave way)
+        # a declared head dim stays (heads and batch gave way)
+        head_dim = d if not caps.head_dims else head_dim
     if caps.heads_divisible_by_world:
         hq, hkv = divisible_heads(hq, hkv, w)
     layout = draw(st.sampled_from(_ordered(caps.layouts, LAYOUTS, "layout")))
@@ -356,14 +424,28 @@ def cases(
     seed = draw(st.integers(0, 2**32 - 1))
     extra = draw(model_call(caps)) if model_calls else {}
     fields = {"values": values, **extra}
-    return make_case(world_size=w, group_offset=offset, seq_lens=lens, heads_q=hq, heads_kv=hkv, head_dim=head_dim,
-                     batch=batch, layout=layout, mask=mask, dtype=dtype, softmax_scale=scale,
-                     seed=seed, impl=impl, deadline_s=deadline_s, **fields)
+    return make_case(
+        world_size=w,
+        group_offset=offset,
+        seq_lens=lens,
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=head_dim,
+        batch=batch,
+        layout=layout,
+        mask=mask,
+        dtype=dtype,
+        softmax_scale=scale,
+        seed=seed,
+        impl=impl,
+        deadline_s=deadline_s,
+        **fields,
+    )
 
 
-# How a model calls the ring (harness.calls) and the magnitudes of trained models (harness.inputs). The plain
-# value comes first and most often: about half the cases keep the training call, contiguous inputs and the
-# values drawn above; each value shrinks towards the first.
+# How a model calls the ring (harness.calls) and the magnitudes of trained models (harness.inputs).
+# The plain value comes first and most often: about half the cases keep the training call,
+# contiguous inputs and the values drawn above; each value shrinks towards the first.
 CALL_DRAWS = ("train",) * 4 + CALLS[1:]
 FORM_DRAWS = ("contiguous",) * 3 + INPUT_FORMS[1:]
 TRAINED_DRAWS = (None,) * 3 + ("outliers", "qk-overflow", "sink")
@@ -371,8 +453,9 @@ TRAINED_DRAWS = (None,) * 3 + ("outliers", "qk-overflow", "sink")
 
 @st.composite
 def model_call(draw, caps: Capabilities | None = None) -> dict:
-    """{call, inputs, values} of a case, drawn within what `caps` declares (a forward-only ring: forward-only
-    calls only; only its input forms); a key is left out when its draw is the plain one."""
+    """{call, inputs, values} of a case, drawn within what `caps` declares (a forward-only ring:
+    forward-only calls only; only its input forms); a key is left out when its draw is the plain
+    one."""
     caps = caps or Capabilities()
     call = draw(st.sampled_from(CALL_DRAWS))
     form = draw(st.sampled_from([f for f in FORM_DRAWS if f in caps.input_forms] or ["contiguous"]))
@@ -384,5 +467,16 @@ def model_call(draw, caps: Capabilities | None = None) -> dict:
     return {k: v for k, v in out.items() if v not in ("train", "contiguous", None)}
 
 
-__all__ = ["SIZES", "Sizes", "boundary_positions", "cases", "expressions", "heads", "masks", "model_call",
-           "primitives", "scaled_lens", "seq_lens"]
+__all__ = [
+    "SIZES",
+    "Sizes",
+    "boundary_positions",
+    "cases",
+    "expressions",
+    "heads",
+    "masks",
+    "model_call",
+    "primitives",
+    "scaled_lens",
+    "seq_lens",
+]

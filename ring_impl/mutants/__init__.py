@@ -1,4 +1,5 @@
-"""Bug variants of the reference ring, each a few RingParts away from it; never imported by ring_impl.
+"""Bug variants of the reference ring, each a few RingParts away from it; never imported by
+ring_impl.
 
 MUTANTS maps a kebab-case bug name to a function with the `ring_attention` signature; each
 function's docstring cites the public report it reproduces and when the bug is visible.
@@ -9,7 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ring_impl.mutants import calls, comm, grads, history, mask_language, masks, merges, precision, scale, shapes
+from ring_impl.mutants import (
+    calls,
+    comm,
+    grads,
+    history,
+    mask_language,
+    masks,
+    merges,
+    precision,
+    scale,
+    shapes,
+)
 
 _ALL = [
     merges.naive_merge_sum,

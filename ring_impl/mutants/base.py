@@ -23,7 +23,8 @@ def mutant(name: str, doc: str, **changes: Any) -> Callable[..., Any]:
 
 
 def mask_changes(block_mask: MaskFn) -> dict[str, Any]:
-    """Replace the block mask, skipping exactly the blocks that mask leaves empty (no hidden skips)."""
+    """Replace the block mask, skipping exactly the blocks that mask leaves empty (no hidden
+    skips)."""
 
     def skip(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt) -> bool:
         if q_pos.numel() == 0 or k_pos.numel() == 0:

@@ -6,7 +6,8 @@ input forms and value kinds of `harness.calls` and `harness.inputs` show it:
 - `no-grad-path-causal-by-rank`: a separate forward-only path, taken when no gradient is recorded;
 - `q-scaled-in-place`: the caller's q scaled in place, so a checkpoint's recompute scales it twice;
 - `inputs-assumed-contiguous`, `dout-assumed-contiguous`: strides assumed, views read wrongly;
-- `qk-product-in-input-dtype`: q.k formed in fp16 before the scale, so it overflows on trained values.
+- `qk-product-in-input-dtype`: q.k formed in fp16 before the scale, so it overflows on trained
+  values.
 """
 
 from __future__ import annotations
@@ -43,29 +44,35 @@ def _as_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, _contiguous_strides(t.shape), t.storage_offset())
 
 
-def skip_by_rank_order(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt) -> bool:
-    """Under a causal mask, skip every block owned by a later rank: right for the contiguous layout only."""
+def skip_by_rank_order(
+    spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt
+) -> bool:
+    """Under a causal mask, skip every block owned by a later rank: right for the contiguous layout
+    only."""
     if spec.is_causal and at.owner > at.rank:
         return True
     return skip_empty_block(spec, q_pos, k_pos, at)
 
 
-_fast_forward = make_ring_attention(dataclasses.replace(REFERENCE_PARTS, skip_block=skip_by_rank_order))
+_fast_forward = make_ring_attention(
+    dataclasses.replace(REFERENCE_PARTS, skip_block=skip_by_rank_order)
+)
 
 
 def no_grad_path_causal_by_rank(q, k, v, **kw: Any):
     """Serving and evaluation take a forward-only path when no gradient is recorded (torch.no_grad,
-    inference_mode, the first forward of reentrant checkpointing). Its causal block skipping goes by rank
-    order, as a contiguous split allows, so zigzag and striped rows lose the blocks of later ranks. The
-    training path is the reference. There is no single public report: serving stacks keep prefill paths apart from
-    training, and the harness never ran them before. Visible on forward-only calls of a causal zigzag or
-    striped ring."""
+    inference_mode, the first forward of reentrant checkpointing). Its causal block skipping goes by
+    rank order, as a contiguous split allows, so zigzag and striped rows lose the blocks of later
+    ranks. The training path is the reference. There is no single public report: serving stacks keep
+    prefill paths apart from training, and the harness never ran them before. Visible on
+    forward-only calls of a causal zigzag or striped ring."""
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (ring_attention if recording else _fast_forward)(q, k, v, **kw)
 
 
 class _QScaledInPlace(torch.autograd.Function):
-    """The reference ring on a copy of q, which then writes the scaled q back into the caller's tensor."""
+    """The reference ring on a copy of q, which then writes the scaled q back into the caller's
+    tensor."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
@@ -79,23 +86,24 @@ class _QScaledInPlace(torch.autograd.Function):
 
 
 def q_scaled_in_place(q, k, v, *, return_lse: bool = False, **kw: Any):
-    """Computes from a copy of q, then stores the scaled q in the caller's tensor (`q.mul_(scale)`: a buffer
-    reused to save memory). The call's own results are right. Activation checkpointing calls the forward again
-    on the same q inside backward: reentrant checkpointing recomputes from the scaled q, so every gradient is
-    silently wrong; non-reentrant checkpointing sees the tensor's version change and raises (pytorch/pytorch
-    documents that reentrant checkpointing does not detect it). Visible under `torch.utils.checkpoint` (and
-    loud on split views of a fused projection, which refuse in-place writes)."""
+    """Computes from a copy of q, then stores the scaled q in the caller's tensor (`q.mul_(scale)`:
+    a buffer reused to save memory). The call's own results are right. Activation checkpointing
+    calls the forward again on the same q inside backward: reentrant checkpointing recomputes from
+    the scaled q, so every gradient is silently wrong; non-reentrant checkpointing sees the tensor's
+    version change and raises (pytorch/pytorch documents that reentrant checkpointing does not
+    detect it). Visible under `torch.utils.checkpoint` (and loud on split views of a fused
+    projection, which refuse in-place writes)."""
     plan, k, v = plan_call(REFERENCE_PARTS, q, k, v, **kw)
     out, lse = _QScaledInPlace.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
 
 
 def inputs_assumed_contiguous(q, k, v, **kw: Any):
-    """Reads q, k, v through strides it assumes (`as_strided` with contiguous strides, as code that hands raw
-    pointers to a kernel does). Right on contiguous tensors; on views of a fused QKV projection or tensors
-    transposed from (b, h, s, d) it reads other tokens, heads or tensors, silently. flash-attn accepts such
-    views (it needs only the last dimension contiguous) and passes their strides to its kernel. Visible on
-    the fused-qkv and transposed input forms."""
+    """Reads q, k, v through strides it assumes (`as_strided` with contiguous strides, as code that
+    hands raw pointers to a kernel does). Right on contiguous tensors; on views of a fused QKV
+    projection or tensors transposed from (b, h, s, d) it reads other tokens, heads or tensors,
+    silently. flash-attn accepts such views (it needs only the last dimension contiguous) and passes
+    their strides to its kernel. Visible on the fused-qkv and transposed input forms."""
     return ring_attention(*(_as_contiguous(t) for t in (q, k, v)), **kw)
 
 
@@ -112,9 +120,10 @@ class _GradAsContiguous(torch.autograd.Function):
 
 
 def dout_assumed_contiguous(q, k, v, *, return_lse: bool = False, **kw: Any):
-    """Its backward reads dout with the strides of a contiguous tensor. Right when the model's gradient comes
-    contiguous; a dout transposed from (b, h, s, d) is read as the wrong tokens and heads. flash-attn's
-    backward makes such a dout contiguous first for this reason. Visible on the strided-dout input form."""
+    """Its backward reads dout with the strides of a contiguous tensor. Right when the model's
+    gradient comes contiguous; a dout transposed from (b, h, s, d) is read as the wrong tokens and
+    heads. flash-attn's backward makes such a dout contiguous first for this reason. Visible on the
+    strided-dout input form."""
     out, lse = ring_attention(q, k, v, return_lse=True, **kw)
     out = _GradAsContiguous.apply(out)
     return (out, lse) if return_lse else out
@@ -127,9 +136,9 @@ def _visible(mask: Any, lq: int, lk: int) -> torch.Tensor | None:
 
 
 def fp16_product_forward(q, k, v, scale, mask=None, *, kv_heads=None, **kw: Any):
-    """The block forward, with q.k first formed in fp16 as a plain fp16 matmul does: a product past 65504 is
-    inf, and a row that sees one is NaN. Its rounding below that is what the base's plain attention does too,
-    so only the overflow is added here."""
+    """The block forward, with q.k first formed in fp16 as a plain fp16 matmul does: a product past
+    65504 is inf, and a row that sees one is NaN. Its rounding below that is what the base's plain
+    attention does too, so only the overflow is added here."""
     out, lse = block_forward(q, k, v, scale, mask, kv_heads=kv_heads, **kw)
     if q.dtype != torch.float16 or q.shape[1] == 0 or k.shape[1] == 0:
         return out, lse

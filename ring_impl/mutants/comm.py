@@ -8,13 +8,19 @@ from ring_impl.comm import RingComm, RingPeers
 from ring_impl.mutants.base import mutant
 
 
-def group_ranks_as_peers(group: Any, rank: int, world: int) -> RingPeers:
+def group_ranks_as_peers(group: Any, rank: int, world_size: int) -> RingPeers:
     """Uses group-local ranks as P2P peers; torch.distributed wants global ranks."""
-    return RingPeers(rank=rank, world=world, send_to=(rank + 1) % world, recv_from=(rank - 1) % world)
+    return RingPeers(
+        rank=rank,
+        world_size=world_size,
+        send_to=(rank + 1) % world_size,
+        recv_from=(rank - 1) % world_size,
+    )
 
 
 class ReadBeforeWaitComm(RingComm):
-    """wait() completes only the PREVIOUS exchange, so each received block is read before its wait."""
+    """wait() completes only the PREVIOUS exchange, so each received block is read before its
+    wait."""
 
     def __init__(self, group: Any, peers: RingPeers, tag: int = 0) -> None:
         super().__init__(group, peers, tag)
@@ -78,5 +84,5 @@ skipped_ring_step = mutant(
     """Runs W - 1 ring steps (W - 2 K/V hops), an off-by-one in the loop bound (no single public
     report): every rank misses the block of owner rank + 1. Visible with W >= 2 whenever that block
     is not fully masked.""",
-    steps=lambda world: max(world - 1, 1),
+    steps=lambda world_size: max(world_size - 1, 1),
 )

@@ -18,7 +18,7 @@ dkv_no_final_hop = mutant(
     """dk/dv accumulators make only W - 1 hops (with K/V) and never the final hop home, so each rank
     returns the accumulator of rank + 1 (lucidrains ring-attention-pytorch cfb1990). Visible with
     W >= 2 (shape error when shard lengths differ).""",
-    dkv_hops=lambda world: world - 1,
+    dkv_hops=lambda world_size: world_size - 1,
 )
 
 dkv_one_rank_off = mutant(
@@ -26,7 +26,7 @@ dkv_one_rank_off = mutant(
     """dk/dv accumulators make one hop too many and arrive one rank off: rank r returns the gradient
     of rank r - 1's keys (the other direction of lucidrains ring-attention-pytorch cfb1990's hop
     count). Visible with W >= 2 (shape error when shard lengths differ).""",
-    dkv_hops=lambda world: world + 1,
+    dkv_hops=lambda world_size: world_size + 1,
 )
 
 stale_kv_backward = mutant(

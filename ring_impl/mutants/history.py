@@ -10,26 +10,30 @@ from ring_impl.kernel import block_backward
 from ring_impl.mutants.base import mutant
 from ring_impl.ring import KVBlock
 
-# the leftover dk/dv per (rank, shape of the block): module-level, so it outlives a call, never zeroed
+# the leftover dk/dv per (rank, shape of the block): module-level, so it outlives a call, never
+# zeroed
 _CACHE: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class _Own:
-    """Whether the block backward is computing now is this rank's own (ring step 0), and the rank."""
+    """Whether the block backward is computing now is this rank's own (ring step 0), and the
+    rank."""
 
     rank: int = 0
     own: bool = False
 
 
 def note_own_block(held: KVBlock, local: KVBlock) -> KVBlock:
-    """The reference's block choice; notes whether it is this rank's own block (step 0) and the rank."""
+    """The reference's block choice; notes whether it is this rank's own block (step 0) and the
+    rank."""
     _Own.rank, _Own.own = local.owner, held.owner == local.owner
     return held
 
 
 def cached_accumulator_backward(dout, q, k, v, *args, **kwargs):
-    """The block's gradients; on this rank's own block the dk/dv accumulator is taken from a cache keyed
-    by rank and shape that keeps what earlier calls accumulated into it (it is never zeroed)."""
+    """The block's gradients; on this rank's own block the dk/dv accumulator is taken from a
+    cache keyed by rank and shape that keeps what earlier calls accumulated into it (it is never
+    zeroed)."""
     dq, dk, dv = block_backward(dout, q, k, v, *args, **kwargs)
     if not _Own.own:
         return dq, dk, dv

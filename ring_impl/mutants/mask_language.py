@@ -1,33 +1,42 @@
-"""Mutants of the mask language's bug classes (issue #16): masks decided from a rank's local indices
-where global positions were meant, a prefix boundary off by one, and rows or ranks that see nothing."""
+"""Mutants of the mask language's bug classes (issue #16): masks decided from a rank's local
+indices where global positions were meant, a prefix boundary off by one, and rows or ranks that
+see nothing."""
 
 from __future__ import annotations
 
 import torch
 
 from ring_impl.kernel import block_forward
-from ring_impl.masks import Expr, Leaf, MaskSpec, evaluate, prim
+from ring_impl.mask_eval import Leaf, evaluate
+from ring_impl.masks import Expr, MaskSpec, prim
 from ring_impl.mutants.base import mask_changes, mutant
 from ring_impl.ring import BlockAt, position_mask
 
 
 def _with_leaves(ops: tuple[str, ...], leaf: Leaf, remote_only: bool = False):
-    """A block mask that evaluates the primitives named `ops` with `leaf` (the rest from global positions)."""
+    """A block mask that evaluates the primitives named `ops` with `leaf` (the rest from global
+    positions)."""
 
     def block_mask(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt):
         e = spec.expression()
         if not any(x.op in ops for x in e.leaves()) or (remote_only and at.owner == at.rank):
             return position_mask(spec, q_pos, k_pos, at)
-        return evaluate(e, q_pos.view(-1, 1), k_pos.view(1, -1), lambda x, qp, kp: leaf(x, qp, kp)
-                        if x.op in ops else None).contiguous()
+        return evaluate(
+            e,
+            q_pos.view(-1, 1),
+            k_pos.view(1, -1),
+            lambda x, qp, kp: leaf(x, qp, kp) if x.op in ops else None,
+        ).contiguous()
 
     return block_mask
 
 
 def _local(qp: torch.Tensor, kp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each block's local token indices (0 .. L-1 on its rank) in place of global positions."""
-    return (torch.arange(qp.shape[0], device=qp.device).view(-1, 1),
-            torch.arange(kp.shape[1], device=kp.device).view(1, -1))
+    return (
+        torch.arange(qp.shape[0], device=qp.device).view(-1, 1),
+        torch.arange(kp.shape[1], device=kp.device).view(1, -1),
+    )
 
 
 def _on_local_indices(e: Expr, qp: torch.Tensor, kp: torch.Tensor) -> torch.Tensor:
@@ -45,18 +54,23 @@ def _prefix_inclusive(e: Expr, qp: torch.Tensor, kp: torch.Tensor) -> torch.Tens
 
 
 def nan_for_rows_that_see_nothing(q, k, v, scale, mask=None, **kw):
-    """The block kernel without the empty-row guard: a row that sees no key of the block divides 0 by 0."""
+    """The block kernel without the empty-row guard: a row that sees no key of the block divides 0
+    by 0."""
     out, lse = block_forward(q, k, v, scale, mask, **kw)
     empty = torch.isinf(lse).transpose(1, 2).unsqueeze(-1)  # (B, Lq, Hq, 1)
     return out.masked_fill(empty, float("nan")), lse
 
 
-def uninitialised_output(q: torch.Tensor, v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank none of whose queries sees a key returns its output buffer as allocated (modelled as NaN, what
-    uninitialised memory may hold, so the bug replays bit for bit)."""
+def uninitialised_output(
+    q: torch.Tensor, v: torch.Tensor, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank none of whose queries sees a key returns its output buffer as allocated (modelled as
+    NaN, what uninitialised memory may hold, so the bug replays bit for bit)."""
     b, n, h, _ = q.shape
-    return (q.new_full(q.shape[:3] + (v.shape[-1],), float("nan"), dtype=acc),
-            q.new_full((b, h, n), float("-inf"), dtype=acc))
+    return (
+        q.new_full(q.shape[:3] + (v.shape[-1],), float("nan"), dtype=acc),
+        q.new_full((b, h, n), float("-inf"), dtype=acc),
+    )
 
 
 window_without_block_offset = mutant(

@@ -7,13 +7,17 @@ import dataclasses
 import torch
 
 from ring_impl import layouts
-from ring_impl.masks import MaskSpec, allowed
+from ring_impl.mask_eval import allowed
+from ring_impl.masks import MaskSpec
 from ring_impl.mutants.base import mask_changes, mutant
 from ring_impl.ring import BlockAt, position_mask, skip_empty_block
 
 
-def step_rule_off_by_one(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt) -> bool:
-    """Causal ring rule "compute step s iff s <= rank" written as s < rank: owner 0's block is dropped."""
+def step_rule_off_by_one(
+    spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt
+) -> bool:
+    """Causal ring rule "compute step s iff s <= rank" written as s < rank: owner 0's block is
+    dropped."""
     if spec.kind == "causal" and at.step > 0:
         return not at.step < at.rank
     return skip_empty_block(spec, q_pos, k_pos, at)
@@ -28,11 +32,14 @@ def diagonal_on_every_step(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Ten
     return tri if m is None else m & tri
 
 
-def striped_same_stripe_visible(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt):
-    """Striped causal comparing stripe indices only: tril(0) on every block; later owners need tril(-1)."""
+def striped_same_stripe_visible(
+    spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt
+):
+    """Striped causal comparing stripe indices only: tril(0) on every block; later owners need
+    tril(-1)."""
     if at.layout != "striped" or spec.kind != "causal":
         return position_mask(spec, q_pos, k_pos, at)
-    return (k_pos // at.world).view(1, -1) <= (q_pos // at.world).view(-1, 1)
+    return (k_pos // at.world_size).view(1, -1) <= (q_pos // at.world_size).view(-1, 1)
 
 
 def window_one_wider(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt):
@@ -42,15 +49,19 @@ def window_one_wider(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, a
     return position_mask(spec, q_pos, k_pos, at)
 
 
-def documents_only_on_diagonal(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt):
-    """Document boundaries only inside the local block (local cu_seqlens); remote blocks are causal only."""
+def documents_only_on_diagonal(
+    spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, at: BlockAt
+):
+    """Document boundaries only inside the local block (local cu_seqlens); remote blocks are causal
+    only."""
     if spec.kind != "document" or at.owner == at.rank:
         return position_mask(spec, q_pos, k_pos, at)
     return allowed(MaskSpec("causal"), q_pos, k_pos) if spec.causal else None
 
 
 def zigzag_second_half_in_rank_order(layout: str, lengths) -> list[torch.Tensor]:
-    """Zigzag positions with the second-half chunks in rank order (W..2W-1 on ranks 0..W-1), not reversed."""
+    """Zigzag positions with the second-half chunks in rank order (W..2W-1 on ranks 0..W-1), not
+    reversed."""
     if layout != "zigzag":
         return layouts.all_positions(layout, lengths)
     w = len(lengths)

@@ -20,7 +20,9 @@ def naive_sum(out, lse, block_out, block_lse):
 def log1p_exp_merge(out, lse, block_out, block_lse):
     """The pre-fix formula: exp(block_lse - lse) overflows float32 once the gap passes ~88."""
     new_lse = lse + torch.log(1 + torch.exp(block_lse - lse))
-    return _col(torch.exp(lse - new_lse)) * out + _col(torch.exp(block_lse - new_lse)) * block_out, new_lse
+    return _col(torch.exp(lse - new_lse)) * out + _col(
+        torch.exp(block_lse - new_lse)
+    ) * block_out, new_lse
 
 
 def overwrite(out, lse, block_out, block_lse):

@@ -1,18 +1,21 @@
-"""Per-step-rounding mutants: the ring rounds a running result to the input dtype once per ring step.
+"""Per-step-rounding mutants: the ring rounds a running result to the input dtype once per ring
+step.
 
-A correct ring rounds every term, partial result and output to the input dtype at most a fixed number
-of times whatever W (ring size); these round the *running* accumulator once per step, so the error
-grows with W (zhuzilin/ring-flash-attention#42: "backward error grows with world size"). For fp32
-inputs each is exact. The default check's single-W bound hardly sees them at W <= 4; the growth check
-(harness/checks/growth.py: the same global case at W = 1 and W = 2, 4, 8) does.
+A correct ring rounds every term, partial result and output to the input dtype at most a fixed
+number of times whatever W (ring size); these round the *running* accumulator once per step, so the
+error grows with W (zhuzilin/ring-flash-attention#42: "backward error grows with world size"). For
+fp32 inputs each is exact. The default check's single-W bound hardly sees them at W <= 4; the growth
+check (harness/checks/stages/growth.py: the same global case at W = 1 and W = 2, 4, 8) does.
 
-`low-precision-accumulator` (merges.py) is the out/lse member of the class: it keeps both out and lse
-in the input dtype, and the float32 lse check kills it at W >= 2. `out-merge-in-input-dtype` keeps lse
-in float32, so only the growth of out's error shows it. Rounding dout "per step" is no mutant: dout
-arrives in the input dtype, so rounding it to that dtype changes no bit (an equivalent mutant).
+`low-precision-accumulator` (merges.py) is the out/lse member of the class: it keeps both out and
+lse in the input dtype, and the float32 lse check kills it at W >= 2. `out-merge-in-input-dtype`
+keeps lse in float32, so only the growth of out's error shows it. Rounding dout "per step" is no
+mutant: dout arrives in the input dtype, so rounding it to that dtype changes no bit (an equivalent
+mutant).
 
 The RingParts seams see no input dtype where the accumulators live, so the kernels below note it
-(`_Noted.dtype`, set by every block kernel call of this rank's ring before any merge or hop that uses it).
+(`_Noted.dtype`, set by every block kernel call of this rank's ring before any merge or hop that
+uses it).
 """
 
 from __future__ import annotations
@@ -25,17 +28,23 @@ from ring_impl.merge import merge
 from ring_impl.mutants.base import mutant
 from ring_impl.ring import DKV_TAG, KVBlock
 
-# killed by the growth check only: under the tolerance rule (a bound for every correct flash-style ring)
-# no single case shows them, so their witness is harness/checks/growth.py (tests/checks/test_growth.py),
-# not a corpus case
-GROWTH_ONLY = ("out-merge-in-input-dtype", "dq-accumulate-in-input-dtype", "dkv-travel-in-input-dtype")
+# killed by the growth check only: under the tolerance rule (a bound for every correct flash-style
+# ring) no single case shows them, so their witness is harness/checks/stages/growth.py
+# (tests/checks/test_growth.py), not a corpus case
+GROWTH_ONLY = (
+    "out-merge-in-input-dtype",
+    "dq-accumulate-in-input-dtype",
+    "dkv-travel-in-input-dtype",
+)
 
 
 class _Noted:
-    """The input dtype of the block kernel's last call on this rank (one ring runs at a time per process)."""
+    """The input dtype of the block kernel's last call on this rank (one ring runs at a time per
+    process)."""
 
     dtype: torch.dtype = torch.float32
-    dq_exact: torch.Tensor | None = None  # the dq accumulator the ring holds (float32 sum of what we returned)
+    # the dq accumulator the ring holds (float32 sum of what we returned)
+    dq_exact: torch.Tensor | None = None
     dq_low: torch.Tensor | None = None  # the same accumulator kept in the input dtype
 
 
@@ -56,15 +65,17 @@ def merge_out_in_input_dtype(out, lse, block_out, block_lse):
 
 
 def step_zero_resets(held: KVBlock, local: KVBlock) -> KVBlock:
-    """The reference's block choice; at step 0 (the rank's own block) a new dq accumulator starts."""
+    """The reference's block choice; at step 0 (the rank's own block) a new dq accumulator
+    starts."""
     if held.owner == local.owner:
         _Noted.dq_exact = _Noted.dq_low = None
     return held
 
 
 def dq_accumulated_in_input_dtype(dout, q, *args, **kwargs):
-    """Block gradients whose float32 sum in the ring equals dq accumulated in the input dtype: the block's
-    dq is added to a low-precision accumulator and the ring gets the accumulator's increment."""
+    """Block gradients whose float32 sum in the ring equals dq accumulated in the input dtype: the
+    block's dq is added to a low-precision accumulator and the ring gets the accumulator's
+    increment."""
     _Noted.dtype = q.dtype
     dq, dk, dv = block_backward(dout, q, *args, **kwargs)
     if _Noted.dq_low is None:

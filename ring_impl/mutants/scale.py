@@ -19,7 +19,8 @@ BUCKET = 64  # the largest head dim of the kernel the backward below dispatches 
 
 
 def _full_tiles(n: int) -> int:
-    """Keys a kernel visits with `n // KEY_TILE` key tiles (floor, not ceil) when the block is over one tile."""
+    """Keys a kernel visits with `n // KEY_TILE` key tiles (floor, not ceil) when the block is over
+    one tile."""
     return n if n <= KEY_TILE else n // KEY_TILE * KEY_TILE
 
 
@@ -39,18 +40,22 @@ def tail_dropping_forward(q, k, v, scale, mask=None, **kwargs):
 
 def tail_dropping_backward(dout, q, k, v, out, lse, scale, mask=None, **kwargs):
     lk = _full_tiles(k.shape[1])
-    dq, dk, dv = block_backward(dout, q, k[:, :lk], v[:, :lk], out, lse, scale, _cut(mask, lk), **kwargs)
+    dq, dk, dv = block_backward(
+        dout, q, k[:, :lk], v[:, :lk], out, lse, scale, _cut(mask, lk), **kwargs
+    )
     pad = (0, 0, 0, 0, 0, k.shape[1] - lk)  # the dropped keys get no gradient
     return dq, F.pad(dk, pad), F.pad(dv, pad)
 
 
 def positions_in_dtype(pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Positions made in the input dtype (`torch.arange(n, dtype=q.dtype)`), then used as integers."""
+    """Positions made in the input dtype (`torch.arange(n, dtype=q.dtype)`), then used as
+    integers."""
     return pos.to(dtype).to(pos.dtype)
 
 
 def backward_via_small_kernel(dout, q, k, v, out, lse, scale, mask=None, **kwargs):
-    """Above BUCKET, the backward runs the BUCKET kernel: it reads only the first BUCKET features of q and k."""
+    """Above BUCKET, the backward runs the BUCKET kernel: it reads only the first BUCKET features of
+    q and k."""
     d = q.shape[-1]
     if d <= BUCKET:
         return block_backward(dout, q, k, v, out, lse, scale, mask, **kwargs)

@@ -15,14 +15,14 @@ from harness.bench import memory, oracle_growth, overhead, pool_vs_spawn, speed
 from harness.bench.timing import Figure, Target, fmt, interleaved
 from harness.commands.cli import main
 from harness.ranks import wire
-from harness.ranks.pool import RankPool
 from harness.ranks.zygote import zygote_pids
 from harness.runner import run_case
 
 
 def _children() -> set[int]:
-    """Live (non-zombie) child processes of this process and of its worker zygotes, except multiprocessing's
-    resource tracker and the zygotes themselves (each lives as long as this process and exits with it)."""
+    """Live (non-zombie) child processes of this process and of its worker zygotes, except
+    multiprocessing's resource tracker and the zygotes themselves (each lives as long as this
+    process and exits with it)."""
     zygotes = zygote_pids()  # they live as long as this process; the workers they fork count
     parents = {os.getpid(), *zygotes}
     out = set()
@@ -48,11 +48,15 @@ def _no_new_children(before: set[int], timeout: float = 10.0) -> set[int]:
     return left
 
 
+POOL_SIZE = 4  # ranks of the module's `pool` (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def pool():
+def pool(pool):
+    """The module's pool: once it is closed, no process it started may be left."""
     before = _children()
-    with RankPool(4) as p:
-        yield p
+    yield pool
+    pool.close()
     assert _no_new_children(before) == set()
 
 
@@ -77,8 +81,15 @@ def test_interleaved_rotates_and_repeats():
 
 
 def test_wire_tensors_round_trip_bit_exact():
-    xs = [torch.randn(3, 4).to(torch.bfloat16), torch.randn(4, 3, dtype=torch.float16).t(), torch.tensor(2.5),
-          torch.empty(0, 4), torch.tensor([True, False]), torch.arange(10)[::3], torch.randn(2, requires_grad=True)]
+    xs = [
+        torch.randn(3, 4).to(torch.bfloat16),
+        torch.randn(4, 3, dtype=torch.float16).t(),
+        torch.tensor(2.5),
+        torch.empty(0, 4),
+        torch.tensor([True, False]),
+        torch.arange(10)[::3],
+        torch.randn(2, requires_grad=True),
+    ]
     got = pickle.loads(wire.dumps({"t": xs}))["t"]
     for a, b in zip(xs, got, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
@@ -112,17 +123,22 @@ def test_overhead_phases_add_up(pool):
     ph = overhead.phases(r, time.perf_counter() - t0)
     assert r.verdict == "pass"
     assert ph["rank_compute"] > 0 and ph["oracle"] > 0 and ph["serialise"] > 0
-    assert r.timings["oracle_share_s"] > 0  # the ranks computed the oracle, after their run (issue #12)
+    # the ranks computed the oracle, after their run (issue #12)
+    assert r.timings["oracle_share_s"] > 0
     assert ph["arithmetic"] == ph["rank_compute"] + ph["oracle"]
     assert ph["overhead"] == pytest.approx(ph["wall"] - ph["arithmetic"])
     assert all(k in r.timings for k in ("submit_s", "collect_s", "judge_s"))
     assert "leak_s" in r.timings["rank0"] and "inputs_s" in r.timings["rank0"]
 
 
-@pytest.mark.parametrize("case", [
-    speed.speed_case(64, 2),
-    pool_vs_spawn.small_cases(4)[3].replace(seq_lens=(35, 1, 47, 3)),  # uneven, GQA, fp16, document mask
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        speed.speed_case(64, 2),
+        # uneven, GQA, fp16, document mask
+        pool_vs_spawn.small_cases(4)[3].replace(seq_lens=(35, 1, 47, 3)),
+    ],
+)
 def test_allgather_baseline_is_exact(pool, case):
     r = run_case(case, pool, "harness.bench.allgather:impl", allow_import=True)
     assert r.verdict == "pass", r.detail
@@ -133,13 +149,21 @@ def test_timing_variants_run_and_are_wrong(pool):
     c = speed.speed_case(64)
     for impl in ("harness.bench.variants:no_transfers", "harness.bench.variants:transfers_only"):
         r = run_case(c, pool, impl, allow_import=True, leak=False)
-        assert r.verdict == "silent-corruption"  # numerically wrong on purpose, but it ran to the end
+        # numerically wrong on purpose, but it ran to the end
+        assert r.verdict == "silent-corruption"
         assert pool_vs_spawn.rank_compute_s(r) > 0
 
 
 def test_memory_probe_measures_each_rank():
     before = _children()
-    spec = {"total": 64, "heads": 2, "dim": 16, "dtype": "fp32", "layout": "zigzag", "mask": {"kind": "causal"}}
+    spec = {
+        "total": 64,
+        "heads": 2,
+        "dim": 16,
+        "dtype": "fp32",
+        "layout": "zigzag",
+        "mask": {"kind": "causal"},
+    }
     rows = memory.measure(2, spec)
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:
@@ -165,13 +189,22 @@ def test_bench_command_prints_targets_and_writes_json(monkeypatch, tmp_path, cap
     from harness.commands import bench
 
     def fake(name, quick):
-        return Figure(name, "fake", lines=["x"], targets=[Target("ratio", 0.5 if name == "speed" else 2.0, "<=", 1.0)])
+        return Figure(
+            name,
+            "fake",
+            lines=["x"],
+            targets=[Target("ratio", 0.5 if name == "speed" else 2.0, "<=", 1.0)],
+        )
 
     monkeypatch.setattr(bench, "run_figure", fake)
     out = tmp_path / "b.json"
-    assert main(["bench", "--quick", "--only", "speed", "--only", "memory", "--json", str(out)]) == 0
+    assert (
+        main(["bench", "--quick", "--only", "speed", "--only", "memory", "--json", str(out)]) == 0
+    )
     text = capsys.readouterr().out
-    assert "[speed] fake" in text and "MET" in text and "MISSED" in text and "1/2 targets met" in text
+    assert (
+        "[speed] fake" in text and "MET" in text and "MISSED" in text and "1/2 targets met" in text
+    )
     data = json.loads(out.read_text())
     assert [f["name"] for f in data["figures"]] == ["speed", "memory"]
     with pytest.raises(SystemExit):
@@ -179,8 +212,9 @@ def test_bench_command_prints_targets_and_writes_json(monkeypatch, tmp_path, cap
 
 
 def test_a_figure_that_measured_nothing_fails_bench(monkeypatch, capsys):
-    """CI's `bench --quick` step gates on this (it replaced a slow-tier test that ran every quick figure):
-    a figure whose target is NaN did not measure, and bench exits 1 naming it; a missed target stays exit 0."""
+    """CI's `bench --quick` step gates on this (it replaced a slow-tier test that ran every quick
+    figure): a figure whose target is NaN did not measure, and bench exits 1 naming it; a missed
+    target stays exit 0."""
     from harness.commands import bench as bench_cmd
 
     def fake(name, quick):

@@ -1,4 +1,5 @@
-"""`assert_ring_close`: one call for a user's own test; raises AssertionError with the localised report."""
+"""`assert_ring_close`: one call for a user's own test; raises AssertionError with the localised
+report."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def test_a_failing_case_raises_with_the_localised_report(tmp_path):
     with pytest.raises(AssertionError) as e:
         assert_ring_close("mutant:causal-step-off-by-one", c, save_dir=str(tmp_path))
     text = str(e.value)
-    assert text.startswith("mutant:causal-step-off-by-one: 1 of 1 case(s) failed against float64 attention")
+    assert text.startswith(
+        "mutant:causal-step-off-by-one: 1 of 1 case(s) failed against float64 attention"
+    )
     assert "silent-corruption: W2 contiguous causal" in text and "rank" in text and "where:" in text
     saved = list(tmp_path.glob("*.yaml"))
     assert len(saved) == 1 and str(saved[0]) in text

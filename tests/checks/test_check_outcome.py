@@ -12,64 +12,143 @@ LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: every masked case fails
 
 def test_one_saved_file_per_distinct_failure(tmp_path):
     rep = ListReporter()
-    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
-                             repeat=False, save_dir=str(tmp_path)), reporter=rep)
+    res = check(
+        CheckOptions(
+            impl=LEAKY,
+            world_size=2,
+            max_examples=0,
+            fault_stage=(),
+            scale=False,
+            growth=False,
+            repeat=False,
+            save_dir=str(tmp_path),
+        ),
+        reporter=rep,
+    )
     failing = [r for r in res.results if not r.passed]
     files = sorted(tmp_path.glob("*.yaml"))
     assert not res.passed and len(failing) > len(files) >= 1
-    # the helper declares the original masks only: the mask-language cases are probes, whose findings are
-    # grouped the same way (undeclared features + failure signature), one file each
-    assert len(files) == len(res.distinct) + len(res.finding_files) == len({tuple(k) for k in res.distinct}) + len(
-        {tuple(k) for k in res.finding_files})
+    # the helper declares the original masks only: the mask-language cases are probes, whose
+    # findings are grouped the same way (undeclared features + failure signature), one file each
+    assert (
+        len(files)
+        == len(res.distinct) + len(res.finding_files)
+        == len({tuple(k) for k in res.distinct}) + len({tuple(k) for k in res.finding_files})
+    )
     assert sum(n for _, n in res.finding_files.values()) == len(res.findings)
     assert sum(n for _, n in res.distinct.values()) == len(failing)
     assert sum("same failure as" in line for line in rep.lines) == len(failing) - len(res.distinct)
-    assert rep.lines[-1].startswith("check FAILED (exit 1): battery ") and "distinct failure(s)" in rep.lines[-1]
+    assert (
+        rep.lines[-1].startswith("check FAILED (exit 1): battery ")
+        and "distinct failure(s)" in rep.lines[-1]
+    )
 
 
 def test_maxfail_stops_the_check(tmp_path):
     rep = ListReporter()
-    res = check(CheckOptions(impl=LEAKY, world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
-                             repeat=False, save_dir=str(tmp_path), maxfail=2), reporter=rep)
+    res = check(
+        CheckOptions(
+            impl=LEAKY,
+            world_size=2,
+            max_examples=0,
+            fault_stage=(),
+            scale=False,
+            growth=False,
+            repeat=False,
+            save_dir=str(tmp_path),
+            maxfail=2,
+        ),
+        reporter=rep,
+    )
     assert len(res.failures) == 2 and sum(not r.passed for r in res.results) == 2
     assert "stopped at battery case" in rep.lines[-1]
 
 
 def test_a_ring_that_hangs_stops_the_check_after_max_hangs(tmp_path):
-    """Each hanging case waits out its deadline and restarts the ranks; the check stops at --max-hangs and
-    its last line says why (issue #17: a ring hanging on one rank must not cost the check 20 minutes). The
-    preflight case (W=2) and the growth check, which run first, hang at their W=2 runs: with the same --deadline,
-    and counted."""
-    from harness.checks.check import battery_plan
+    """Each hanging case waits out its deadline and restarts the ranks; the check stops at
+    --max-hangs and its last line says why (issue #17: a ring hanging on one rank must not cost the
+    check 20 minutes). The preflight case (W=2) and the growth check, which run first, hang at their
+    W=2 runs: with the same --deadline, and counted."""
+    from harness.checks.stages import battery
     from harness.impls import registry
 
     rep = ListReporter()
-    opts = CheckOptions(impl="tests.helpers.impls:hang_on_rank1", world_size=2, deadline=2.0, max_examples=0,
-                        fault_stage=(), repeat=False, save_dir=str(tmp_path), max_hangs=2)
+    opts = CheckOptions(
+        impl="tests.helpers.impls:hang_on_rank1",
+        world_size=2,
+        deadline=2.0,
+        max_examples=0,
+        fault_stage=(),
+        repeat=False,
+        save_dir=str(tmp_path),
+        max_hangs=2,
+    )
     res = check(opts, reporter=rep)
     grown = [r for gc in res.growth.cases for r in gc.results.values()]
     assert [r.verdict for r in grown] == ["pass", "hang"] and grown[1].case.deadline_s == 2.0
     hung = [r for r in res.results if r.verdict == "hang"]
-    planned, _ = battery_plan(opts, registry.resolve(opts.impl, allow_import=True).capabilities)
-    assert res.hangs == 3 and len(hung) == 1 and not res.passed  # preflight, growth, the battery's first
-    assert len(res.results) < len(planned) and res.prop is None  # stopped: the rest and the property stage skipped
+    planned, _ = battery.plan(opts, registry.resolve(opts.impl, allow_import=True).capabilities)
+    # preflight, growth, the battery's first
+    assert res.hangs == 3 and len(hung) == 1 and not res.passed
+    # stopped: the rest and the property stage skipped
+    assert len(res.results) < len(planned) and res.prop is None
     assert all(r.passed for r in res.results if r.verdict != "hang")  # only the W=1 cases passed
     assert "3 hanging case(s)" in rep.lines[-1] and "--max-hangs 2" in rep.lines[-1], rep.lines[-1]
     assert len(list(tmp_path.glob("*.yaml"))) == 1  # one hang, one file
 
 
 def test_a_passing_check_says_so_last(tmp_path, capsys):
-    assert main(["check", "--world-size", "2", "--max-examples", "0", "--fault-stage", "none", "--no-scale",
-                 "--no-growth", "--no-repeat", "--save-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "check",
+                "--world-size",
+                "2",
+                "--max-examples",
+                "0",
+                "--fault-stage",
+                "none",
+                "--no-scale",
+                "--no-growth",
+                "--no-repeat",
+                "--save-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("check PASSED (exit 0):") and not list(tmp_path.iterdir())
 
 
 def test_x_is_maxfail_one(tmp_path, capsys):
-    assert main(["check", "--impl", LEAKY, "--world-size", "2", "--max-examples", "0", "--fault-stage", "none",
-                 "--no-scale", "--no-growth", "--no-repeat", "-x", "--save-dir", str(tmp_path)]) == 1
+    assert (
+        main(
+            [
+                "check",
+                "--impl",
+                LEAKY,
+                "--world-size",
+                "2",
+                "--max-examples",
+                "0",
+                "--fault-stage",
+                "none",
+                "--no-scale",
+                "--no-growth",
+                "--no-repeat",
+                "-x",
+                "--save-dir",
+                str(tmp_path),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
-    assert "stopped at battery case" in out.strip().splitlines()[-1] and len(list(tmp_path.iterdir())) == 1
+    assert (
+        "stopped at battery case" in out.strip().splitlines()[-1]
+        and len(list(tmp_path.iterdir())) == 1
+    )
 
 
 def test_rows_show_lse_and_details_name_non_finite_values():
@@ -78,9 +157,13 @@ def test_rows_show_lse_and_details_name_non_finite_values():
     from harness.result import CaseResult, TensorCheck, Verdict
 
     assert report.header().split()[2:7] == ["out", "lse", "dq", "dk", "dv"]
-    nan = TensorCheck("out", 1, float("inf"), 1e-6, 3, {"batch": 0, "token": 5, "head": 0}, False, "NaN")
+    nan = TensorCheck(
+        "out", 1, float("inf"), 1e-6, 3, {"batch": 0, "token": 5, "head": 0}, False, "NaN"
+    )
     lse = TensorCheck("lse", 0, 2e-7, 1e-6, 0, {"batch": 0, "token": 1, "head": 0}, True)
-    r = CaseResult(make_case(world_size=2, total_len=8), "x", Verdict.SILENT_CORRUPTION, checks=[nan, lse])
+    r = CaseResult(
+        make_case(world_size=2, total_len=8), "x", Verdict.SILENT_CORRUPTION, checks=[nan, lse]
+    )
     row = report.row(1, 1, r)
     assert "nonfin" in row and " 0.200 " in row
     text = "\n".join(report.details(r))
@@ -88,18 +171,39 @@ def test_rows_show_lse_and_details_name_non_finite_values():
 
 
 def test_the_repeat_check_catches_state_carried_over_between_calls(tmp_path):
-    """A gradient buffer cached across calls and never zeroed: exact on the first call, wrong on every
-    later one. The battery runs each case twice on the same ranks; the second run's bits differ."""
+    """A gradient buffer cached across calls and never zeroed: exact on the first call, wrong on
+    every later one. The battery runs each case twice on the same ranks; the second run's bits
+    differ."""
     from harness.judging.verdicts import killed_by
 
     rep = ListReporter()
-    res = check(CheckOptions(impl="tests.helpers.impls:stale_accumulator", world_size=2, max_examples=0, scale=False,
-                             growth=False, fault_stage=(), save_dir=str(tmp_path), maxfail=1), reporter=rep)
+    res = check(
+        CheckOptions(
+            impl="tests.helpers.impls:stale_accumulator",
+            world_size=2,
+            max_examples=0,
+            scale=False,
+            growth=False,
+            fault_stage=(),
+            save_dir=str(tmp_path),
+            maxfail=1,
+        ),
+        reporter=rep,
+    )
     r = res.results[0]
     assert r.verdict == "diverged" and r.extra["repeat"]["identical"] is False, r.detail
     assert "repeat" in killed_by(r) and r.detail.startswith("repeat: the same case run again")
-    ok = check(CheckOptions(world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False,
-                            save_dir=str(tmp_path)), reporter=ListReporter())
+    ok = check(
+        CheckOptions(
+            world_size=2,
+            max_examples=0,
+            fault_stage=(),
+            scale=False,
+            growth=False,
+            save_dir=str(tmp_path),
+        ),
+        reporter=ListReporter(),
+    )
     assert ok.passed and all(r.extra["repeat"]["identical"] for r in ok.results)
 
 
@@ -112,14 +216,31 @@ def test_every_file_saved_for_a_history_bug_replays_its_recorded_verdict_on_fres
 
     stale = "tests.helpers.impls:stale_accumulator"
     rep = ListReporter()
-    res = check(CheckOptions(impl=stale, world_size=2, max_examples=0, fault_stage=("early-read",), growth=False,
-                             scale=False, save_dir=str(tmp_path)), reporter=rep)
+    res = check(
+        CheckOptions(
+            impl=stale,
+            world_size=2,
+            max_examples=0,
+            fault_stage=("early-read",),
+            growth=False,
+            scale=False,
+            save_dir=str(tmp_path),
+        ),
+        reporter=rep,
+    )
     text = "\n".join(rep.lines)
-    assert not res.passed and "history-dependent: on fresh ranks this case alone gives pass; after" in text
+    assert (
+        not res.passed
+        and "history-dependent: on fresh ranks this case alone gives pass; after" in text
+    )
     files = sorted(tmp_path.glob("*.yaml"))
     assert any(f.name.endswith("-sequence.yaml") for f in files)
-    assert len(files) == len(res.distinct) + len(res.finding_files)  # (+ undeclared-feature probe findings)
+    # (+ undeclared-feature probe findings)
+    assert len(files) == len(res.distinct) + len(res.finding_files)
     for f in files:
         with RankPool(2) as pool:
             rp = replay_on(pool, f, stale, allow_import=True)
-        assert rp.verdict_reproduced and not rp.hash_mismatches and rp.hashes_compared, (f.name, rp.result.detail)
+        assert rp.verdict_reproduced and not rp.hash_mismatches and rp.hashes_compared, (
+            f.name,
+            rp.result.detail,
+        )

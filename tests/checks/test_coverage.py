@@ -1,16 +1,16 @@
 """The default check serves any implementation: a ring that declares fewer features gets the battery
 adapted to the nearest declared features (never silently thinner), from `check`, the pytest plugin
-and torchrun alike (they share `battery_plan`)."""
+and torchrun alike (they share `stages.battery.plan`). The plugin's side:
+tests/test_pytest_plugin.py."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from harness.checks.check import battery_plan
 from harness.checks.options import CheckOptions
+from harness.checks.stages import battery
 from harness.impls import registry
 from harness.impls.capabilities import adapt, unsupported
-from harness.pytest_plugin import RingChecker
 from harness.search.battery import battery_pool_size, default_battery
 
 NARROW = "tests.helpers.impls:narrow"
@@ -18,7 +18,7 @@ NARROW = "tests.helpers.impls:narrow"
 
 def _plan(impl: str):
     caps = registry.resolve(impl, allow_import=True).capabilities
-    return caps, battery_plan(CheckOptions(impl=impl), caps)
+    return caps, battery.plan(CheckOptions(impl=impl), caps)
 
 
 def _coverage(cases) -> dict:
@@ -38,15 +38,21 @@ def test_a_narrow_ring_gets_every_world_size_split_and_a_subgroup():
     assert all(not unsupported(caps, c) for c in cases)
     cov = _coverage(cases)
     assert cov["worlds"] == [1, 2, 3, 4, 8]
-    assert cov["even"] >= 5 and cov["uneven"] >= 20 and cov["subgroup"] == 2  # one overlapping 0..W-1, one not
+    # one overlapping 0..W-1, one not
+    assert cov["even"] >= 5 and cov["uneven"] >= 20 and cov["subgroup"] == 2
     assert set(cov["masks"]) == {"none", "causal"} and set(cov["layouts"]) == {"contiguous"}
     assert set(cov["dtypes"]) == {"fp32", "fp16", "bf16"}
     assert battery_pool_size(cases) == 8
     ref_cases, _ = _plan("reference")[1]
-    assert len(cases) >= 0.8 * len(ref_cases)  # adapted, deduplicated: not the 7 cases of the old filter
+    # adapted, deduplicated: not the 7 cases of the old filter
+    assert len(cases) >= 0.8 * len(ref_cases)
     # what it does not declare is still probed: one case per undeclared feature, unadapted
-    assert {f for c in probes for f in unsupported(caps, c)} >= {"layout:zigzag", "layout:striped", "mask:window",
-                                                                 "mask:document"}
+    assert {f for c in probes for f in unsupported(caps, c)} >= {
+        "layout:zigzag",
+        "layout:striped",
+        "mask:window",
+        "mask:document",
+    }
 
 
 def test_adapting_keeps_world_size_split_and_values():
@@ -57,20 +63,3 @@ def test_adapting_keeps_world_size_split_and_values():
         kept = (a.world_size, tuple(a.seq_lens), a.values, a.seed)
         # an idle rank (undeclared) gets one token; every other rank keeps its length
         assert kept == (c.world_size, tuple(max(1, n) for n in c.seq_lens), c.values, c.seed)
-
-
-def test_the_plugin_runs_the_same_adapted_battery(monkeypatch):
-    ran = []
-    checker = RingChecker(pool=None, impl=NARROW, world_size=4, max_examples=0, faults="early-read")
-    monkeypatch.setattr(checker, "run", lambda case, impl=None: ran.append(case) or _Passed(case))
-    checker.battery()
-    caps, (cases, _) = _plan(NARROW)
-    battery_part = ran[:len(cases)]
-    assert [c.key() for c in battery_part] == [c.key() for c in cases]
-    assert all(not unsupported(caps, c) for c in ran)
-    assert any(c.faults for c in ran[len(cases):])  # --ring-faults adds the fault stage
-
-
-class _Passed:
-    def __init__(self, case) -> None:
-        self.case, self.passed, self.verdict, self.extra = case, True, "pass", {"as_expected": True}

@@ -1,5 +1,5 @@
-"""The fault battery: kind parsing, seeded case generation, the table, the leftover-process check, and
-`ring-harness check --faults` end to end (the 200-case run is slow)."""
+"""The fault battery: kind parsing, seeded case generation, the table, the leftover-process check,
+and `ring-harness check --faults` end to end (the 200-case run is slow)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ from harness.search import fault_battery as battery
 
 def test_parse_kinds():
     assert parse_kinds("all", KINDS, "--faults", KINDS, allow_all=True) == KINDS
-    assert parse_kinds("crash, delay", KINDS, "--faults", KINDS, allow_all=True) == ("delay", "crash")
+    assert parse_kinds("crash, delay", KINDS, "--faults", KINDS, allow_all=True) == (
+        "delay",
+        "crash",
+    )
     with pytest.raises(HarnessError, match="unknown fault kind 'melt'"):
         parse_kinds("delay,melt", KINDS, "--faults", KINDS, allow_all=True)
 
@@ -37,14 +40,22 @@ def test_fault_cases_are_seeded_valid_and_rotate_kinds():
         (spec,) = parse_faults(c.faults, c.world_size)
         assert 2 <= c.world_size <= 4 and min(c.seq_lens) >= 2 and c.deadline_s == 8.0
         assert spec.index is None or spec.index <= c.world_size - 2
-    assert {s["how"] for s in (c.faults[0] for c in a) if s["kind"] == "crash"} == {"exit0", "exit1", "sigkill"}
+    assert {s["how"] for s in (c.faults[0] for c in a) if s["kind"] == "crash"} == {
+        "exit0",
+        "exit1",
+        "sigkill",
+    }
 
 
 def test_table_counts_verdicts_per_kind():
     cases = battery.fault_cases(("drop", "delay"), 3)
     res = runner.BatteryOutcome()
-    for c, verdict, ok in zip(cases, ("fail-stop", "pass", "silent-corruption"), (True, True, False), strict=True):
-        res.rows.append((battery.kind_of(c), CaseResult(c, "reference", verdict, extra={"as_expected": ok})))
+    for c, verdict, ok in zip(
+        cases, ("fail-stop", "pass", "silent-corruption"), (True, True, False), strict=True
+    ):
+        res.rows.append(
+            (battery.kind_of(c), CaseResult(c, "reference", verdict, extra={"as_expected": ok}))
+        )
     lines = runner.table_lines(res)
     assert re.match(r"delay\s+1\s+1\s+0\s+0", lines[2])
     assert re.match(r"drop\s+2\s+0\s+1\s+1\s+0\s+0\s+0\s+fail-stop\s+1/2", lines[3])
@@ -52,11 +63,23 @@ def test_table_counts_verdicts_per_kind():
 
 
 def test_leftover_check_sees_a_live_worker_and_not_a_dead_one():
-    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "harness.ranks.worker",
-                             "--parent", str(os.getpid()), "--x"])
+    fake = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            "harness.ranks.worker",
+            "--parent",
+            str(os.getpid()),
+            "--x",
+        ]
+    )
     try:
         time.sleep(0.3)
-        assert any(line.startswith(f"{fake.pid}:") for line in leftover_workers(set(), wait_s=0.2, scan=True))
+        assert any(
+            line.startswith(f"{fake.pid}:")
+            for line in leftover_workers(set(), wait_s=0.2, scan=True)
+        )
         assert leftover_workers({fake.pid}, wait_s=0.2, scan=False)
     finally:
         fake.kill()
@@ -80,15 +103,22 @@ def test_check_faults_prints_the_table_and_leaves_no_worker(capsys):
 
 @pytest.mark.slow
 def test_200_faulted_cases_no_hang_no_leftover():
-    """The full battery (every kind, 200 cases) as a user runs it: exit 0 means every case ended as it
-    must, none hung past its deadline, the pool healed every time, and no worker process was left."""
+    """The full battery (every kind, 200 cases) as a user runs it: exit 0 means every case ended as
+    it must, none hung past its deadline, the pool healed every time, and no worker process was
+    left."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "check", "--faults", "all", "--fault-cases", "200"],
-                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "check", "--faults", "all", "--fault-cases", "200"],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate(timeout=3600)
     assert proc.returncode == 0, out[-4000:] + err[-2000:]
     assert re.search(r"total\s+200\s+.*200/200", out)
     assert "hangs: 0; past the deadline: 0" in out
     assert "worker processes left behind: 0" in out
     assert re.search(r"straggler: .* slowdown x\d", out)
-    assert leftover_workers(set(), parent=proc.pid, wait_s=5.0, scan=True) == []  # checked from outside too
+    # checked from outside too
+    assert leftover_workers(set(), parent=proc.pid, wait_s=5.0, scan=True) == []

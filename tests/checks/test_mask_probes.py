@@ -1,12 +1,10 @@
-"""Probes of an undeclared mask expression (issue #16): an implementation that silently accepts one and
-answers wrong is a finding; one that refuses it in one line is not."""
+"""Probes of an undeclared mask expression (issue #16): an implementation that silently accepts one
+and answers wrong is a finding; one that refuses it in one line is not."""
 
 from __future__ import annotations
 
-import pytest
-
-from harness.checks.check import battery_plan
 from harness.checks.options import CheckOptions
+from harness.checks.stages import battery
 from harness.impls.capabilities import unsupported
 from harness.judging.verdicts import probe_acceptable
 from harness.runner import run_case
@@ -16,7 +14,7 @@ BLIND, REFUSING = "tests.helpers.mask_impls:mask_blind", "tests.helpers.mask_imp
 
 
 def _expression_probes():
-    _, probes = battery_plan(CheckOptions(impl=BLIND), NARROW)
+    _, probes = battery.plan(CheckOptions(impl=BLIND), NARROW)
     return [c for c in probes if "mask:expr" in unsupported(NARROW, c)]
 
 
@@ -25,12 +23,7 @@ def test_the_battery_probes_an_undeclared_expression():
     assert probes and probes[0].mask.kind == "expr"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from harness.ranks.pool import RankPool
-
-    with RankPool(4) as p:
-        yield p
+POOL_SIZE = 4  # ranks of the module's `pool` (tests/conftest.py)
 
 
 def test_a_silently_accepted_expression_is_a_finding_a_refusal_is_not(pool):
@@ -39,5 +32,6 @@ def test_a_silently_accepted_expression_is_a_finding_a_refusal_is_not(pool):
     assert blind.verdict == "silent-corruption" and not probe_acceptable(blind)
     refused = run_case(c, pool, REFUSING, allow_import=True)
     assert refused.verdict == "fail-stop" and probe_acceptable(refused)
-    assert "unsupported here: mask expr" in str(refused.errors) and f"the mask is {c.mask.describe()}" in str(
-        refused.errors)
+    assert "unsupported here: mask expr" in str(
+        refused.errors
+    ) and f"the mask is {c.mask.describe()}" in str(refused.errors)

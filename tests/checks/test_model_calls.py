@@ -1,7 +1,7 @@
-"""The check with the calls, input forms and values a model hands a ring (issue #40): a forward-only ring
-passes with every case's out judged, a wrong one fails; each mutant of the class is killed by the battery
-and passes it with those dimensions off (`--no-model-calls`). The whole default check of each mutant with
-them off runs in the slow tier."""
+"""The check with the calls, input forms and values a model hands a ring (issue #40): a forward-only
+ring passes with every case's out judged, a wrong one fails; each mutant of the class is killed by
+the battery and passes it with those dimensions off (`--no-model-calls`). The whole default check of
+each mutant with them off runs in the slow tier."""
 
 from __future__ import annotations
 
@@ -12,22 +12,25 @@ import pytest
 from harness.checks.check import run_check
 from harness.checks.options import CheckOptions
 from harness.checks.report import Reporter
-from harness.ranks.pool import RankPool
 
-NEW_MUTANTS = ("no-grad-path-causal-by-rank", "q-scaled-in-place", "inputs-assumed-contiguous",
-               "dout-assumed-contiguous", "qk-product-in-input-dtype")
+NEW_MUTANTS = (
+    "no-grad-path-causal-by-rank",
+    "q-scaled-in-place",
+    "inputs-assumed-contiguous",
+    "dout-assumed-contiguous",
+    "qk-product-in-input-dtype",
+)
 FORWARD_ONLY = "tests.helpers.impls:forward_only"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(size=8) as p:
-        yield p
+POOL_SIZE = 8  # ranks of the module's `pool` (tests/conftest.py)
 
 
 def _check(pool, tmp_path, impl: str, **kw):
     opts = dict(impl=impl, repeat=False, save_dir=str(tmp_path))
-    return run_check(pool, CheckOptions(**{**opts, **kw}).validate(), reporter=Reporter(io.StringIO()))
+    return run_check(
+        pool, CheckOptions(**{**opts, **kw}).validate(), reporter=Reporter(io.StringIO())
+    )
 
 
 def test_a_forward_only_ring_passes_with_every_out_judged(pool, tmp_path):
@@ -39,19 +42,32 @@ def test_a_forward_only_ring_passes_with_every_out_judged(pool, tmp_path):
 
 
 def test_a_wrong_forward_only_ring_fails(pool, tmp_path):
-    res = _check(pool, tmp_path, "tests.helpers.impls:forward_only_wrong", max_examples=0, scale=False,
-                 growth=False, fault_stage=())
+    res = _check(
+        pool,
+        tmp_path,
+        "tests.helpers.impls:forward_only_wrong",
+        max_examples=0,
+        scale=False,
+        growth=False,
+        fault_stage=(),
+    )
     assert not res.passed
     assert {f.result.case.layout for f in res.failures} <= {"zigzag", "striped"}
 
 
 @pytest.mark.parametrize("name", NEW_MUTANTS)
-def test_each_new_mutant_is_killed_by_the_battery_and_survives_it_without_model_calls(pool, tmp_path, name):
+def test_each_new_mutant_is_killed_by_the_battery_and_survives_it_without_model_calls(
+    pool, tmp_path, name
+):
     battery = dict(max_examples=0, scale=False, growth=False, fault_stage=())
     on = _check(pool, tmp_path / "on", f"mutant:{name}", **battery)
     assert not on.passed
-    assert all(f.result.case.call != "train" or f.result.case.inputs != "contiguous"
-               or f.result.case.values in ("outliers", "qk-overflow", "sink") for f in on.failures)
+    assert all(
+        f.result.case.call != "train"
+        or f.result.case.inputs != "contiguous"
+        or f.result.case.values in ("outliers", "qk-overflow", "sink")
+        for f in on.failures
+    )
     off = _check(pool, tmp_path / "off", f"mutant:{name}", model_calls=False, **battery)
     assert off.passed, [f.result.detail for f in off.failures]
 
@@ -59,7 +75,8 @@ def test_each_new_mutant_is_killed_by_the_battery_and_survives_it_without_model_
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NEW_MUTANTS)
 def test_each_new_mutant_passes_the_whole_default_check_without_model_calls(pool, tmp_path, name):
-    # what the battery test cannot show: the property stage, the scale and fault stages and the growth check
-    # miss each of them too when the new dimensions are off (so the dimensions are what kills them)
+    # what the battery test cannot show: the property stage, the scale and fault stages and the
+    # growth check miss each of them too when the new dimensions are off (so the dimensions are what
+    # kills them)
     res = _check(pool, tmp_path, f"mutant:{name}", model_calls=False)
     assert res.passed, [f.result.detail for f in res.failures]

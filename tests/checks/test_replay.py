@@ -12,17 +12,12 @@ from harness import case as case_mod
 from harness.case import make_case
 from harness.commands.cli import main
 from harness.runner import run_case
-from harness.search.fuzz import save_failure
+from harness.search.failures import save_failure
 
 PLANTED = "tests.helpers.planted_impls:late_diagonal"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from harness.ranks.pool import RankPool
-
-    with RankPool(3) as p:
-        yield p
+POOL_SIZE = 3  # ranks of the module's `pool` (tests/conftest.py)
 
 
 @pytest.fixture
@@ -41,15 +36,25 @@ def shared_pool(pool, monkeypatch):
 
 @pytest.fixture
 def planted_file(pool, tmp_path):
-    c = make_case(world_size=3, seq_lens=(1, 1, 1), mask={"kind": "causal"}, heads_q=1, heads_kv=1, head_dim=4,
-                  impl=PLANTED)
+    c = make_case(
+        world_size=3,
+        seq_lens=(1, 1, 1),
+        mask={"kind": "causal"},
+        heads_q=1,
+        heads_kv=1,
+        head_dim=4,
+        impl=PLANTED,
+    )
     r = run_case(c, pool, allow_import=True)
     assert r.verdict == "silent-corruption"
     return save_failure(r, tmp_path / "late-diagonal.yaml", "planted late diagonal")
 
 
 def test_reproduces_verdict_and_hashes(shared_pool, planted_file, capsys, tmp_path):
-    assert main(["replay", str(planted_file), "--impl", PLANTED, "--json", str(tmp_path / "r.json")]) == 1
+    assert (
+        main(["replay", str(planted_file), "--impl", PLANTED, "--json", str(tmp_path / "r.json")])
+        == 1
+    )
     out = capsys.readouterr().out
     assert "silent-corruption: reproduces the recorded verdict" in out
     assert "all 15 output shards match the record bit for bit" in out
@@ -75,22 +80,35 @@ def test_a_recorded_pass_that_now_fails_does_not_reproduce(shared_pool, planted_
 
 
 def test_same_case_passes_on_the_reference(shared_pool, planted_file, capsys, tmp_path):
-    assert main(["replay", str(planted_file), "--impl", "reference", "--plot", str(tmp_path / "plots")]) == 0
+    assert (
+        main(
+            ["replay", str(planted_file), "--impl", "reference", "--plot", str(tmp_path / "plots")]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "verdict: pass" in out and "recorded for tests.helpers.planted_impls:late_diagonal" in out
+    assert (
+        "verdict: pass" in out and "recorded for tests.helpers.planted_impls:late_diagonal" in out
+    )
     assert not (tmp_path / "plots").exists()  # nothing to plot for a pass
 
 
 def test_plot_of_a_failing_replay(shared_pool, planted_file, capsys, tmp_path):
-    assert main(["replay", str(planted_file), "--impl", PLANTED, "--plot", str(tmp_path / "plots")]) == 1
+    assert (
+        main(["replay", str(planted_file), "--impl", PLANTED, "--plot", str(tmp_path / "plots")])
+        == 1
+    )
     out = capsys.readouterr().out
     assert "mask hides" in out
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
-        f"late-diagonal-{t}.png" for t in ("dk", "dq", "dv", "out")]
+        f"late-diagonal-{t}.png" for t in ("dk", "dq", "dv", "out")
+    ]
 
 
 def test_a_passing_reference_case_replays_with_exit_0(shared_pool, pool, tmp_path, capsys):
-    c = make_case(world_size=2, seq_lens=(3, 2), layout="zigzag", mask={"kind": "window", "window": 2})
+    c = make_case(
+        world_size=2, seq_lens=(3, 2), layout="zigzag", mask={"kind": "window", "window": 2}
+    )
     r = run_case(c, pool)
     from harness.result import result_record
 
@@ -100,12 +118,15 @@ def test_a_passing_reference_case_replays_with_exit_0(shared_pool, pool, tmp_pat
     assert "pass: reproduces the recorded verdict" in out and "bit for bit" in out
 
 
-@pytest.mark.parametrize("text, needle", [
-    (None, "cannot read case file"),
-    ("world_size: [1\n", "malformed YAML"),
-    ("world_size: 2\nseq_lens: [1]\n", "'seq_lens'"),
-    (f"world_size: 1\nseq_lens: [2]\nimpl: {PLANTED}\n", "give it on the command line"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (None, "cannot read case file"),
+        ("world_size: [1\n", "malformed YAML"),
+        ("world_size: 2\nseq_lens: [1]\n", "'seq_lens'"),
+        (f"world_size: 1\nseq_lens: [2]\nimpl: {PLANTED}\n", "give it on the command line"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, text, needle):
     path = tmp_path / "bad.yaml"
     if text is not None:
@@ -116,8 +137,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, text, needle):
 
 
 def test_hashes_must_match_only_on_the_torch_and_cpu_platform_they_were_recorded_on():
-    """MKL and ATen pick kernels by the CPU: the corpus recorded on one machine rounded differently on an
-    Intel AVX512 one (5 mutant cases, fp32 among them; MKL_CBWR=COMPATIBLE made them match)."""
+    """MKL and ATen pick kernels by the CPU: the corpus recorded on one machine rounded
+    differently on an Intel AVX512 one (5 mutant cases, fp32 among them; MKL_CBWR=COMPATIBLE made
+    them match)."""
     import torch
 
     from harness.checks.replay import hash_note

@@ -1,6 +1,6 @@
-"""The scale stage in the default check (issue #29): the three mutants that are right at toy sizes pass today's
-battery and growth check (the check as it was, `--no-scale`) and each fails a scale-stage case; the stage's rows,
-counts and JSON are reported like the battery's."""
+"""The scale stage in the default check (issue #29): the three mutants that are right at toy sizes
+pass today's battery and growth check (the check as it was, `--no-scale`) and each fails a
+scale-stage case; the stage's rows, counts and JSON are reported like the battery's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import io
 
 import pytest
 
-from harness.checks.check import outcome_json, run_check, verdict_line
+from harness.checks.check import run_check
 from harness.checks.options import CheckOptions
 from harness.checks.report import Reporter
+from harness.checks.summary import outcome_json, verdict_line
 from harness.impls.adapters.reference import REFERENCE_CAPABILITIES
 from harness.runner import run_case
 from harness.search.scale import scale_cases
@@ -18,12 +19,7 @@ from harness.search.scale import scale_cases
 SCALE_MUTANTS = ("tile-tail-dropped", "positions-in-input-dtype", "head-dim-dispatch-slip")
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from harness.ranks.pool import RankPool
-
-    with RankPool(8) as p:
-        yield p
+POOL_SIZE = 8  # ranks of the module's `pool` (tests/conftest.py)
 
 
 @pytest.mark.parametrize("name", SCALE_MUTANTS)
@@ -39,17 +35,28 @@ def test_each_scale_mutant_fails_a_scale_stage_case(pool, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCALE_MUTANTS)
 def test_scale_mutants_pass_the_check_without_the_scale_stage(pool, name):
-    """Guards the issue's premise (slow: the battery and growth check per mutant, ~40 s each): each mutant is
-    exact on what the check ran before the scale stage, so only the new stage (or sizes at scale) can kill it."""
-    opts = CheckOptions(impl=f"mutant:{name}", scale=False, max_examples=30, fault_stage=(), repeat=False)
+    """Guards the issue's premise (slow: the battery and growth check per mutant, ~40 s each): each
+    mutant is exact on what the check ran before the scale stage, so only the new stage (or sizes at
+    scale) can kill it."""
+    opts = CheckOptions(
+        impl=f"mutant:{name}", scale=False, max_examples=30, fault_stage=(), repeat=False
+    )
     res = run_check(pool, opts, reporter=Reporter(io.StringIO()))
-    assert res.passed and not res.scale_results and len(res.results) > 40 and res.growth.cases, verdict_line(res)
+    assert res.passed and not res.scale_results and len(res.results) > 40 and res.growth.cases, (
+        verdict_line(res)
+    )
 
 
 def test_the_stage_is_reported_counted_and_stops_at_a_failure(pool, tmp_path):
     log = io.StringIO()
-    opts = CheckOptions(impl="mutant:tile-tail-dropped", max_examples=0, growth=False, fault_stage=(), repeat=False,
-                        save_dir=str(tmp_path))
+    opts = CheckOptions(
+        impl="mutant:tile-tail-dropped",
+        max_examples=0,
+        growth=False,
+        fault_stage=(),
+        repeat=False,
+        save_dir=str(tmp_path),
+    )
     res = run_check(pool, opts, stop_at_first_failure=True, reporter=Reporter(log))
     text = log.getvalue()
     assert "scale stage: 7 cases at training sizes (kernel tiles 64, 128" in text

@@ -1,6 +1,7 @@
-"""scripts/gpu_check.py, the prepared GPU validation, on CPU: it runs from the checkout, bounds every step,
-and writes a report listing every step with its outcome and seconds (the CUDA-only steps skipped, with why).
-The whole CPU run (every step that applies, ~6 min here) is run by hand before resolving (docs/gpu.md)."""
+"""scripts/gpu_check.py, the prepared GPU validation, on CPU: it runs from the checkout, bounds
+every step, and writes a report listing every step with its outcome and seconds (the CUDA-only steps
+skipped, with why). The whole CPU run (every step that applies, ~6 min here) is run by hand before
+resolving (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,38 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 def test_gpu_check_on_cpu_writes_a_report_of_every_step(tmp_path):
     out = tmp_path / "report"
-    p = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--device", "cpu", "--budget", "200",
-                        "--only", "reference-cases"], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--budget",
+            "200",
+            "--only",
+            "reference-cases",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads((out / "report.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
     assert steps["environment"]["outcome"] == "passed" and report["environment"]["torch"]
     assert steps["reference-cases"]["outcome"] == "passed"
-    assert len(steps["reference-cases"]["details"]) == 12  # W = 1, 2, 4, 8 x three layout/mask pairs
-    for name in ("torch-cp", "torch-flex-cp-compiled", "nccl-smoke-w1", "torchrun-nccl-w1", "nccl-multi-rank-per-gpu"):
+    # W = 1, 2, 4, 8 x three layout/mask pairs
+    assert len(steps["reference-cases"]["details"]) == 12
+    for name in (
+        "torch-cp",
+        "torch-flex-cp-compiled",
+        "nccl-smoke-w1",
+        "torchrun-nccl-w1",
+        "nccl-multi-rank-per-gpu",
+    ):
         assert steps[name]["outcome"] == "skipped" and "CUDA only" in steps[name]["summary"]
     assert steps["check"]["outcome"] == "skipped" and steps["check"]["summary"] == "not in --only"
     assert all(isinstance(s["seconds"], float) for s in report["steps"])
@@ -39,8 +63,13 @@ def test_a_step_past_its_limit_is_stopped_and_reported(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     (tmp_path / "steps").mkdir()
-    hang = gpu_check.Step("hang", "sleeps", [sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1.0,
-                          min_s=0.5)
+    hang = gpu_check.Step(
+        "hang",
+        "sleeps",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        timeout_s=1.0,
+        min_s=0.5,
+    )
     monkeypatch.setattr(gpu_check, "TERM_GRACE_S", 2.0)
     o = gpu_check.run_step(hang, tmp_path, left_s=100.0)
     assert o.outcome == "timed out" and o.seconds < 10
@@ -49,11 +78,27 @@ def test_a_step_past_its_limit_is_stopped_and_reported(tmp_path, monkeypatch):
 
 
 def test_an_adapter_whose_ranks_die_of_a_signal_stops_after_two_cases(tmp_path):
-    """On the H200 a crashing adapter spent ~10 s per case restarting its ranks; its third case is not run."""
+    """On the H200 a crashing adapter spent ~10 s per case restarting its ranks; its third case is
+    not run."""
     out = tmp_path / "cases.json"
-    p = subprocess.run([sys.executable, str(SCRIPT), "--cases", "tests.helpers.impls:segfault", "--worlds", "2",
-                        "--device", "cpu", "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--cases",
+            "tests.helpers.impls:segfault",
+            "--worlds",
+            "2",
+            "--device",
+            "cpu",
+            "--json-out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     rows = json.loads(out.read_text())
     assert [r["verdict"] for r in rows] == ["fail-stop", "fail-stop", "not run"]
@@ -61,14 +106,15 @@ def test_an_adapter_whose_ranks_die_of_a_signal_stops_after_two_cases(tmp_path):
 
 
 def test_the_probe_step_is_judged_on_the_ops_the_harness_hands_gloo():
-    """On the H100 raw gloo P2P and funcol's all-gather failed with CUDA tensors, as expected: the harness stages
-    them. Those probes describe gloo; the staged ones and the collectives used raw decide the step."""
+    """On the H100 raw gloo P2P and funcol's all-gather failed with CUDA tensors, as expected: the
+    harness stages them. Those probes describe gloo; the staged ones and the collectives used raw
+    decide the step."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import gpu_check
+        import gpu_check_steps as steps
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    on_cuda = {name for name in gpu_check.PROBES if not gpu_check.probe_relied_on(name, "cuda")}
+    on_cuda = {name for name in steps.PROBES if not steps.probe_relied_on(name, "cuda")}
     assert on_cuda == {"isend-irecv", "funcol.all_gather_tensor", "funcol.reduce_scatter_tensor"}
-    assert all(gpu_check.probe_relied_on(name, "cpu") for name in gpu_check.PROBES)
-    assert gpu_check.probe_relied_on("staged funcol.all_gather_tensor", "cuda")
+    assert all(steps.probe_relied_on(name, "cpu") for name in steps.PROBES)
+    assert steps.probe_relied_on("staged funcol.all_gather_tensor", "cuda")

@@ -1,13 +1,13 @@
 """Every command and code block of the README and docs/ runs as written (issues #18, #30).
 
-The bash blocks of README.md and docs/*.md are extracted (continuation lines joined, comments dropped) and
-each command must appear in COMMANDS with how it is run: in the default tier, in the slow tier
-(`--run-slow`, CI runs both), or not at all with the reason. A command added without an entry fails
-`test_every_documented_command_is_classified`. Commands run in a fresh directory (so their outputs, e.g.
-`ring-harness-failures/`, `selftest.json`, `plots/`, never land in the repository) that links the
-repository's `cases/` and holds the README's adapter example (`myring.py`); placeholders are filled in as
-noted. The Python blocks run as scripts, the case-file example loads as a valid case and the fault list
-as valid faults.
+The bash blocks of README.md and docs/*.md are extracted (continuation lines joined, comments
+dropped) and each command must appear in COMMANDS with how it is run: in the default tier, in the
+slow tier (`--run-slow`, CI runs both), or not at all with the reason. A command added without an
+entry fails `test_every_documented_command_is_classified`. Commands run in a fresh directory (so
+their outputs, e.g. `ring-harness-failures/`, `selftest.json`, `plots/`, never land in the
+repository) that links the repository's `cases/` and holds the README's adapter example
+(`myring.py`); placeholders are filled in as noted. The Python blocks run as scripts, the case-file
+example loads as a valid case and the fault list as valid faults.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-DOCS = {p.relative_to(ROOT).as_posix(): p.read_text()
-        for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+DOCS = {
+    p.relative_to(ROOT).as_posix(): p.read_text()
+    for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
 ALL = "\n".join(DOCS.values())
 
 
@@ -33,6 +35,7 @@ def my_ring_example(text: str = README) -> str:
     block = re.search(r"```python\n(# myring\.py.*?)```", text, re.S)
     assert block, "the README lost its adapter example"
     return block.group(1)
+
 
 SETUP = "skip: CI's set-up, run verbatim first in a fresh clone (tests/commands/test_ci_runs_the_readme.py)"
 # command as written -> (tier, expected exit status, the command actually run or None = as written)
@@ -43,44 +46,77 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     "pip install -r ci/requirements-cpu.txt": (SETUP, None, None),
     "pip install -e '.[dev]'": (SETUP, None, None),
     "ring-harness check": ("slow", 0, None),
-    "ring-harness check --impl myring:my_ring": ("slow", 0, None),  # the README's adapter example, end to end
-    "python -m pytest -n 2": ("skip: it is this test suite, which CI runs verbatim in the README's environment "
-                              "(tests/commands/test_ci_runs_the_readme.py)", None, None),
-    "ring-harness replay cases/mutant-causal-step-off-by-one.yaml": ("fast", 1, None),  # the mutant's failure
-    "ring-harness replay CASE.yaml --impl reference --plot plots/":
-        ("fast", 0, "ring-harness replay cases/mutant-causal-step-off-by-one.yaml --impl reference --plot plots/"),
-    "ring-harness check --faults all --fault-cases 200":
-        ("skip: the same command runs in tests/checks/test_fault_battery.py::"
-         "test_200_faulted_cases_no_hang_no_leftover (slow tier), which also checks that no process is left",
-         None, None),
-    "torchrun --standalone --nproc-per-node 8 -m harness check --launcher torchrun --world-size 8":
-        ("skip: 8 NCCL ranks on one GPU host; the torchrun path runs on gloo in tests/ranks/test_torchrun.py",
-         None, None),
+    # the README's adapter example, end to end
+    "ring-harness check --impl myring:my_ring": ("slow", 0, None),
+    "python -m pytest -n 2": (
+        "skip: it is this test suite, which CI runs verbatim in the README's "
+        "environment "
+        "(tests/commands/test_ci_runs_the_readme.py)",
+        None,
+        None,
+    ),
+    # the mutant's failure
+    "ring-harness replay cases/mutant-causal-step-off-by-one.yaml": ("fast", 1, None),
+    "ring-harness replay CASE.yaml --impl reference --plot plots/": (
+        "fast",
+        0,
+        "ring-harness replay cases/mutant-causal-step-off-by-one.yaml --impl reference "
+        "--plot plots/",
+    ),
+    "ring-harness check --faults all --fault-cases 200": (
+        "skip: the same command runs in tests/checks/test_fault_battery.py::"
+        "test_200_faulted_cases_no_hang_no_leftover (slow tier), which also checks that no "
+        "process is left",
+        None,
+        None,
+    ),
+    "torchrun --standalone --nproc-per-node 8 -m harness check --launcher torchrun --world-size 8": (
+        "skip: 8 NCCL ranks on one GPU host; the torchrun path runs on gloo in "
+        "tests/ranks/test_torchrun.py",
+        None,
+        None,
+    ),
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 "
-    "--rdzv-id ring-harness-1 -m harness check --launcher torchrun --world-size 16 --impl ring-flash-attn-zigzag":
-        ("skip: two GPU nodes", None, None),
+    "--rdzv-id ring-harness-1 -m harness check --launcher torchrun --world-size 16 --impl "
+    "ring-flash-attn-zigzag": ("skip: two GPU nodes", None, None),
     "ring-harness impls": ("fast", 0, None),
-    # no GPU here: both are refused in one line, exit 2 (tests/commands/test_gpu_check.py runs the script on CPU)
+    # no GPU here: both are refused in one line, exit 2 (tests/commands/test_gpu_check.py runs the
+    # script on CPU)
     "ring-harness check --device cuda --world-size 8": ("fast", 2, None),
-    "python scripts/gpu_check.py --out gpu-report --device cuda":
-        ("fast", 2, f"{sys.executable} {ROOT / 'scripts' / 'gpu_check.py'} --out gpu-report --device cuda"),
-    "ring-harness check --shape b1,hq32,hkv8,d128,L8192,W8": ("fast", 2, None),  # refused up front, one line
+    "python scripts/gpu_check.py --out gpu-report --device cuda": (
+        "fast",
+        2,
+        f"{sys.executable} {ROOT / 'scripts' / 'gpu_check.py'} --out gpu-report --device cuda",
+    ),
+    # refused up front, one line
+    "ring-harness check --shape b1,hq32,hkv8,d128,L8192,W8": ("fast", 2, None),
     "ring-harness check --shape b1,hq8,hkv2,d128,L520,W4 --dtype bf16": ("slow", 0, None),
-    "ring-harness selftest": ("skip: the whole zoo through the default check, ~15 min on 2 cores: run before resolving "
-                              "an issue (named in the closing note); the slow tier runs a subset with a mutant "
-                              "killed by each stage (the next command)", None, None),
+    "ring-harness selftest": (
+        "skip: the whole zoo through the default check, ~15 min on 2 cores: "
+        "run before resolving "
+        "an issue (named in the closing note); the slow tier runs a subset "
+        "with a mutant "
+        "killed by each stage (the next command)",
+        None,
+        None,
+    ),
     # the reference's false-alarm side is `ring-harness check` above (the same default check)
-    "ring-harness selftest --only naive-merge-sum,out-merge-in-input-dtype,tile-tail-dropped,read-before-wait "
+    "ring-harness selftest --only "
+    "naive-merge-sum,out-merge-in-input-dtype,tile-tail-dropped,read-before-wait "
     "--json selftest.json": ("slow", 0, None),
-    "ring-harness selftest --only reference --false-alarm-cases 2000":
-        ("skip: 2,000 property-based cases (10-20 min on 2 cores); the same false-alarm side runs with the ci "
-         "budget in `ring-harness selftest` above and in scripts/calibrate.py", None, None),
+    "ring-harness selftest --only reference --false-alarm-cases 2000": (
+        "skip: 2,000 property-based cases (10-20 min on 2 cores); the same false-alarm side runs "
+        "with the ci "
+        "budget in `ring-harness selftest` above and in scripts/calibrate.py",
+        None,
+        None,
+    ),
 }
 
 
 def readme_commands(text: str = ALL) -> list[str]:
-    """The commands of the bash blocks of README.md and docs/*.md: continuation lines joined, comments and
-    blanks dropped, `a && b` as two commands."""
+    """The commands of the bash blocks of README.md and docs/*.md: continuation lines joined,
+    comments and blanks dropped, `a && b` as two commands."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         joined = re.sub(r"\\\n\s*", "", block)
@@ -95,7 +131,9 @@ def test_every_documented_command_is_classified():
     assert found, "the README lost its bash blocks"
     missing = [c for c in found if c not in COMMANDS]
     stale = [c for c in COMMANDS if c not in found]
-    assert not missing, f"documented commands with no entry in COMMANDS (run them or say why not): {missing}"
+    assert not missing, (
+        f"documented commands with no entry in COMMANDS (run them or say why not): {missing}"
+    )
     assert not stale, f"COMMANDS entries README.md and docs/ no longer have: {stale}"
 
 
@@ -103,7 +141,8 @@ def _argv(command: str) -> list[str]:
     import shlex
 
     argv = shlex.split(command)
-    if argv[0] == "ring-harness" and shutil.which("ring-harness") is None:  # not installed as a script
+    # not installed as a script
+    if argv[0] == "ring-harness" and shutil.which("ring-harness") is None:
         argv = [sys.executable, "-m", "harness", *argv[1:]]
     return argv
 
@@ -112,10 +151,21 @@ def _run_command(command: str, tmp_path: Path) -> None:
     tier, code, actual = COMMANDS[command]
     (tmp_path / "cases").symlink_to(ROOT / "cases")
     (tmp_path / "myring.py").write_text(my_ring_example())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    p = subprocess.run(_argv(actual or command), cwd=tmp_path, capture_output=True, text=True, env=env,
-                       timeout=1500 if tier == "slow" else 300)
-    assert p.returncode == code, f"{command}: exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-3000:]}"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    p = subprocess.run(
+        _argv(actual or command),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500 if tier == "slow" else 300,
+    )
+    assert p.returncode == code, (
+        f"{command}: exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-3000:]}"
+    )
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     print(f"{command}: exit {p.returncode}; last line: {last}")
 
@@ -132,8 +182,9 @@ def test_readme_command_runs_as_written_slow(command, tmp_path):
 
 
 def test_documented_python_blocks_run(tmp_path):
-    """Every Python block of README.md and docs/ runs as a script (the pytest-plugin example runs under pytest:
-    tests/commands/test_readme.py); the adapter example is imported and run on two ranks."""
+    """Every Python block of README.md and docs/ runs as a script (the pytest-plugin example runs
+    under pytest: tests/commands/test_readme.py); the adapter example is imported and run on two
+    ranks."""
     blocks, seen = [], set()
     for name, text in DOCS.items():  # a block shown in two places runs once
         for b in re.findall(r"```python\n(.*?)```", text, re.S):
@@ -143,16 +194,34 @@ def test_documented_python_blocks_run(tmp_path):
     assert len(blocks) >= 3, "the README and docs lost their Python examples"
     (tmp_path / "cases").symlink_to(ROOT / "cases")
     (tmp_path / "myring.py").write_text(my_ring_example())
-    blocks.append(("README.md (the adapter example, run)", "from harness import assert_ring_close, make_case\n"
-                   "import myring\nassert_ring_close(myring.my_ring, make_case(world_size=2, total_len=8, "
-                   "mask={'kind': 'causal'}, dtype='bf16'))\n"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    blocks.append(
+        (
+            "README.md (the adapter example, run)",
+            "from harness import assert_ring_close, "
+            "make_case\n"
+            "import myring\nassert_ring_close(myring.my_ring, make_case(world_size=2, "
+            "total_len=8, "
+            "mask={'kind': 'causal'}, dtype='bf16'))\n",
+        )
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     for i, (name, block) in enumerate(blocks):
         script = tmp_path / f"block{i}.py"
         script.write_text(block)
-        p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env,
-                           timeout=400)
-        assert p.returncode == 0, f"{name} Python block {i}:\n{block}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        p = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=400,
+        )
+        assert p.returncode == 0, (
+            f"{name} Python block {i}:\n{block}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        )
 
 
 def test_documented_case_file_example_is_a_valid_case_and_the_faults_valid_faults():

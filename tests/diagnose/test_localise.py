@@ -15,7 +15,12 @@ PLANTED = "tests.helpers.planted_impls:late_diagonal"
 
 
 def test_geometry_of_a_zigzag_case():
-    c = make_case(world_size=2, seq_lens=(4, 4), layout="zigzag", mask={"kind": "document", "doc_starts": [0, 5]})
+    c = make_case(
+        world_size=2,
+        seq_lens=(4, 4),
+        layout="zigzag",
+        mask={"kind": "document", "doc_starts": [0, 5]},
+    )
     assert localise.owners(c).tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
     assert localise.row_order(c).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
     # run edges at 0|1, 1|2 (rank change), 3|4 (zigzag seam), 5|6 (rank change), 7
@@ -53,7 +58,10 @@ def test_token_findings_name_rank_boundaries_only_when_errors_sit_there():
     assert not any("boundaries" in f for f in loc.findings)
     one_rank = torch.zeros(16)
     one_rank[[9, 12]] = 3.0
-    assert any("fails only on rank(s) [1] of 2" in f for f in localise.localise(_fake_result(c, one_rank)).findings)
+    assert any(
+        "fails only on rank(s) [1] of 2" in f
+        for f in localise.localise(_fake_result(c, one_rank)).findings
+    )
 
 
 def test_token_findings_name_document_boundaries():
@@ -63,11 +71,14 @@ def test_token_findings_name_document_boundaries():
     assert any("document boundaries" in f for f in localise.localise(_fake_result(c, r)).findings)
 
 
-@pytest.mark.parametrize("where, words", [
-    ("step2", "ring step 2"),
-    ("diagonal", "causal-diagonal"),
-    ("masked", "mask hides"),
-])
+@pytest.mark.parametrize(
+    "where, words",
+    [
+        ("step2", "ring step 2"),
+        ("diagonal", "causal-diagonal"),
+        ("masked", "mask hides"),
+    ],
+)
 def test_block_findings(where, words):
     c = make_case(world_size=4, seq_lens=(2, 2, 2, 2), mask={"kind": "causal"})
     steps = localise.step_of(c, "out")
@@ -82,29 +93,42 @@ def test_block_findings(where, words):
         assert not any(w in " ".join(found) for w in others if w != "masked")
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from harness.ranks.pool import RankPool
-
-    with RankPool(3) as p:
-        yield p
+POOL_SIZE = 3  # ranks of the module's `pool` (tests/conftest.py)
 
 
 def test_probes_split_the_output_exactly(pool):
     """Attention is linear in V: the kv-probe outputs of all key blocks sum to the real output."""
     from harness.impls import probe
 
-    c = make_case(world_size=3, seq_lens=(3, 2, 4), layout="zigzag", mask={"kind": "causal"}, heads_q=2, heads_kv=1)
+    c = make_case(
+        world_size=3,
+        seq_lens=(3, 2, 4),
+        layout="zigzag",
+        mask={"kind": "causal"},
+        heads_q=2,
+        heads_kv=1,
+    )
     full = run_case(c, pool, "reference", keep_shards=True, leak=False)
-    parts = [run_case(c, pool, probe.spec("reference", "kv", b), allow_import=True, keep_shards=True, leak=False)
-             for b in range(3)]
+    parts = [
+        run_case(
+            c,
+            pool,
+            probe.spec("reference", "kv", b),
+            allow_import=True,
+            keep_shards=True,
+            leak=False,
+        )
+        for b in range(3)
+    ]
     for r in range(3):
         total = sum(p.shards[r]["out"].double() for p in parts)
         torch.testing.assert_close(total, full.shards[r]["out"].double(), rtol=0, atol=1e-5)
 
 
 def test_reference_is_clean_and_planted_bug_is_a_leak_on_a_late_step(pool):
-    c = make_case(world_size=3, seq_lens=(2, 2, 2), mask={"kind": "causal"}, heads_q=2, heads_kv=2, head_dim=8)
+    c = make_case(
+        world_size=3, seq_lens=(2, 2, 2), mask={"kind": "causal"}, heads_q=2, heads_kv=2, head_dim=8
+    )
     bad = run_case(c, pool, PLANTED, allow_import=True)
     assert not bad.passed
     loc = localise.localise(bad, pool)
@@ -112,10 +136,12 @@ def test_reference_is_clean_and_planted_bug_is_a_leak_on_a_late_step(pool):
     out = loc.blocks["out"]
     # rank 0's last query (token 1) sees key 2 (rank 1's block) at step 2: that hidden cell is hot
     assert out[1, 1] > 1 and not bool(loc.visible["out"][1, 1])
-    assert out[4:, :].max() <= 1  # rank 2 has no late-step leak to make (its step-2 block is visible anyway)
+    # rank 2 has no late-step leak to make (its step-2 block is visible anyway)
+    assert out[4:, :].max() <= 1
     assert loc.shares["blocks/out"]["masked_blocks"] > 0.3
     # the same probes on the reference: every cell is within tolerance
     ref = run_case(c, pool, "reference")
-    ref.checks, ref.verdict = bad.checks, "silent-corruption"  # same tolerances, forced through the probes
+    # same tolerances, forced through the probes
+    ref.checks, ref.verdict = bad.checks, "silent-corruption"
     clean = localise.probe_blocks(ref, pool)
     assert all(float(g.max()) <= 1 for g in clean.values())

@@ -23,7 +23,9 @@ def _loc(w=3, n_per=4):
         g[1, 0] = float("nan")  # a probe run that did not complete
         blocks[t] = g
         visible[t] = by_key if t in ("out", "dq") else by_query
-    return localise.Localisation(case=c, verdict="silent-corruption", blocks=blocks, visible=visible)
+    return localise.Localisation(
+        case=c, verdict="silent-corruption", blocks=blocks, visible=visible
+    )
 
 
 def test_writes_one_png_per_tensor(tmp_path):
@@ -47,7 +49,9 @@ def test_large_case_stays_a_sane_size(tmp_path):
 
 
 def test_nothing_to_plot_is_one_clear_error(tmp_path):
-    loc = localise.Localisation(case=make_case(world_size=1, seq_lens=(2,)), verdict="silent-corruption")
+    loc = localise.Localisation(
+        case=make_case(world_size=1, seq_lens=(2,)), verdict="silent-corruption"
+    )
     with pytest.raises(HarnessError, match="no block error maps"):
         plot.heatmaps(loc, tmp_path)
 
@@ -55,7 +59,8 @@ def test_nothing_to_plot_is_one_clear_error(tmp_path):
 def test_missing_matplotlib_is_one_line(monkeypatch, tmp_path):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    # makes `import matplotlib` raise ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(HarnessError) as e:
         plot.heatmaps(_loc(), tmp_path)
     assert "pip install 'ring-harness[plot]'" in str(e.value) and "\n" not in str(e.value)

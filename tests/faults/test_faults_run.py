@@ -14,21 +14,21 @@ from harness.faults.oplog import comm_steps
 from harness.faults.schema import make_fault
 from harness.judging.verdicts import DEATH_OF
 from harness.ranks.leftovers import leftover_workers
-from harness.ranks.pool import RankPool
 from harness.runner import run_case
 from harness.search.fault_strategies import faulted_cases
 
 DEADLINE = 6.0
+POOL_SIZE = 3  # ranks of the module's `pool` (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = RankPool(3)
+def pool(pool):
+    """The module's pool, recording every worker it ran: none may be left once it is closed."""
     pids: set[int] = set()
-    p.pids_seen = pids
-    yield p
-    pids.update(p.pids())
-    p.close()
+    pool.pids_seen = pids
+    yield pool
+    pids.update(pool.pids())
+    pool.close()
     assert leftover_workers(pids) == []
 
 
@@ -42,7 +42,9 @@ def _case(w=3, faults=(), **kw):
     kw.setdefault("total_len", 6 * w)
     kw.setdefault("layout", "zigzag")
     kw.setdefault("mask", {"kind": "causal"})
-    return make_case(world_size=w, faults=tuple(faults), deadline_s=kw.pop("deadline_s", DEADLINE), **kw)
+    return make_case(
+        world_size=w, faults=tuple(faults), deadline_s=kw.pop("deadline_s", DEADLINE), **kw
+    )
 
 
 def _healed(pool, case):
@@ -50,14 +52,18 @@ def _healed(pool, case):
     assert _run(pool, case.replace(faults=())).verdict == "pass"
 
 
-@pytest.mark.parametrize("fault", [
-    make_fault("delay", seconds=0.01, jitter=0.01),
-    make_fault("delay", rank=1, phase="backward", op="recv", seconds=0.05, where="complete"),
-    make_fault("early-read"),
-    make_fault("send-reuse"),
-    make_fault("straggler", rank=2, factor=3),
-    make_fault("straggler", rank=0, factor=2, slow="comm"),
-], ids=lambda f: f["kind"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        make_fault("delay", seconds=0.01, jitter=0.01),
+        make_fault("delay", rank=1, phase="backward", op="recv", seconds=0.05, where="complete"),
+        make_fault("early-read"),
+        make_fault("send-reuse"),
+        make_fault("straggler", rank=2, factor=3),
+        make_fault("straggler", rank=0, factor=2, slow="comm"),
+    ],
+    ids=lambda f: f["kind"],
+)
 def test_reference_is_bit_identical_under_benign_faults(pool, fault):
     r = _run(pool, _case(faults=[fault], seed=11))
     assert r.verdict == "pass", r.detail
@@ -65,26 +71,38 @@ def test_reference_is_bit_identical_under_benign_faults(pool, fault):
 
 
 def test_drop_is_fail_stop_naming_op_peer_and_phase(pool):
-    c = _case(w=2, layout="contiguous", faults=[make_fault("drop", rank=0, phase="forward", index=0)])
+    c = _case(
+        w=2, layout="contiguous", faults=[make_fault("drop", rank=0, phase="forward", index=0)]
+    )
     r = _run(pool, c)
-    # within the deadline: not a wall-clock guess but the pool's own contract (it stops waiting at the
-    # deadline and calls the case a hang), so a fail-stop verdict means every rank answered before it
+    # within the deadline: not a wall-clock guess but the pool's own contract (it stops waiting at
+    # the deadline and calls the case a hang), so a fail-stop verdict means every rank answered
+    # before it
     assert r.verdict == "fail-stop" and r.extra["as_expected"], r.detail
     assert not r.hung and r.timings["wall_s"] < c.deadline_s
     assert r.extra["fired"] == {0: 1}
-    assert r.errors and all("peer rank" in e and ("forward" in e or "backward" in e) for e in r.errors.values())
+    assert r.errors and all(
+        "peer rank" in e and ("forward" in e or "backward" in e) for e in r.errors.values()
+    )
     assert r.extra["clear_errors"] == sorted(r.errors)
     _healed(pool, c)
 
 
-@pytest.mark.parametrize("how", ["sigkill", pytest.param("exit0", marks=pytest.mark.slow),
-                                 pytest.param("exit1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "sigkill",
+        pytest.param("exit0", marks=pytest.mark.slow),
+        pytest.param("exit1", marks=pytest.mark.slow),
+    ],
+)
 def test_crash_is_fail_stop_and_the_pool_restarts(pool, how):
     c = _case(faults=[make_fault("crash", rank=1, phase="forward", index=1, how=how)])
     old = set(pool.pids())
     r = _run(pool, c)
     assert r.verdict == "fail-stop" and r.extra["as_expected"], r.detail
-    assert not r.hung and r.timings["wall_s"] < c.deadline_s  # answered before the deadline (see above)
+    # answered before the deadline (see above)
+    assert not r.hung and r.timings["wall_s"] < c.deadline_s
     assert 1 in r.dead and r.dead[1].startswith(DEATH_OF[how])
     assert r.extra["fired"] == {0: 1}
     _healed(pool, c)
@@ -93,8 +111,12 @@ def test_crash_is_fail_stop_and_the_pool_restarts(pool, how):
 
 
 def test_corrupt_is_reported_as_what_happened(pool):
-    c = _case(w=2, layout="contiguous", mask={"kind": "none"},
-              faults=[make_fault("corrupt", rank=0, phase="forward", index=0, bit=30, count=16)])
+    c = _case(
+        w=2,
+        layout="contiguous",
+        mask={"kind": "none"},
+        faults=[make_fault("corrupt", rank=0, phase="forward", index=0, bit=30, count=16)],
+    )
     r = _run(pool, c)
     assert r.verdict == "silent-corruption" and r.extra["fired"] == {0: 1}
     assert r.extra["as_expected"]  # any verdict but invalid
@@ -107,11 +129,14 @@ def test_a_fault_that_never_fires_makes_the_case_invalid(pool):
     assert not r.extra["as_expected"]
 
 
-@pytest.mark.parametrize("impl, fault", [
-    ("tests.helpers.fault_impls:read_before_wait", make_fault("early-read")),
-    ("tests.helpers.fault_impls:send_buffer_overwrite", make_fault("send-reuse")),
-    ("tests.helpers.fault_impls:tour_read_early", make_fault("early-read")),
-])
+@pytest.mark.parametrize(
+    "impl, fault",
+    [
+        ("tests.helpers.fault_impls:read_before_wait", make_fault("early-read")),
+        ("tests.helpers.fault_impls:send_buffer_overwrite", make_fault("send-reuse")),
+        ("tests.helpers.fault_impls:tour_read_early", make_fault("early-read")),
+    ],
+)
 def test_planted_buffer_bugs_are_caught(pool, impl, fault):
     for w in (2, 3):
         c = _case(w=w, faults=[fault])
@@ -128,18 +153,32 @@ def test_every_wrapped_operation_logs_and_delivers_under_early_read(pool):
     r = _run(pool, c, "tests.helpers.fault_impls:tour")
     assert r.verdict == "pass", r.detail
     fwd = phase_counts(r.extra["comm"][1])["forward"]
-    for kind in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_to_all_single",
-                 "reduce_scatter_tensor", "barrier", "send", "recv"):
-        assert fwd[kind] == 1, kind  # nested calls (all_gather_into_tensor -> all_gather_single) log once
+    for kind in (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "all_to_all_single",
+        "reduce_scatter_tensor",
+        "barrier",
+        "send",
+        "recv",
+    ):
+        # nested calls (all_gather_into_tensor -> all_gather_single) log once
+        assert fwd[kind] == 1, kind
     assert fwd["isend"] == fwd["irecv"] == 3  # batch_isend_irecv's pair + the ring's W-1 hops
 
 
 def test_comm_log_counts_the_ring_hops(pool):
     r = _run(pool, _case(w=3))
-    assert comm_steps(r.extra['comm']) == {0: 2, 1: 2, 2: 2}  # W-1 K/V sends per rank in forward
+    assert comm_steps(r.extra["comm"]) == {0: 2, 1: 2, 2: 2}  # W-1 K/V sends per rank in forward
     assert comm_steps(r.extra["comm"], "forward", ("irecv",)) == {0: 2, 1: 2, 2: 2}
     for g, log in r.extra["comm"].items():
-        sends = [peer for kind, peer, nbytes, phase, state in log if kind == "isend" and phase == "forward"]
+        sends = [
+            peer
+            for kind, peer, nbytes, phase, state in log
+            if kind == "isend" and phase == "forward"
+        ]
         assert sends == [(g + 1) % 3] * 2
         assert all(state == "done" for *_, state in log)
 
@@ -149,24 +188,50 @@ def test_hang_reports_pending_ops_and_tears_down(pool):
     old = set(pool.pids())
     r = _run(pool, c, "tests.helpers.fault_impls:hang_pending")
     assert r.verdict == "hang"
-    assert "pending irecv from peer rank" in r.detail and "last blocked waiting on barrier" in r.detail
+    assert (
+        "pending irecv from peer rank" in r.detail and "last blocked waiting on barrier" in r.detail
+    )
     assert all(s.startswith("pending ops: ") for s in r.hung.values())
     assert leftover_workers(old, wait_s=5.0, scan=False) == []
     _healed(pool, c)
 
 
 def test_faulted_case_file_replays_exactly(pool, tmp_path):
-    c = _case(w=2, faults=[make_fault("delay", seconds=0.0, jitter=0.01),
-                          make_fault("corrupt", rank=1, phase="backward", op="recv", index=0, bit=29)], seed=3)
+    c = _case(
+        w=2,
+        faults=[
+            make_fault("delay", seconds=0.0, jitter=0.01),
+            make_fault("corrupt", rank=1, phase="backward", op="recv", index=0, bit=29),
+        ],
+        seed=3,
+    )
     first = _run(pool, c)
-    loaded, _ = case_mod.load(case_mod.save(c, tmp_path / "c.yaml", result={"verdict": first.verdict}))
+    loaded, _ = case_mod.load(
+        case_mod.save(c, tmp_path / "c.yaml", result={"verdict": first.verdict})
+    )
     again = _run(pool, loaded)
-    assert (again.verdict, again.hashes, again.extra["fired"]) == (first.verdict, first.hashes, first.extra["fired"])
+    assert (again.verdict, again.hashes, again.extra["fired"]) == (
+        first.verdict,
+        first.hashes,
+        first.extra["fired"],
+    )
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=faulted_cases(kinds=("delay", "early-read", "send-reuse", "straggler"), max_world=3, pool_size=3,
-                          max_tokens=12, max_heads=2, max_head_dim=8, subgroups=False, deadline_s=DEADLINE))
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    case=faulted_cases(
+        kinds=("delay", "early-read", "send-reuse", "straggler"),
+        max_world=3,
+        pool_size=3,
+        max_tokens=12,
+        max_heads=2,
+        max_head_dim=8,
+        subgroups=False,
+        deadline_s=DEADLINE,
+    )
+)
 def test_property_runs_mix_in_drawn_benign_faults(pool, case):
     """Benign faults drawn into property-based cases never change the outcome nor a single bit."""
     plain = _run(pool, case.replace(faults=()))

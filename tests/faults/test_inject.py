@@ -1,5 +1,5 @@
-"""What fault kinds do to tensors and processes, in one process: bit flips, poison, delays, crash notes;
-and the op log's written forms and readers (faults.oplog)."""
+"""What fault kinds do to tensors and processes, in one process: bit flips, poison, delays, crash
+notes; and the op log's written forms and readers (faults.oplog)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_flip_bits_is_seeded_and_flips_exactly_one_bit_per_element():
     c = b.clone()
     flips_c = inject.flip_bits(c, inject.rng_for(5, spec, 1, 2), count=3)
     assert flips_a == flips_c and torch.equal(a.view(torch.int32), c.view(torch.int32))
-    diff = (a.view(torch.int32) ^ b.view(torch.int32))
+    diff = a.view(torch.int32) ^ b.view(torch.int32)
     assert int((diff != 0).sum()) == 3
     assert all(bin(int(x) & 0xFFFFFFFF).count("1") == 1 for x in diff[diff != 0])
     other = b.clone()
@@ -73,17 +73,22 @@ def test_crash_leaves_a_note_then_exits_the_scheduled_way(tmp_path, how, code, c
 
 
 def _log():
-    ops = [oplog.Op(0, "isend", "send", 1, 64, "forward", "done"),
-           oplog.Op(1, "irecv", "recv", 2, 64, "forward"),
-           oplog.Op(2, "isend", "send", 1, 64, "backward", "waiting"),
-           oplog.Op(3, "all_reduce", "collective", None, 8, "backward")]
+    ops = [
+        oplog.Op(0, "isend", "send", 1, 64, "forward", "done"),
+        oplog.Op(1, "irecv", "recv", 2, 64, "forward"),
+        oplog.Op(2, "isend", "send", 1, 64, "backward", "waiting"),
+        oplog.Op(3, "all_reduce", "collective", None, 8, "backward"),
+    ]
     return ops, oplog.compact_log(ops)
 
 
 def test_op_log_compact_form_and_readers():
     ops, log = _log()
     assert log[0] == ["isend", 1, 64, "forward", "done"]
-    assert oplog.phase_counts(log) == {"forward": {"isend": 1, "irecv": 1}, "backward": {"isend": 1, "all_reduce": 1}}
+    assert oplog.phase_counts(log) == {
+        "forward": {"isend": 1, "irecv": 1},
+        "backward": {"isend": 1, "all_reduce": 1},
+    }
     assert interpose.phase_counts is oplog.phase_counts  # still importable from where it was
     comm = {0: log, 1: log[1:]}
     assert oplog.comm_steps(comm) == {0: 1, 1: 0}
@@ -93,9 +98,11 @@ def test_op_log_compact_form_and_readers():
 def test_pending_text_names_the_waited_op_first(tmp_path):
     ops, _ = _log()
     text = oplog.pending_text(3, ops[2], ops[1:])
-    assert text.splitlines() == ["rank 3 last blocked waiting on isend to peer rank 1 (backward, op #2)",
-                                 "  pending irecv from peer rank 2 (forward, op #1) [posted]",
-                                 "  pending all_reduce (backward, op #3) [posted]"]
+    assert text.splitlines() == [
+        "rank 3 last blocked waiting on isend to peer rank 1 (backward, op #2)",
+        "  pending irecv from peer rank 2 (forward, op #1) [posted]",
+        "  pending all_reduce (backward, op #3) [posted]",
+    ]
     path = tmp_path / "pending-3"
     oplog.overwrite(str(path), text)
     oplog.overwrite(str(path), "short")  # in place, padded: readers strip

@@ -1,7 +1,7 @@
-"""P2P staging (harness.faults.staging), on CPU tensors: what --device cuda does to every P2P op, forced
-with --stage-p2p so CI runs the same code. Guards: NCCL's per-peer FIFO matching (tags ignored), one Work
-per batch_isend_irecv, the receive buffer written only at wait, and the forced path through the default
-check's battery and fault stage."""
+"""P2P staging (harness.faults.staging), on CPU tensors: what --device cuda does to every P2P op,
+forced with --stage-p2p so CI runs the same code. Guards: NCCL's per-peer FIFO matching (tags
+ignored), one Work per batch_isend_irecv, the receive buffer written only at wait, and the forced
+path through the default check's battery and fault stage."""
 
 from __future__ import annotations
 
@@ -25,9 +25,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _probe(tmp_path, stage: bool) -> dict:
     store = tmp_path / f"store-{stage}"
-    cmd = [sys.executable, "-m", "tests.helpers.staging_probe", "--store", str(store)] + (["--stage"] if stage else [])
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(2)]
+    cmd = [sys.executable, "-m", "tests.helpers.staging_probe", "--store", str(store)] + (
+        ["--stage"] if stage else []
+    )
+    procs = [
+        subprocess.Popen(
+            cmd + ["--rank", str(r)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     return json.loads(outs[1].strip().splitlines()[-1])
@@ -35,7 +45,8 @@ def _probe(tmp_path, stage: bool) -> dict:
 
 def test_staged_p2p_matches_as_nccl_does_and_writes_the_receive_buffer_at_wait(tmp_path):
     plain, staged = _probe(tmp_path, False), _probe(tmp_path, True)
-    # gloo matches by tag: the tag-2 receive gets the tag-2 message; NCCL (and staging) ignore tags: FIFO
+    # gloo matches by tag: the tag-2 receive gets the tag-2 message; NCCL (and staging) ignore tags:
+    # FIFO
     assert plain["tag2_receive_got"] == 2.0
     assert staged["tag2_receive_got"] == 1.0
     # NCCL's batch_isend_irecv gives one Work for the batch; gloo one per op
@@ -47,14 +58,16 @@ def test_staged_p2p_matches_as_nccl_does_and_writes_the_receive_buffer_at_wait(t
 
 
 def test_the_host_kernel_runs_a_functional_collective_on_host_copies(tmp_path):
-    """The CUDA kernel --device cuda gives funcol's all-gather (docs/gpu.md: SIGSEGV on gloo otherwise), run
-    here on CPU tensors in a one-rank gloo group: same result as the op itself, waited."""
+    """The CUDA kernel --device cuda gives funcol's all-gather (docs/gpu.md: SIGSEGV on gloo
+    otherwise), run here on CPU tensors in a one-rank gloo group: same result as the op itself,
+    waited."""
     import torch.distributed as dist
 
     code = (
         "import torch, torch.distributed as dist\n"
         "from harness.faults.staging import through_host, stage_functional_collectives\n"
-        f"dist.init_process_group('gloo', store=dist.FileStore({str(tmp_path / 'fc')!r}, 1), rank=0, world_size=1)\n"
+        f"dist.init_process_group('gloo', store=dist.FileStore({str(tmp_path / 'fc')!r}, 1), "
+        "rank=0, world_size=1)\n"
         "op = torch.ops._c10d_functional.all_gather_into_tensor.default\n"
         "x = torch.arange(6.0).view(2, 3)\n"
         "name = dist.group.WORLD.group_name\n"
@@ -67,7 +80,9 @@ def test_the_host_kernel_runs_a_functional_collective_on_host_copies(tmp_path):
         "dist.destroy_process_group()\n"
         "print('host kernel ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "host kernel ok" in r.stdout, r.stdout + r.stderr
     assert dist.is_available()
 
@@ -88,10 +103,20 @@ def test_placement_reads_the_environment(monkeypatch):
 
 
 def test_forced_staging_passes_the_battery_and_the_fault_stage(tmp_path):
-    """The reference ring through staged P2P on gloo ranks: every battery case and every early-read /
-    send-reuse case of the fault stage (the ones whose meaning staging must keep) pass."""
-    res = check(CheckOptions(stage_p2p=True, world_size=4, max_examples=0, growth=False, scale=False, repeat=False,
-                             save_dir=str(tmp_path)), reporter=ListReporter())
+    """The reference ring through staged P2P on gloo ranks: every battery case and every early-read
+    / send-reuse case of the fault stage (the ones whose meaning staging must keep) pass."""
+    res = check(
+        CheckOptions(
+            stage_p2p=True,
+            world_size=4,
+            max_examples=0,
+            growth=False,
+            scale=False,
+            repeat=False,
+            save_dir=str(tmp_path),
+        ),
+        reporter=ListReporter(),
+    )
     assert res.passed, res.failures
     assert len(res.fault_results) >= 9 and all(r.passed for r in res.fault_results)
 
@@ -99,5 +124,6 @@ def test_forced_staging_passes_the_battery_and_the_fault_stage(tmp_path):
 def test_a_pool_passes_its_placement_to_its_ranks():
     with RankPool(2, placement=Placement("cpu", True)) as pool:
         pool.ensure(2)
-        cmd = list(pool.procs[0].args)  # the worker's arguments (a forked worker's command line is its zygote's)
+        # the worker's arguments (a forked worker's command line is its zygote's)
+        cmd = list(pool.procs[0].args)
     assert "--stage-p2p" in cmd and cmd[cmd.index("--device") + 1] == "cpu"

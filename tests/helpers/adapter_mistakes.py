@@ -1,5 +1,6 @@
-"""Adapters with the mistakes a new user makes (tests/commands/test_adapter_errors.py): each must end in one line
-and exit 2, never in a traceback or exit 1. Module paths: tests.helpers.adapter_mistakes:NAME."""
+"""Adapters with the mistakes a new user makes (tests/commands/test_adapter_errors.py): each must
+end in one line and exit 2, never in a traceback or exit 1. Module paths:
+tests.helpers.adapter_mistakes:NAME."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ from harness.impls import registry
 _ref = registry.resolve("reference")
 
 # tuples and lists where the fields are sets: accepted as they are
-tuples = Impl("tuples", _ref.run, capabilities=Capabilities(layouts=("contiguous", "zigzag"), dtypes=["fp32", "bf16"],
-                                                           masks=("none", "causal"), head_dims=[16, 32]))
+tuples = Impl(
+    "tuples",
+    _ref.run,
+    capabilities=Capabilities(
+        layouts=("contiguous", "zigzag"),
+        dtypes=["fp32", "bf16"],
+        masks=("none", "causal"),
+        head_dims=[16, 32],
+    ),
+)
 
 
 def _typo(q, k, v, ctx):

@@ -1,5 +1,6 @@
-"""DeepSpeed variants for the tests: Ulysses as a caller who never registers a sequence-parallel mesh uses it
-(`no_mesh`), and FPDT with its online-softmax merge made overflow-free (`fpdt_stable_merge`)."""
+"""DeepSpeed variants for the tests: Ulysses as a caller who never registers a sequence-parallel
+mesh uses it (`no_mesh`), and FPDT with its online-softmax merge made overflow-free
+(`fpdt_stable_merge`)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ no_mesh = Impl("deepspeed-ulysses-no-mesh", _run, capabilities=_inner.capabiliti
 
 
 def _stable_update(out, lse, block_out, block_lse):
-    """FPDT's `_update_out_and_lse` with the overflow-free merge (new lse = lse - logsigmoid(lse - block lse)):
-    the same sum of the two softmax-weighted parts, never exp of a positive gap."""
+    """FPDT's `_update_out_and_lse` with the overflow-free merge (new lse = lse - logsigmoid(lse -
+    block lse)): the same sum of the two softmax-weighted parts, never exp of a positive gap."""
     import torch
 
     block_out = block_out.to(torch.float32)
@@ -51,6 +52,8 @@ def _fpdt_stable_run(q, k, v, ctx):
         fpdt_layer._update_out_and_lse = shipped
 
 
-# DeepSpeed FPDT with its online-softmax merge made overflow-free, the rest unmodified (the capabilities are the
-# built-in adapter's, without importing deepspeed here)
-fpdt_stable_merge = Impl("deepspeed-fpdt-stable-merge", _fpdt_stable_run, capabilities=deepspeed_fpdt.CAPABILITIES)
+# DeepSpeed FPDT with its online-softmax merge made overflow-free, the rest unmodified (the
+# capabilities are the built-in adapter's, without importing deepspeed here)
+fpdt_stable_merge = Impl(
+    "deepspeed-fpdt-stable-merge", _fpdt_stable_run, capabilities=deepspeed_fpdt.CAPABILITIES
+)

@@ -19,8 +19,17 @@ from ring_impl.ring import REFERENCE_PARTS, make_ring_attention
 
 def _adapt(fn) -> object:
     def run(q, k, v, ctx):
-        return fn(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
-                  softmax_scale=ctx.softmax_scale, return_lse=True)
+        return fn(
+            q,
+            k,
+            v,
+            group=ctx.group,
+            layout=ctx.layout,
+            lengths=ctx.lengths,
+            mask=ctx.mask,
+            softmax_scale=ctx.softmax_scale,
+            return_lse=True,
+        )
 
     return run
 
@@ -42,7 +51,7 @@ def _gathered(t: torch.Tensor, ctx, wait_first: bool) -> torch.Tensor:
 
 def _allgather_run(wait_first: bool):
     """Attention over all-gathered K/V (positions reordered to match), contiguous layout only."""
-    from ring_impl.masks import allowed
+    from ring_impl.mask_eval import allowed
 
     def run(q, k, v, ctx):
         kf = _GatherFn.apply(k, ctx, wait_first)
@@ -74,12 +83,14 @@ class _GatherFn(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         start = sum(ctx.lengths[: ctx.rank])
-        return grad[:, start: start + ctx.lengths[ctx.rank]].clone(), None, None
+        return grad[:, start : start + ctx.lengths[ctx.rank]].clone(), None, None
 
 
 reference_parts = Impl("tests-reference-parts", _adapt(make_ring_attention(REFERENCE_PARTS)))
 read_before_wait = Impl("mutant-read-before-wait", _adapt(MUTANTS["read-before-wait"]))
-send_buffer_overwrite = Impl("mutant-send-buffer-overwrite", _adapt(MUTANTS["send-buffer-overwrite"]))
+send_buffer_overwrite = Impl(
+    "mutant-send-buffer-overwrite", _adapt(MUTANTS["send-buffer-overwrite"])
+)
 allgather = Impl("tests-allgather", _allgather_run(wait_first=True))
 allgather_read_early = Impl("tests-allgather-read-early", _allgather_run(wait_first=False))
 
@@ -110,7 +121,9 @@ def _tour_ops(ctx, read_early: bool) -> torch.Tensor:
     dist.broadcast(b, src=ctx.global_ranks[0], group=g, async_op=True).wait()
     _expect("broadcast", b, torch.zeros(2))
     o = torch.empty(w)
-    dist.all_to_all_single(o, torch.tensor([float(r * w + j) for j in range(w)]), group=g, async_op=True).wait()
+    dist.all_to_all_single(
+        o, torch.tensor([float(r * w + j) for j in range(w)]), group=g, async_op=True
+    ).wait()
     _expect("all_to_all_single", o, torch.tensor([float(j * w + r) for j in range(w)]))
     o1 = torch.empty(1)
     dist.reduce_scatter_tensor(o1, torch.arange(w, dtype=f32), group=g, async_op=True).wait()
@@ -125,7 +138,10 @@ def _tour_ops(ctx, read_early: bool) -> torch.Tensor:
         dist.send(torch.full((2,), float(r)), nxt, group=g)
     _expect("send/recv", buf, torch.full((2,), float((r - 1) % w)))
     buf2 = torch.empty(2)
-    ops = [dist.P2POp(dist.isend, torch.full((2,), float(r)), nxt, group=g), dist.P2POp(dist.irecv, buf2, prv, group=g)]
+    ops = [
+        dist.P2POp(dist.isend, torch.full((2,), float(r)), nxt, group=g),
+        dist.P2POp(dist.irecv, buf2, prv, group=g),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     _expect("batch_isend_irecv", buf2, torch.full((2,), float((r - 1) % w)))
@@ -145,7 +161,12 @@ def _tour(read_early: bool):
 
 def _hang_pending(q, k, v, ctx):
     """Posts a receive nobody sends, blocks once in a barrier (completes), then hangs in Python."""
-    dist.irecv(torch.empty(4), src=ctx.global_ranks[(ctx.rank - 1) % ctx.world_size], group=ctx.group, tag=7)
+    dist.irecv(
+        torch.empty(4),
+        src=ctx.global_ranks[(ctx.rank - 1) % ctx.world_size],
+        group=ctx.group,
+        tag=7,
+    )
     dist.barrier(group=ctx.group)
     time.sleep(3600)
 

@@ -1,9 +1,11 @@
-"""Rank side of tests/impls/test_torch_flex_cp.py: torch's flex CP forward (the `torch-flex-cp` adapter's
-`forward`, eager) on CPU gloo ranks, `python -m tests.helpers.flex_ranks RANK WORLD DIR`. Every rank runs
-every case of `cases(world)` and saves its (out, lse) per case to DIR/rank{RANK}.pt for the parent to judge.
+"""Rank side of tests/impls/test_torch_flex_cp.py: torch's flex CP forward (the `torch-flex-cp`
+adapter's `forward`, eager) on CPU gloo ranks, `python -m tests.helpers.flex_ranks RANK WORLD DIR`.
+Every rank runs every case of `cases(world)` and saves its (out, lse) per case to DIR/rank{RANK}.pt
+for the parent to judge.
 
-float64 on the ranks, from float32 inputs (what the oracle's float64 reference takes), so the comparison
-with the oracle is exact up to float64 rounding. Only the forward: flex_attention has no CPU backward.
+float64 on the ranks, from float32 inputs (what the oracle's exact side takes), so the comparison
+with the oracle is exact up to float64 rounding. Only the forward: flex_attention has no CPU
+backward.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from ring_impl.masks import Expr, MaskSpec, and_, not_, or_, prim
 HEADS_Q, HEADS_KV, HEAD_DIM, BATCH = 4, 2, 8, 2
 
 
-def cases(world: int) -> list[tuple[str, int, MaskSpec]]:
-    """(layout, tokens per rank, mask): every layout, the original kinds, every primitive, the combinators,
-    a two-sided window, rows that see nothing (the dilation's off-grid queries) and per-document masks."""
-    n = 6 * world
+def cases(world_size: int) -> list[tuple[str, int, MaskSpec]]:
+    """(layout, tokens per rank, mask): every layout, the original kinds, every primitive, the
+    combinators, a two-sided window, rows that see nothing (the dilation's off-grid queries) and
+    per-document masks."""
+    n = 6 * world_size
     docs = (0, 5, n // 2 + 1)
     masks = [
         MaskSpec("none"),
@@ -51,20 +54,35 @@ def inputs(total: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 SCALE = 0.4
 
 
-def main(rank: int, world: int, out_dir: Path) -> None:
+def main(rank: int, world_size: int, out_dir: Path) -> None:
     import torch.distributed as dist
 
     from harness.impls.adapters.torch_flex_cp import forward
 
-    dist.init_process_group("gloo", init_method=f"file://{out_dir / 'store'}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir / 'store'}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
     results = []
-    for i, (layout, per_rank, mask) in enumerate(cases(world)):
-        lengths = (per_rank,) * world
+    for i, (layout, per_rank, mask) in enumerate(cases(world_size)):
+        lengths = (per_rank,) * world_size
         q, k, v = inputs(sum(lengths), seed=i)
-        ctx = RunContext(group=dist.group.WORLD, rank=rank, world_size=world, global_ranks=tuple(range(world)),
-                         layout=layout, lengths=lengths, all_positions=tuple(all_positions(layout, list(lengths))),
-                         mask=mask, softmax_scale=SCALE, dtype=torch.float64, device=torch.device("cpu"))
+        ctx = RunContext(
+            group=dist.group.WORLD,
+            rank=rank,
+            world_size=world_size,
+            global_ranks=tuple(range(world_size)),
+            layout=layout,
+            lengths=lengths,
+            all_positions=tuple(all_positions(layout, list(lengths))),
+            mask=mask,
+            softmax_scale=SCALE,
+            dtype=torch.float64,
+            device=torch.device("cpu"),
+        )
         local = [shard(t, layout, list(lengths), rank).double() for t in (q, k, v)]
         results.append(forward(*local, ctx, compiled=False))
     torch.save(results, out_dir / f"rank{rank}.pt")

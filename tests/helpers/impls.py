@@ -1,4 +1,5 @@
-"""Deliberately broken implementations used by the harness's own tests (loaded as tests.helpers.impls:NAME)."""
+"""Deliberately broken implementations used by the harness's own tests (loaded as
+tests.helpers.impls:NAME)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ from ring_impl.masks import MASK_FEATURES, MaskSpec
 
 
 def _reference(q, k, v, ctx):
-    return ring_attention(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths,
-                          mask=ctx.mask, softmax_scale=ctx.softmax_scale)
+    return ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        layout=ctx.layout,
+        lengths=ctx.lengths,
+        mask=ctx.mask,
+        softmax_scale=ctx.softmax_scale,
+    )
 
 
 def _hang(q, k, v, ctx):
@@ -32,13 +41,23 @@ def _segfault(q, k, v, ctx):
 
 
 def _wrong_shape(q, k, v, ctx):
-    return _reference(q, k, v, ctx)[:, :-1] if q.shape[1] > 1 else _reference(q, k, v, ctx)[:, :, :1]
+    return (
+        _reference(q, k, v, ctx)[:, :-1] if q.shape[1] > 1 else _reference(q, k, v, ctx)[:, :, :1]
+    )
 
 
 def _leaky(q, k, v, ctx):
     """Ignores the case's mask: every query sees every key (a causality leak)."""
-    return ring_attention(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths,
-                          mask=MaskSpec("none"), softmax_scale=ctx.softmax_scale)
+    return ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        layout=ctx.layout,
+        lengths=ctx.lengths,
+        mask=MaskSpec("none"),
+        softmax_scale=ctx.softmax_scale,
+    )
 
 
 def _perturbed(q, k, v, ctx):
@@ -46,7 +65,8 @@ def _perturbed(q, k, v, ctx):
     return _reference(q, k, v, ctx) + 1e-3
 
 
-reference = Impl("tests-reference", _reference)  # the reference ring under a module path (a "fixed" ring)
+# the reference ring under a module path (a "fixed" ring)
+reference = Impl("tests-reference", _reference)
 hang = Impl("tests-hang", _hang)
 raises = Impl("tests-raise", _raise)
 segfault = Impl("tests-segfault", _segfault)
@@ -56,7 +76,8 @@ perturbed = Impl("tests-perturbed", _perturbed)
 
 
 def _raise_on_rank1(q, k, v, ctx):
-    """Rank 1 raises before its first send; the other ranks are already waiting in the ring for it."""
+    """Rank 1 raises before its first send; the other ranks are already waiting in the ring for
+    it."""
     if ctx.rank == 1:
         time.sleep(0.5)  # the others are blocked on their receives from rank 1 by now
         raise ValueError("deliberate shape mix-up on rank 1")
@@ -74,22 +95,32 @@ raise_on_rank1 = Impl("tests-raise-on-rank1", _raise_on_rank1)
 hang_on_rank1 = Impl("tests-hang-on-rank1", _hang_on_rank1)
 
 
-# Everything the reference does but idle ranks (the default is off): the idle-rank probe must be the only one,
-# and must show that the ring runs them (issue #30: a probe once also used undeclared masks and layouts).
-no_idle = Impl("tests-no-idle", _reference, capabilities=Capabilities(masks=frozenset(MASK_FEATURES)))
+# Everything the reference does but idle ranks (the default is off): the idle-rank probe must be the
+# only one, and must show that the ring runs them (issue #30: a probe once also used undeclared
+# masks and layouts).
+no_idle = Impl(
+    "tests-no-idle", _reference, capabilities=Capabilities(masks=frozenset(MASK_FEATURES))
+)
 
 
-# What most real rings declare: contiguous layout, masks none and causal, every dtype, GQA, uneven, W 1-8.
-narrow = Impl("tests-narrow", _reference, capabilities=Capabilities(layouts=frozenset({"contiguous"}),
-                                                                     masks=frozenset({"none", "causal"})))
+# What most real rings declare: contiguous layout, masks none and causal, every dtype, GQA, uneven,
+# W 1-8.
+narrow = Impl(
+    "tests-narrow",
+    _reference,
+    capabilities=Capabilities(
+        layouts=frozenset({"contiguous"}), masks=frozenset({"none", "causal"})
+    ),
+)
 
 
 _STALE: dict = {}
 
 
 def _stale_accumulator(q, k, v, ctx):
-    """The reference, plus a gradient buffer cached by shape across calls and never zeroed (ring-flash-attn
-    22f0e1d: "dkv_buffer was not zeroed"): the first call is exact, every later one adds the old dk/dv."""
+    """The reference, plus a gradient buffer cached by shape across calls and never zeroed
+    (ring-flash-attn 22f0e1d: "dkv_buffer was not zeroed"): the first call is exact, every later one
+    adds the old dk/dv."""
     out = _reference(q, k, v, ctx)
     key = (tuple(k.shape), ctx.rank)
     buf = _STALE.setdefault(key, torch.zeros(k.shape, dtype=torch.float32))
@@ -103,34 +134,64 @@ def _stale_accumulator(q, k, v, ctx):
     return out
 
 
-# declares what the reference ring under it supports (every mask, idle ranks): its bug is the state it
-# keeps, and a narrower declaration would make the check probe every mask-language primitive with it
-stale_accumulator = Impl("tests-stale-accumulator", _stale_accumulator,
-                         Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True))
+# declares what the reference ring under it supports (every mask, idle ranks): its bug is the state
+# it keeps, and a narrower declaration would make the check probe every mask-language primitive with
+# it
+stale_accumulator = Impl(
+    "tests-stale-accumulator",
+    _stale_accumulator,
+    Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True),
+)
 
 
-# forward-only rings (issue #40): the reference ring's forward without autograd, as context-parallel prefill runs
-FORWARD_ONLY = Capabilities(backward=False, returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True)
+# forward-only rings (issue #40): the reference ring's forward without autograd, as context-parallel
+# prefill runs
+FORWARD_ONLY = Capabilities(
+    backward=False, returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True
+)
 
 
 def _forward_only(q, k, v, ctx):
     from ring_impl import ring_attention_forward
 
-    return ring_attention_forward(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
-                                  softmax_scale=ctx.softmax_scale, return_lse=True)
+    return ring_attention_forward(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        layout=ctx.layout,
+        lengths=ctx.lengths,
+        mask=ctx.mask,
+        softmax_scale=ctx.softmax_scale,
+        return_lse=True,
+    )
 
 
 def _forward_only_wrong(q, k, v, ctx):
-    """The forward-only ring skipping causal blocks by rank order: wrong on zigzag and striped causal rows."""
+    """The forward-only ring skipping causal blocks by rank order: wrong on zigzag and striped
+    causal rows."""
     import dataclasses
 
     from ring_impl import REFERENCE_PARTS, make_ring_attention
     from ring_impl.mutants.calls import skip_by_rank_order
 
-    ring = make_ring_attention(dataclasses.replace(REFERENCE_PARTS, skip_block=skip_by_rank_order), forward_only=True)
-    return ring(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
-                softmax_scale=ctx.softmax_scale, return_lse=True)
+    ring = make_ring_attention(
+        dataclasses.replace(REFERENCE_PARTS, skip_block=skip_by_rank_order), forward_only=True
+    )
+    return ring(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        layout=ctx.layout,
+        lengths=ctx.lengths,
+        mask=ctx.mask,
+        softmax_scale=ctx.softmax_scale,
+        return_lse=True,
+    )
 
 
 forward_only = Impl("tests-forward-only", _forward_only, capabilities=FORWARD_ONLY)
-forward_only_wrong = Impl("tests-forward-only-wrong", _forward_only_wrong, capabilities=FORWARD_ONLY)
+forward_only_wrong = Impl(
+    "tests-forward-only-wrong", _forward_only_wrong, capabilities=FORWARD_ONLY
+)

@@ -1,6 +1,7 @@
 """Implementations that declare only the original masks (none, causal), for the mask-language probes
-(loaded as tests.helpers.mask_impls:NAME): one reads only `ctx.mask.is_causal` and so silently runs any
-expression as plain causal or no mask, the other refuses what it does not declare, as the adapters do."""
+(loaded as tests.helpers.mask_impls:NAME): one reads only `ctx.mask.is_causal` and so silently runs
+any expression as plain causal or no mask, the other refuses what it does not declare, as the
+adapters do."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ NARROW = Capabilities(masks=frozenset({"none", "causal"}))
 def _mask_blind(q, k, v, ctx):
     """causal or nothing: an expression is neither refused nor applied."""
     mask = MaskSpec("causal") if ctx.mask.is_causal else MaskSpec("none")
-    return ring_attention(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=mask,
-                          softmax_scale=ctx.softmax_scale)
+    return ring_attention(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        layout=ctx.layout,
+        lengths=ctx.lengths,
+        mask=mask,
+        softmax_scale=ctx.softmax_scale,
+    )
 
 
 def _refusing(q, k, v, ctx):

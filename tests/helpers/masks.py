@@ -1,5 +1,5 @@
-"""The README's mask definitions as a brute-force predicate (independent of ring_impl.masks), shared by
-the mask tests and the oracle's independent check."""
+"""The README's mask definitions as a brute-force predicate (independent of ring_impl.masks), shared
+by the mask tests and the oracle's independent check."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ def brute_expr(e: Expr, i: int, j: int) -> bool:
         return i // p[0] == j // p[0]
     if op == "dilated":
         seg, rate, off = p
-        return i // seg == j // seg and (i - i // seg * seg) % rate == off and (j - j // seg * seg) % rate == off
+        return (
+            i // seg == j // seg
+            and (i - i // seg * seg) % rate == off
+            and (j - j // seg * seg) % rate == off
+        )
     if op == "prefix":
         return j < p[0]
     if op == "document":

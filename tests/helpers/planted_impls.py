@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from harness.context import Impl
 from ring_impl.kernel import block_backward
-from ring_impl.masks import allowed, block_is_empty
+from ring_impl.mask_eval import allowed, block_is_empty
 from ring_impl.ring import REFERENCE_PARTS, make_ring_attention, position_mask, skip_empty_block
 
 
@@ -23,7 +23,11 @@ def _late(spec, q_pos, at) -> bool:
 
 
 def _late_mask(spec, q_pos, k_pos, at):
-    return allowed(spec, q_pos + 1, k_pos) if _late(spec, q_pos, at) else position_mask(spec, q_pos, k_pos, at)
+    return (
+        allowed(spec, q_pos + 1, k_pos)
+        if _late(spec, q_pos, at)
+        else position_mask(spec, q_pos, k_pos, at)
+    )
 
 
 def _late_skip(spec, q_pos, k_pos, at) -> bool:
@@ -36,12 +40,20 @@ _ring = make_ring_attention(replace(REFERENCE_PARTS, block_mask=_late_mask, skip
 
 
 def _run(q, k, v, ctx):
-    return _ring(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
-                 softmax_scale=ctx.softmax_scale, return_lse=True)
+    return _ring(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        layout=ctx.layout,
+        lengths=ctx.lengths,
+        mask=ctx.mask,
+        softmax_scale=ctx.softmax_scale,
+        return_lse=True,
+    )
 
 
 late_diagonal = Impl("planted-late-diagonal", _run)
-
 
 
 def _dq_off_when_head_dim_is_one(grad, dtype):
@@ -50,23 +62,35 @@ def _dq_off_when_head_dim_is_one(grad, dtype):
 
 
 def _masked_blocks_leak(dout, q, k, v, out, lse, scale, mask=None, **kw):
-    """Bug A: every key of every computed block gets dk += 1e-30, hidden or not: far inside the tolerance,
-    but on a masked case the exact leak check sees it (a causality leak and nothing else; a case without a
-    mask has no leak check). Not keyed on the block's mask: a block every query of which sees every key
-    is computed without one (`block_decision` FULL)."""
+    """Bug A: every key of every computed block gets dk += 1e-30, hidden or not: far inside the
+    tolerance, but on a masked case the exact leak check sees it (a causality leak and nothing else;
+    a case without a mask has no leak check). Not keyed on the block's mask: a block every query of
+    which sees every key is computed without one (`block_decision` FULL)."""
     dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale, mask, **kw)
     return dq, dk + 1e-30, dv
 
 
-_two = make_ring_attention(replace(REFERENCE_PARTS, block_backward=_masked_blocks_leak,
-                                   cast_dq=_dq_off_when_head_dim_is_one))
+_two = make_ring_attention(
+    replace(
+        REFERENCE_PARTS, block_backward=_masked_blocks_leak, cast_dq=_dq_off_when_head_dim_is_one
+    )
+)
 
 
 def _run_two(q, k, v, ctx):
-    return _two(q, k, v, group=ctx.group, layout=ctx.layout, lengths=ctx.lengths, mask=ctx.mask,
-                softmax_scale=ctx.softmax_scale, return_lse=True)
+    return _two(
+        q,
+        k,
+        v,
+        group=ctx.group,
+        layout=ctx.layout,
+        lengths=ctx.lengths,
+        mask=ctx.mask,
+        softmax_scale=ctx.softmax_scale,
+        return_lse=True,
+    )
 
 
-# two failures with different signatures: a leak alone (masked cases) and dq alone (head_dim 1); a masked
-# case with head_dim 1 fails both ways, a third signature
+# two failures with different signatures: a leak alone (masked cases) and dq alone (head_dim 1); a
+# masked case with head_dim 1 fails both ways, a third signature
 two_bugs = Impl("planted-two-bugs", _run_two)

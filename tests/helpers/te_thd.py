@@ -1,11 +1,13 @@
-"""TE's THD context-parallel attention as the `te-cp-p2p-thd` adapter reads it, for CPU gloo ranks (loaded as
-tests.helpers.te_thd:NAME): the adapter's own resharding (`te_cp.thd_run`) around a stand-in for TE's kernel,
-so tests/impls/test_te_thd.py can judge the packing, padding and resharding end to end without a GPU.
+"""TE's THD context-parallel attention as the `te-cp-p2p-thd` adapter reads it, for CPU gloo ranks
+(loaded as tests.helpers.te_thd:NAME): the adapter's own resharding (`te_cp.thd_run`) around a
+stand-in for TE's kernel, so tests/impls/test_te_thd.py can judge the packing, padding and
+resharding end to end without a GPU.
 
-The stand-in: this rank's packed query rows (TE's dual-chunk partition, `te_cp.dual_chunk_rows`) against the
-keys of every rank (all-gathered, through the adapter's autograd gather), within the query's own sequence,
-causal by offset in the sequence where the mask is, never a padding row; float32 sums, out in the input dtype.
-`one_short` sees every sequence one key short (the class of TE #1930, a length-7 sequence taken as 6).
+The stand-in: this rank's packed query rows (TE's dual-chunk partition, `te_cp.dual_chunk_rows`)
+against the keys of every rank (all-gathered, through the adapter's autograd gather), within the
+query's own sequence, causal by offset in the sequence where the mask is, never a padding row;
+float32 sums, out in the input dtype. `one_short` sees every sequence one key short (the class of TE
+#1930, a length-7 sequence taken as 6).
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ from harness.context import Impl
 from harness.impls.adapters import _common, te_cp
 from harness.impls.adapters._common import require_supported
 
-CAPS = dataclasses.replace(te_cp.THD_CAPS, backends=frozenset({"gloo"}))
+CAPS = dataclasses.replace(te_cp.THD_CAPS, devices=frozenset({"cpu"}))
 
 
 def _attend(ctx, qt, kt, vt, pack: te_cp.Thd, rows, short: int = 0) -> torch.Tensor:
     everyone = torch.cat(rows)
-    k = kt.new_zeros(pack.total_padded, *kt.shape[1:]).index_copy(0, everyone, _common.GatherRanks.apply(kt, ctx.group))
-    v = vt.new_zeros(pack.total_padded, *vt.shape[1:]).index_copy(0, everyone, _common.GatherRanks.apply(vt, ctx.group))
+    k = kt.new_zeros(pack.total_padded, *kt.shape[1:]).index_copy(
+        0, everyone, _common.GatherRanks.apply(kt, ctx.group)
+    )
+    v = vt.new_zeros(pack.total_padded, *vt.shape[1:]).index_copy(
+        0, everyone, _common.GatherRanks.apply(vt, ctx.group)
+    )
     packed = torch.arange(pack.total_padded, device=qt.device)
     cu, cu_padded = pack.cu_seqlens.long(), pack.cu_seqlens_padded.long()
     seq = torch.searchsorted(cu_padded[1:], packed, right=True)
@@ -44,7 +50,9 @@ def _attend(ctx, qt, kt, vt, pack: te_cp.Thd, rows, short: int = 0) -> torch.Ten
 
 def _run(q, k, v, ctx, short: int = 0):
     require_supported("tests-te-thd", ctx, CAPS, q, k)
-    return te_cp.thd_run(q, k, v, ctx, functools.partial(_attend, ctx, short=short), te_cp.dual_chunk_rows)
+    return te_cp.thd_run(
+        q, k, v, ctx, functools.partial(_attend, ctx, short=short), te_cp.dual_chunk_rows
+    )
 
 
 standin = Impl("tests-te-thd", _run, capabilities=CAPS)

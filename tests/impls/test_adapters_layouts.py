@@ -1,8 +1,9 @@
-"""Each adapter's mapping from our layouts to the library's own sharding, checked device-independently.
+"""Each adapter's mapping from our layouts to the library's own sharding, checked
+device-independently.
 
-The third-party sharding conventions are re-stated from the libraries' tests/helpers (ring-flash-attn's
-`extract_local`, yunchang's `EXTRACT_FUNC_DICT`, TE's dual-chunk `index_select`) or, for torch, taken
-from torch's own head-tail load balancer.
+The third-party sharding conventions are re-stated from the libraries' tests/helpers
+(ring-flash-attn's `extract_local`, yunchang's `EXTRACT_FUNC_DICT`, TE's dual-chunk `index_select`)
+or, for torch, taken from torch's own head-tail load balancer.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def test_torch_head_tail_balancer_is_our_zigzag(total, w):
 @pytest.mark.parametrize("total,w", EVEN)
 def test_torch_head_tail_is_not_contiguous(total, w):
     theirs = torch_ring.head_tail_positions(total, w)
-    assert any(not torch.equal(a, b) for a, b in zip(theirs, _ours("contiguous", total, w), strict=True))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(theirs, _ours("contiguous", total, w), strict=True)
+    )
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
@@ -38,7 +41,10 @@ def test_torch_head_tail_is_not_contiguous(total, w):
 def test_ring_flash_attn_extract_local_matches(layout, total, w):
     x = torch.arange(total).view(1, total)
     for r, ours in enumerate(_ours(layout, total, w)):
-        assert torch.equal(ring_flash_attn.extract_local(layout, x, r, w).view(-1), ours), (layout, r)
+        assert torch.equal(ring_flash_attn.extract_local(layout, x, r, w).view(-1), ours), (
+            layout,
+            r,
+        )
 
 
 def test_ring_flash_attn_variant_layouts():
@@ -73,12 +79,14 @@ def test_yunchang_usp_groups_and_basic_sharding_are_contiguous():
     assert ring == [[4, 7], [5, 8], [6, 9]]
     x = torch.arange(24).view(1, 24)
     for r, ours in enumerate(_ours("contiguous", 24, 6)):
-        assert torch.equal(yunchang.extract_local("basic", x, r, 6, ring=2, ulysses=3).view(-1), ours)
+        assert torch.equal(
+            yunchang.extract_local("basic", x, r, 6, ring=2, ulysses=3).view(-1), ours
+        )
 
 
 def test_yunchang_usp_zigzag_is_none_of_our_layouts():
-    """Why yunchang-usp declares only the contiguous layout: zigzag over a ring of 2 split over 2 Ulysses
-    ranks gives each rank one chunk in the order 0, 3, 1, 2."""
+    """Why yunchang-usp declares only the contiguous layout: zigzag over a ring of 2 split over 2
+    Ulysses ranks gives each rank one chunk in the order 0, 3, 1, 2."""
     x = torch.arange(16).view(1, 16)
     got = [yunchang.extract_local("zigzag", x, r, 4, ring=2, ulysses=2).view(-1) for r in range(4)]
     assert [int(g[0]) // 4 for g in got] == [0, 3, 1, 2]
@@ -86,7 +94,9 @@ def test_yunchang_usp_zigzag_is_none_of_our_layouts():
         assert not all(torch.equal(a, b) for a, b in zip(got, _ours(layout, 16, 4), strict=True))
 
 
-@pytest.mark.parametrize("w,hq,hkv,expected", [(4, 8, 8, (2, 2)), (6, 6, 3, (3, 2)), (8, 8, 4, (4, 2))])
+@pytest.mark.parametrize(
+    "w,hq,hkv,expected", [(4, 8, 8, (2, 2)), (6, 6, 3, (3, 2)), (8, 8, 4, (4, 2))]
+)
 def test_yunchang_usp_degrees(w, hq, hkv, expected):
     assert yunchang.usp_degrees(w, hq, hkv) == expected
 

@@ -78,8 +78,10 @@ def test_builtins_listed():
 def test_importing_registry_imports_no_third_party_library():
     code = (
         "import sys, harness.impls.registry as r, harness.impls.adapters._common\n"
-        "r.builtin_names(); [r.declared_capabilities(n) for n in r.builtin_names()]\n"  # every adapter module
-        "libs = ('ring_attention_pytorch', 'ring_flash_attn', 'flash_attn', 'yunchang', 'transformer_engine',"
+        # every adapter module
+        "r.builtin_names(); [r.declared_capabilities(n) for n in r.builtin_names()]\n"
+        "libs = ('ring_attention_pytorch', 'ring_flash_attn', 'flash_attn', 'yunchang', "
+        "'transformer_engine',"
         " 'einops')\n"
         "print([m for m in libs if m in sys.modules])"
     )
@@ -100,9 +102,12 @@ def test_every_builtin_is_declared_once_by_an_adapter_module():
     for short in registry.ADAPTER_MODULES:
         module = importlib.import_module(f"harness.impls.adapters.{short}")
         assert callable(module.make) and hasattr(module, "EXTRA"), short
-        assert not [a for a in vars(module) if a.startswith("impl")], short  # one factory, no impl_* wrappers
+        # one factory, no impl_* wrappers
+        assert not [a for a in vars(module) if a.startswith("impl")], short
         for name, variant in module.VARIANTS.items():
-            assert isinstance(variant, Variant) and isinstance(variant.capabilities, Capabilities), name
+            assert isinstance(variant, Variant) and isinstance(
+                variant.capabilities, Capabilities
+            ), name
             assert registry.BUILTINS[name] == f"{module.__name__}:make"
             assert registry.declared_capabilities(name) is variant.capabilities
             seen.append(name)
@@ -115,16 +120,23 @@ def test_every_builtin_is_declared_once_by_an_adapter_module():
 def test_make_refuses_a_name_its_module_does_not_declare():
     from harness.impls.adapters import torch_ring
 
-    with pytest.raises(ImplError, match="no built-in variant 'torch-cp' here; declared: torch-ring, "):
+    with pytest.raises(
+        ImplError, match="no built-in variant 'torch-cp' here; declared: torch-ring, "
+    ):
         torch_ring.make("torch-cp")
 
 
 def test_one_error_hierarchy():
     from harness import errors
 
-    assert registry.ImplError is errors.ImplError and registry.MissingDependency is errors.MissingDependency
+    assert (
+        registry.ImplError is errors.ImplError
+        and registry.MissingDependency is errors.MissingDependency
+    )
     assert issubclass(errors.MissingDependency, errors.ImplError)
-    assert issubclass(errors.ImplError, errors.HarnessError) and issubclass(errors.HarnessError, ValueError)
+    assert issubclass(errors.ImplError, errors.HarnessError) and issubclass(
+        errors.HarnessError, ValueError
+    )
     for name in ("PoolError", "CommError", "ShapeError"):
         cls = getattr(errors, name)
         assert issubclass(cls, errors.RingHarnessError) and issubclass(cls, RuntimeError), name
@@ -148,8 +160,9 @@ def test_malformed_names(bad):
 
 
 def test_module_attr_plain_run_declares_everything(plugin_module):
-    """A bare run(q, k, v, ctx) declares nothing, so every case runs as supported: every mask of the mask
-    language and idle ranks included (a wrapped Impl without capabilities keeps Capabilities()'s defaults)."""
+    """A bare run(q, k, v, ctx) declares nothing, so every case runs as supported: every mask of the
+    mask language and idle ranks included (a wrapped Impl without capabilities keeps
+    Capabilities()'s defaults)."""
     from ring_impl.masks import MASK_FEATURES
 
     spec = f"{plugin_module}:run"
@@ -184,7 +197,9 @@ def test_allow_import_false_refuses_module_path_without_importing(plugin_module)
 
 def test_allow_import_false_accepts_builtin_and_entry_point(plugin_module, monkeypatch):
     assert registry.resolve("torch-ring", allow_import=False).name == "torch-ring"
-    ep = md.EntryPoint(name="plugin-ep", value=f"{plugin_module}:IMPL", group=registry.ENTRY_POINT_GROUP)
+    ep = md.EntryPoint(
+        name="plugin-ep", value=f"{plugin_module}:IMPL", group=registry.ENTRY_POINT_GROUP
+    )
     monkeypatch.setattr(registry, "_entry_points", lambda: [ep])
     assert registry.resolve("plugin-ep", allow_import=False).name == "plugin-impl"
     assert "plugin-ep" in registry.entry_point_names()
@@ -193,14 +208,18 @@ def test_allow_import_false_accepts_builtin_and_entry_point(plugin_module, monke
 
 
 def test_builtin_wins_over_entry_point_of_same_name(plugin_module, monkeypatch):
-    ep = md.EntryPoint(name="torch-ring", value=f"{plugin_module}:IMPL", group=registry.ENTRY_POINT_GROUP)
+    ep = md.EntryPoint(
+        name="torch-ring", value=f"{plugin_module}:IMPL", group=registry.ENTRY_POINT_GROUP
+    )
     monkeypatch.setattr(registry, "_entry_points", lambda: [ep])
     assert registry.resolve("torch-ring").name == "torch-ring"
     assert "torch-ring" not in registry.entry_point_names()
 
 
 def test_broken_entry_point_is_one_line(monkeypatch):
-    ep = md.EntryPoint(name="broken", value="no_such_pkg_xyz:IMPL", group=registry.ENTRY_POINT_GROUP)
+    ep = md.EntryPoint(
+        name="broken", value="no_such_pkg_xyz:IMPL", group=registry.ENTRY_POINT_GROUP
+    )
     monkeypatch.setattr(registry, "_entry_points", lambda: [ep])
     with pytest.raises(
         ImplError, match=r"^implementation 'broken' \(entry point no_such_pkg_xyz:IMPL\) failed"
@@ -223,7 +242,8 @@ def test_missing_optional_dependency_message(monkeypatch):
     with pytest.raises(MissingDependency) as e:
         registry.resolve("fake")
     assert str(e.value) == (
-        "implementation 'fake' needs the optional extra: pip install 'ring-harness[ring-flash-attn]' "
+        "implementation 'fake' needs the optional extra: pip install "
+        "'ring-harness[ring-flash-attn]' "
         "(No module named 'no_such_library_xyz')"
     )
 
@@ -231,8 +251,10 @@ def test_missing_optional_dependency_message(monkeypatch):
 def test_real_missing_dependency_if_absent():
     import importlib.util
 
-    if importlib.util.find_spec("ring_flash_attn") is not None:  # installed (its import may still need the
-        pytest.skip("ring-flash-attn is installed here")           # transformers stub the ranks install)
+    # installed (its import may still need the
+    if importlib.util.find_spec("ring_flash_attn") is not None:
+        # transformers stub the ranks install)
+        pytest.skip("ring-flash-attn is installed here")
     with pytest.raises(
         MissingDependency, match=r"pip install 'ring-harness\[ring-flash-attn\]' \(No module named"
     ):
@@ -244,10 +266,10 @@ def test_describe_rows():
     assert set(registry.builtin_names()) <= set(rows)
     torch_ring = rows["torch-ring"]
     assert torch_ring["available"] and torch_ring["version"].startswith("torch ")
-    assert torch_ring["capabilities"]["backends"] == ["gloo"]
+    assert torch_ring["capabilities"]["devices"] == ["cpu"]
     for name in GPU_ONLY:
         row = rows[name]
-        assert row["capabilities"] is not None and row["capabilities"]["backends"] == ["nccl"], name
+        assert row["capabilities"] is not None and row["capabilities"]["devices"] == ["cuda"], name
         if not torch.cuda.is_available():
             assert not row["available"] and row["why"], name
             assert "\n" not in row["why"]

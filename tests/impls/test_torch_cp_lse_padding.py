@@ -1,11 +1,13 @@
-"""Why `torch-cp` declares fp16/bf16 with flash head dims only: torch's ring merger and the memory-efficient
-kernel's padded lse, shown on CPU with torch's own code (the CUDA kernels cannot run here).
+"""Why `torch-cp` declares fp16/bf16 with flash head dims only: torch's ring merger and the
+memory-efficient kernel's padded lse, shown on CPU with torch's own code (the CUDA kernels cannot
+run here).
 
-SDPA sends fp32 (and head dims flash refuses) to `aten._scaled_dot_product_efficient_attention`, whose lse is
-(B, H, ceil(L/32)*32) on CUDA (its meta function says so; HIP builds excepted), while the flash op's lse is
-(B, H, L). torch's ring merges block results with `_SDPAMerger`, which unsqueezes the lse to (B, H, Lpad, 1)
-and combines it with outputs (B, H, L, D): from the second ring step on that raises, or for L == 1 silently
-grows out to 32 rows. See the docstring of harness/impls/adapters/torch_cp.py.
+SDPA sends fp32 (and head dims flash refuses) to `aten._scaled_dot_product_efficient_attention`,
+whose lse is (B, H, ceil(L/32)*32) on CUDA (its meta function says so; HIP builds excepted), while
+the flash op's lse is (B, H, L). torch's ring merges block results with `_SDPAMerger`, which
+unsqueezes the lse to (B, H, Lpad, 1) and combines it with outputs (B, H, L, D): from the second
+ring step on that raises, or for L == 1 silently grows out to 32 rows. See the docstring of
+harness/impls/adapters/torch_cp.py.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import torch
 from harness.impls import registry
 from harness.impls.adapters._common import FLASH_HEAD_DIMS
 
-attention = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._attention")
+attention = pytest.importorskip(
+    "torch.distributed.tensor.experimental._context_parallel._attention"
+)
 Merger = getattr(attention, "_SDPAMerger", None)
 needs_merger = pytest.mark.skipif(Merger is None, reason="this torch has no _SDPAMerger")
-not_hip = pytest.mark.skipif(bool(torch.version.hip), reason="ROCm's efficient kernel returns an unpadded lse")
+not_hip = pytest.mark.skipif(
+    bool(torch.version.hip), reason="ROCm's efficient kernel returns an unpadded lse"
+)
 
 
 @not_hip
@@ -38,7 +44,9 @@ def _merge(length: int, padded: int) -> torch.Tensor:
     merger = Merger(True, seq_dim=2)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):  # two ring steps
-        merger.step(torch.randn(1, 2, length, 4, generator=g), torch.randn(1, 2, padded, generator=g), False)
+        merger.step(
+            torch.randn(1, 2, length, 4, generator=g), torch.randn(1, 2, padded, generator=g), False
+        )
     return merger.results()[0]
 
 
@@ -63,4 +71,4 @@ def test_torch_cp_declares_only_what_the_flash_kernel_takes(name):
     caps = registry.declared_capabilities(name)
     assert caps.dtypes == {"fp16", "bf16"} and caps.head_dims == FLASH_HEAD_DIMS
     assert caps.layouts == {"contiguous", "zigzag"} and caps.masks == {"none", "causal"}
-    assert caps.backends == {"nccl"} and not caps.gqa
+    assert caps.devices == {"cuda"} and not caps.gqa

@@ -1,8 +1,8 @@
 """The float64 oracle against an independent computation: plain einsum attention with a brute-force
 mask built by a double loop from the README's definitions (not ring_impl.masks), backward through
 float64 autograd, for every mask kind, MHA/GQA/MQA, all five tensors, and query blocks that do and
-do not divide the length (the oracle computes in blocks of queries and skips fully masked key spans).
-Measured agreement: ~1e-15; the bound is 1e-12 (float64, sums of <= 40 terms)."""
+do not divide the length (the oracle computes in blocks of queries and skips fully masked key
+spans). Measured agreement: ~1e-15; the bound is 1e-12 (float64, sums of <= 40 terms)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from harness.judging import oracle
+from harness.oracle import assemble
 from ring_impl.masks import MaskSpec
 from tests.helpers.masks import brute
 
@@ -45,20 +45,23 @@ def independent(q, k, v, dout, spec: MaskSpec, scale: float):
 
 @pytest.mark.parametrize("block", [1024, 4, 7])  # one block; blocks dividing N; blocks that do not
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}/{h[1]}")
-@pytest.mark.parametrize("spec", MASKS, ids=lambda s: f"{s.kind}{s.window if s.kind == 'window' else ''}"
-                         f"{'' if s.causal else '-bi'}")
+@pytest.mark.parametrize(
+    "spec",
+    MASKS,
+    ids=lambda s: f"{s.kind}{s.window if s.kind == 'window' else ''}{'' if s.causal else '-bi'}",
+)
 def test_oracle_matches_an_independent_float64_computation(monkeypatch, spec, heads, block):
-    monkeypatch.setattr(oracle, "BLOCK", block)
+    monkeypatch.setattr(assemble, "BLOCK", block)
     g = torch.Generator().manual_seed(100 * MASKS.index(spec) + 10 * HEADS.index(heads) + block)
     hq, hkv = heads
     q = torch.randn(2, N, hq, 8, generator=g)
     k = torch.randn(2, N, hkv, 8, generator=g)
     v = torch.randn(2, N, hkv, 8, generator=g)
     dout = torch.randn(2, N, hq, 8, generator=g)
-    ref = oracle.attention(q, k, v, dout, spec, 0.37, torch.float64)
+    exact = assemble.attention(q, k, v, dout, spec, 0.37, torch.float64)
     want = independent(q, k, v, dout, spec, 0.37)
-    for name, got, exp in zip(("out", "lse", "dq", "dk", "dv"), (ref.out, ref.lse, ref.dq, ref.dk, ref.dv), want,
-                              strict=True):
+    got_all = (exact.out, exact.lse, exact.dq, exact.dk, exact.dv)
+    for name, got, exp in zip(("out", "lse", "dq", "dk", "dv"), got_all, want, strict=True):
         assert got.dtype == torch.float64 and got.shape == exp.shape, name
         assert (got - exp).abs().max().item() < 1e-12, name
 
@@ -68,6 +71,6 @@ def test_the_independent_check_is_not_vacuous(monkeypatch):
     spec = MaskSpec("window", window=3)
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, N, 2, 8, generator=g) for _ in range(4))
-    ref = oracle.attention(q, k, v, dout, MaskSpec("window", window=4), 0.37, torch.float64)
+    exact = assemble.attention(q, k, v, dout, MaskSpec("window", window=4), 0.37, torch.float64)
     want = independent(q, k, v, dout, spec, 0.37)
-    assert (ref.out - want[0]).abs().max().item() > 1e-3
+    assert (exact.out - want[0]).abs().max().item() > 1e-3

@@ -1,8 +1,10 @@
-"""A rank-side implementation for tests/kernels/test_standin_ranks.py: one rank's attention through whatever
-`flash_attn` the rank process imports (the CPU stand-in on gloo ranks without a real flash-attn).
+"""A rank-side implementation for tests/kernels/test_standin_ranks.py: one rank's attention through
+whatever `flash_attn` the rank process imports (the CPU stand-in on gloo ranks without a real
+flash-attn).
 
-`KERNEL = "flash-attn"` makes the ranks report that kernel in their result (`reply["kernel"]`), as for the
-ring-flash-attn and yunchang adapters. Used by module path: `tests.kernels.standin_probe:impl`.
+`KERNEL = "flash-attn"` makes the ranks report that kernel in their result (`reply["kernel"]`), as
+for the ring-flash-attn and yunchang adapters. Used by module path:
+`tests.kernels.standin_probe:impl`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> t
 impl = Impl(
     name="standin-probe",
     run=run,
-    capabilities=Capabilities(layouts=frozenset({"contiguous"}), masks=frozenset({"none", "causal"}),
-                              dtypes=frozenset({"fp16", "bf16"}), world_sizes=(1, 1), backends=frozenset({"gloo"})),
+    capabilities=Capabilities(
+        layouts=frozenset({"contiguous"}),
+        masks=frozenset({"none", "causal"}),
+        dtypes=frozenset({"fp16", "bf16"}),
+        world_sizes=(1, 1),
+        devices=frozenset({"cpu"}),
+    ),
 )

@@ -1,5 +1,5 @@
-"""RankPool.history (issue #19): what the ranks ran since their last start, in order, bounded, cleared
-by a (re)start: the raw material of a sequence case."""
+"""RankPool.history (issue #19): what the ranks ran since their last start, in order, bounded,
+cleared by a (re)start: the raw material of a sequence case."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ def test_history_lists_the_runs_since_the_last_start_and_a_restart_clears_it(mon
         assert list(pool.history) == []
         pool.run(a)
         pool.run(b, "reference", leak=False)
-        assert [(r.case, r.impl, r.leak) for r in pool.history] == [(a, "reference", True), (b, "reference", False)]
+        assert [(r.case, r.impl, r.leak) for r in pool.history] == [
+            (a, "reference", True),
+            (b, "reference", False),
+        ]
         pool.start()
         assert list(pool.history) == []
         monkeypatch.setattr(pool_mod, "HISTORY_MAX", 2)

@@ -1,6 +1,6 @@
-"""Workers forked from a zygote (harness.ranks.zygote): they run cases as spawned ones do, answer like Popen
-(a death by signal is reported as one) and take their pool's environment. That they and the zygote die with
-the owner: tests/ranks/test_pool.py::test_workers_die_with_their_parent."""
+"""Workers forked from a zygote (harness.ranks.zygote): they run cases as spawned ones do, answer
+like Popen (a death by signal is reported as one) and take their pool's environment. That they and
+the zygote die with the owner: tests/ranks/test_pool.py::test_workers_die_with_their_parent."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from harness.ranks.leftovers import leftover_workers
 from harness.ranks.pool import RankPool
 from harness.runner import run_case
 
-pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="workers are spawned here (RING_HARNESS_FORK=0)")
+pytestmark = pytest.mark.skipif(
+    not zygote.enabled(), reason="workers are spawned here (RING_HARNESS_FORK=0)"
+)
 
 
 def _ppid(pid: int) -> int:
@@ -39,7 +41,8 @@ def test_a_pool_forks_its_workers_from_one_zygote_that_outlives_the_pool():
         first = p.pids()
         parents = {_ppid(pid) for pid in first}
         assert parents <= zygote.zygote_pids() and len(parents) == 1  # one zygote forked both
-        assert all(os.getpgid(pid) == pid for pid in first)  # each leads its own session, as a spawned one
+        # each leads its own session, as a spawned one
+        assert all(os.getpgid(pid) == pid for pid in first)
         assert run_case(c, p, "reference").passed
     assert leftover_workers(first, wait_s=5.0) == []
     with RankPool(2) as p:  # the next pool forks from the same zygote
@@ -63,16 +66,29 @@ def test_a_forked_worker_killed_by_a_signal_is_reported_as_popen_would():
 def test_the_zygote_is_keyed_by_the_environment_the_workers_import_with(monkeypatch):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     z = zygote.zygote_for(env)
-    # per pool, per test, or read at run time: one zygote serves them all (each child takes its pool's env)
-    assert zygote.zygote_for(dict(env, RING_HARNESS_AUTHKEY="00", PYTEST_CURRENT_TEST="x",
-                                  RING_HARNESS_TMPDIR="/tmp/elsewhere", RING_HARNESS_DEVICE="cpu")) is z
-    other = zygote.zygote_for(dict(env, PYTHONPATH=os.pathsep.join([str(os.getcwd()), "/nonexistent-rh"])))
+    # per pool, per test, or read at run time: one zygote serves them all (each child takes its
+    # pool's env)
+    assert (
+        zygote.zygote_for(
+            dict(
+                env,
+                RING_HARNESS_AUTHKEY="00",
+                PYTEST_CURRENT_TEST="x",
+                RING_HARNESS_TMPDIR="/tmp/elsewhere",
+                RING_HARNESS_DEVICE="cpu",
+            )
+        )
+        is z
+    )
+    other = zygote.zygote_for(
+        dict(env, PYTHONPATH=os.pathsep.join([str(os.getcwd()), "/nonexistent-rh"]))
+    )
     assert other is not z and other.alive() and z.alive()
 
 
 def test_a_worker_takes_its_pools_environment_not_the_zygotes(tmp_path):
-    """The auth key differs per pool: a worker that kept the zygote's (or the last pool's) could not be
-    connected to. The log file is the pool's, appended."""
+    """The auth key differs per pool: a worker that kept the zygote's (or the last pool's) could not
+    be connected to. The log file is the pool's, appended."""
     for _ in range(2):
         with RankPool(1) as p:
             p.ensure(1)

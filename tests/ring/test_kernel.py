@@ -7,16 +7,17 @@ import torch
 
 from harness.dtypes import TORCH_DTYPES
 from ring_impl.kernel import block_backward, block_forward, gqa_kv_heads
-from ring_impl.masks import MaskSpec, allowed
+from ring_impl.mask_eval import allowed
+from ring_impl.masks import MaskSpec
 from ring_impl.merge import merge
 
 DTYPES = TORCH_DTYPES
-# |error| / max|reference| allowed. The kernel computes in float32 from the dtype-rounded inputs and the
-# float64 reference sees the same rounded inputs, so the only error is float32 rounding whatever the
-# input dtype: measured worst 6.1e-7 (fp32 dk), 3.5e-7 (fp16 dq), 2.7e-7 (bf16 dq) over this file's
-# cases. The bound, 2^-17 (= 64 float32 units, ~12x the worst measured), is still 64x below one fp16
-# unit and 512x below one bf16 unit, so a kernel that rounds any intermediate to the input dtype fails
-# it (test_the_bound_catches_an_intermediate_rounding).
+# |error| / max|reference| allowed. The kernel computes in float32 from the dtype-rounded inputs and
+# the float64 reference sees the same rounded inputs, so the only error is float32 rounding whatever
+# the input dtype: measured worst 6.1e-7 (fp32 dk), 3.5e-7 (fp16 dq), 2.7e-7 (bf16 dq) over this
+# file's cases. The bound, 2^-17 (= 64 float32 units, ~12x the worst measured), is still 64x below
+# one fp16 unit and 512x below one bf16 unit, so a kernel that rounds any intermediate to the input
+# dtype fails it (test_the_bound_catches_an_intermediate_rounding).
 TOL = 2.0**-17
 MASKS = [
     MaskSpec(),
@@ -56,7 +57,9 @@ def inputs(seed, lq, lk, hq, hkv, dtype, d=8, mult=1.0):
 def positions(seed, lq, lk, total=24):
     """Random global positions of a query shard and a key block (any layout looks like this)."""
     g = torch.Generator().manual_seed(seed + 1000)
-    return torch.randperm(total, generator=g)[:lq].sort().values, torch.randperm(total, generator=g)[:lk]
+    return torch.randperm(total, generator=g)[:lq].sort().values, torch.randperm(
+        total, generator=g
+    )[:lk]
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -154,7 +157,8 @@ def test_large_logits_do_not_overflow(dt):
 
 
 def test_backward_of_blocks_uses_the_global_out_and_lse():
-    """Splitting the keys into blocks, merging forward and summing block backwards == full gradient."""
+    """Splitting the keys into blocks, merging forward and summing block backwards == full
+    gradient."""
     q, k, v = inputs(6, 7, 12, 4, 2, torch.float32)
     mask = allowed(MaskSpec("window", window=5), torch.arange(3, 10), torch.arange(12))
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
@@ -180,7 +184,8 @@ def test_backward_of_blocks_uses_the_global_out_and_lse():
 
 
 def test_rows_with_minus_inf_global_lse_contribute_nothing():
-    """A row whose GLOBAL lse is -inf has no probability mass anywhere, whatever this block's scores."""
+    """A row whose GLOBAL lse is -inf has no probability mass anywhere, whatever this block's
+    scores."""
     q, k, v = inputs(8, 4, 5, 2, 2, torch.float32)
     out, lse = block_forward(q, k, v, 0.4, None)
     lse[:, :, 2] = float("-inf")

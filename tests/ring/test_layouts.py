@@ -1,4 +1,5 @@
-"""Layouts as position maps: round trips, the zigzag and striped placements, uneven and empty shards."""
+"""Layouts as position maps: round trips, the zigzag and striped placements, uneven and empty
+shards."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from hypothesis import strategies as st
 
 from ring_impl import layouts
 
-LENGTHS = [[6], [3, 3], [4, 4, 4], [5, 1, 17, 3], [0, 3, 0, 2], [0, 0, 0], [2, 0, 5, 1, 3, 4, 0, 2], [1, 2]]
+LENGTHS = [
+    [6],
+    [3, 3],
+    [4, 4, 4],
+    [5, 1, 17, 3],
+    [0, 3, 0, 2],
+    [0, 0, 0],
+    [2, 0, 5, 1, 3, 4, 0, 2],
+    [1, 2],
+]
 
 
 def test_split_lengths():
@@ -56,13 +66,13 @@ def test_contiguous_is_consecutive_ranges():
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_zigzag_rank_r_holds_chunks_r_and_2w_minus_1_minus_r(world):
+def test_zigzag_rank_r_holds_chunks_r_and_2w_minus_1_minus_r(world_size):
     chunk = 3
-    total = 2 * world * chunk
-    lengths = layouts.split_lengths(total, world)
-    for r in range(world):
+    total = 2 * world_size * chunk
+    lengths = layouts.split_lengths(total, world_size)
+    for r in range(world_size):
         first = list(range(r * chunk, (r + 1) * chunk))
-        second = list(range((2 * world - 1 - r) * chunk, (2 * world - r) * chunk))
+        second = list(range((2 * world_size - 1 - r) * chunk, (2 * world_size - r) * chunk))
         assert layouts.positions("zigzag", lengths, r).tolist() == first + second
 
 
@@ -76,11 +86,11 @@ def test_zigzag_uneven_chunks():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("total", [16, 21])
-def test_striped_token_i_on_rank_i_mod_w(world, total):
-    lengths = layouts.split_lengths(total, world)
+def test_striped_token_i_on_rank_i_mod_w(world_size, total):
+    lengths = layouts.split_lengths(total, world_size)
     pos = layouts.all_positions("striped", lengths)
-    for r in range(world):
-        assert pos[r].tolist() == list(range(r, total, world))
+    for r in range(world_size):
+        assert pos[r].tolist() == list(range(r, total, world_size))
 
 
 def test_errors():

@@ -1,5 +1,6 @@
-"""The mask language (ring_impl.masks): every primitive and combinator against a brute-force n x n
-predicate on random positions, the per-block decision, the data form, the original kinds as sugar."""
+"""The mask language (ring_impl.masks): every primitive and combinator against a brute-force n x
+n predicate on random positions, the per-block decision, the data form, the original kinds as
+sugar."""
 
 from __future__ import annotations
 
@@ -8,24 +9,26 @@ import torch
 
 from harness.case import from_dict, make_case, to_dict
 from harness.errors import HarnessError
-from ring_impl.masks import (
+from ring_impl.mask_eval import (
     FULL,
     PARTIAL,
-    PRIMITIVES,
     SKIP,
-    Expr,
-    MaskSpec,
     allowed,
-    and_,
     block_decision,
     empty_rows,
+    visible_keys,
+)
+from ring_impl.masks import (
+    PRIMITIVES,
+    Expr,
+    MaskSpec,
+    and_,
     expr_from_dict,
     expr_to_dict,
     fit,
     not_,
     or_,
     prim,
-    visible_keys,
 )
 from tests.helpers.masks import brute
 
@@ -34,9 +37,19 @@ PRIMS = {
     "full": [prim("full")],
     "causal": [prim("causal")],
     "inverse-causal": [prim("inverse-causal")],
-    "window": [prim("window", 0, 0), prim("window", 3, 0), prim("window", 2, 5), prim("window", 0, 4)],
+    "window": [
+        prim("window", 0, 0),
+        prim("window", 3, 0),
+        prim("window", 2, 5),
+        prim("window", 0, 4),
+    ],
     "chunked": [prim("chunked", 1), prim("chunked", 7), prim("chunked", 16)],
-    "dilated": [prim("dilated", 8, 2, 0), prim("dilated", 8, 2, 1), prim("dilated", 6, 4, 3), prim("dilated", 5, 1, 0)],
+    "dilated": [
+        prim("dilated", 8, 2, 0),
+        prim("dilated", 8, 2, 1),
+        prim("dilated", 6, 4, 3),
+        prim("dilated", 5, 1, 0),
+    ],
     "prefix": [prim("prefix", 0), prim("prefix", 5), prim("prefix", 100)],
     "document": [prim("document", (0,)), prim("document", (0, 4, 9, 23))],
     "blocks": [prim("blocks", 8, ((0, 0), (1, 0), (1, 1), (3, 2), (4, 4))), prim("blocks", 3, ())],
@@ -47,11 +60,21 @@ COMBOS = [
     or_(prim("causal"), prim("chunked", 5)),  # block-causal
     and_(prim("causal"), prim("inverse-causal")),  # bi-causal (the diagonal)
     not_(prim("causal")),
-    and_(prim("document", (0, 7, 19)), or_(prim("window", 2, 0), prim("prefix", 3)), not_(prim("dilated", 4, 2, 1))),
-    or_(prim("window", 4, 0), and_(prim("prefix", 3), prim("causal"))),  # global tokens + sliding window
-    Expr("per-document", ((0, 7, 19),), (or_(prim("causal"), prim("chunked", 4)),)),  # varlen block-causal
-    Expr("per-document", ((0, 9),), (or_(prim("causal"), prim("prefix", 3)),)),  # prefix-LM per sample
-    and_(Expr("per-document", ((0, 13, 14),), (prim("dilated", 4, 2, 1),)), not_(prim("window", 0, 0))),
+    and_(
+        prim("document", (0, 7, 19)),
+        or_(prim("window", 2, 0), prim("prefix", 3)),
+        not_(prim("dilated", 4, 2, 1)),
+    ),
+    # global tokens + sliding window
+    or_(prim("window", 4, 0), and_(prim("prefix", 3), prim("causal"))),
+    # varlen block-causal
+    Expr("per-document", ((0, 7, 19),), (or_(prim("causal"), prim("chunked", 4)),)),
+    # prefix-LM per sample
+    Expr("per-document", ((0, 9),), (or_(prim("causal"), prim("prefix", 3)),)),
+    and_(
+        Expr("per-document", ((0, 13, 14),), (prim("dilated", 4, 2, 1),)),
+        not_(prim("window", 0, 0)),
+    ),
 ]
 EXPRS = [e for es in PRIMS.values() for e in es] + COMBOS
 
@@ -97,18 +120,29 @@ def test_block_decision_agrees_with_the_mask(e):
 
 
 def test_contiguous_block_decisions():
-    # contiguous blocks of 8 tokens: causal-and-chunked(8) is FULL on the diagonal block's lower part, etc.
+    # contiguous blocks of 8 tokens: causal-and-chunked(8) is FULL on the diagonal block's lower
+    # part, etc.
     spec = MaskSpec.of(and_(prim("causal"), prim("chunked", 8)))
     blk = [torch.arange(i, i + 8) for i in range(0, 32, 8)]
     assert block_decision(spec, blk[1], blk[0]) == SKIP  # another chunk: nothing
     assert block_decision(spec, blk[1], blk[1]) == PARTIAL  # its own chunk: the causal triangle
-    assert block_decision(MaskSpec.of(or_(prim("causal"), prim("chunked", 8))), blk[1], blk[1]) == FULL
+    assert (
+        block_decision(MaskSpec.of(or_(prim("causal"), prim("chunked", 8))), blk[1], blk[1]) == FULL
+    )
     assert block_decision(MaskSpec("causal"), blk[2], blk[0]) == FULL
 
 
-@pytest.mark.parametrize("spec", [MaskSpec(), MaskSpec("causal"), MaskSpec("window", window=3),
-                                  MaskSpec("document", doc_starts=(0, 5, 11)),
-                                  MaskSpec("document", doc_starts=(0, 5, 11), causal=False)], ids=str)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        MaskSpec(),
+        MaskSpec("causal"),
+        MaskSpec("window", window=3),
+        MaskSpec("document", doc_starts=(0, 5, 11)),
+        MaskSpec("document", doc_starts=(0, 5, 11), causal=False),
+    ],
+    ids=str,
+)
 def test_original_kinds_are_sugar_for_expressions(spec):
     e = spec.expression()
     assert MaskSpec.of(e) == spec
@@ -124,32 +158,57 @@ def test_data_form_round_trips_and_old_files_keep_their_form():
         assert expr_from_dict(expr_to_dict(e)) == e
         c = make_case(world_size=2, total_len=N, mask=expr_to_dict(e))
         assert from_dict(to_dict(c)) == c
-    assert to_dict(make_case(world_size=2, total_len=8, mask={"kind": "causal"}))["mask"] == {"kind": "causal"}
+    assert to_dict(make_case(world_size=2, total_len=8, mask={"kind": "causal"}))["mask"] == {
+        "kind": "causal"
+    }
     old = {"kind": "document", "doc_starts": [0, 3], "causal": False}
     assert to_dict(make_case(world_size=2, total_len=8, mask=old))["mask"] == old
     # an expression written as an original kind is that kind
-    c = make_case(world_size=2, total_len=8, mask={"and": [{"kind": "document", "starts": [0, 3]}, {"kind": "causal"}]})
+    c = make_case(
+        world_size=2,
+        total_len=8,
+        mask={"and": [{"kind": "document", "starts": [0, 3]}, {"kind": "causal"}]},
+    )
     assert c.mask == MaskSpec("document", doc_starts=(0, 3))
-    assert make_case(world_size=2, total_len=8, mask={"kind": "window", "left": 2, "right": 0}).mask == MaskSpec(
-        "window", window=2)
+    assert make_case(
+        world_size=2, total_len=8, mask={"kind": "window", "left": 2, "right": 0}
+    ).mask == MaskSpec("window", window=2)
 
 
-@pytest.mark.parametrize("bad, words", [
-    ({"kind": "chunked"}, "chunked needs size"),
-    ({"kind": "chunked", "size": 0}, "size must be an integer >= 1"),
-    ({"kind": "dilated", "segment": 4, "rate": 2, "offset": 2}, "offset must be < rate"),
-    ({"and": []}, "and: must be a non-empty list"),
-    ({"or": [{"kind": "causal"}, {"kind": "wobble"}]}, "or[1]: unknown kind 'wobble'"),
-    ({"not": {"kind": "prefix", "length": -1}}, "not: prefix: length must be an integer >= 0"),
-    ({"and": [{"kind": "causal"}], "or": []}, "exactly one key"),
-    ({"kind": "window", "left": 1}, "window needs right"),
-    ({"kind": "blocks", "size": 2, "pairs": [[0]]}, "pairs must be a list of [query block, key block] pairs"),
-    ({"kind": "causal", "size": 3}, "unknown key(s) size for causal"),
-    ({"per-document": {"starts": [2, 5], "mask": {"kind": "causal"}}}, "per-document: document: starts must begin"),
-    ({"per-document": {"mask": {"kind": "causal"}}}, "per-document: must be a mapping with starts and mask"),
-    ({"per-document": {"starts": [0], "mask": {"kind": "chunked"}}}, "per-document.mask: chunked needs size"),
-    ({"or": [{"kind": "causal"}, {"kind": "document", "starts": [0, 99]}]}, "document start 99 is beyond"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"kind": "chunked"}, "chunked needs size"),
+        ({"kind": "chunked", "size": 0}, "size must be an integer >= 1"),
+        ({"kind": "dilated", "segment": 4, "rate": 2, "offset": 2}, "offset must be < rate"),
+        ({"and": []}, "and: must be a non-empty list"),
+        ({"or": [{"kind": "causal"}, {"kind": "wobble"}]}, "or[1]: unknown kind 'wobble'"),
+        ({"not": {"kind": "prefix", "length": -1}}, "not: prefix: length must be an integer >= 0"),
+        ({"and": [{"kind": "causal"}], "or": []}, "exactly one key"),
+        ({"kind": "window", "left": 1}, "window needs right"),
+        (
+            {"kind": "blocks", "size": 2, "pairs": [[0]]},
+            "pairs must be a list of [query block, key block] pairs",
+        ),
+        ({"kind": "causal", "size": 3}, "unknown key(s) size for causal"),
+        (
+            {"per-document": {"starts": [2, 5], "mask": {"kind": "causal"}}},
+            "per-document: document: starts must begin",
+        ),
+        (
+            {"per-document": {"mask": {"kind": "causal"}}},
+            "per-document: must be a mapping with starts and mask",
+        ),
+        (
+            {"per-document": {"starts": [0], "mask": {"kind": "chunked"}}},
+            "per-document.mask: chunked needs size",
+        ),
+        (
+            {"or": [{"kind": "causal"}, {"kind": "document", "starts": [0, 99]}]},
+            "document start 99 is beyond",
+        ),
+    ],
+)
 def test_bad_masks_get_one_line_naming_the_field(bad, words):
     with pytest.raises(HarnessError) as e:
         make_case(world_size=2, total_len=10, mask=bad)
@@ -169,15 +228,26 @@ def test_fit_drops_document_starts_beyond_the_sequence():
     spec = MaskSpec.of(and_(prim("document", (0, 4, 9)), prim("causal"), prim("prefix", 2)))
     cut = fit(spec, 6)
     assert isinstance(cut.expr, Expr) and cut.expr.args[0].param("starts") == (0, 4)
-    assert fit(MaskSpec("document", doc_starts=(0, 4, 9)), 5) == MaskSpec("document", doc_starts=(0, 4))
+    assert fit(MaskSpec("document", doc_starts=(0, 4, 9)), 5) == MaskSpec(
+        "document", doc_starts=(0, 4)
+    )
 
 
-@pytest.mark.parametrize("e", [prim("dilated", 6, 3, 2), not_(prim("causal")),
-                               and_(prim("prefix", 5), prim("inverse-causal")), COMBOS[5]], ids=str)
+@pytest.mark.parametrize(
+    "e",
+    [
+        prim("dilated", 6, 3, 2),
+        not_(prim("causal")),
+        and_(prim("prefix", 5), prim("inverse-causal")),
+        COMBOS[5],
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("tiles", [None, "64"], ids=["one-tile", "tiled"])
 def test_single_rank_ring_rows_that_see_nothing(e, tiles, monkeypatch):
-    """The reference ring (one rank, tiled and untiled) on a mask with empty rows: out = 0, lse = -inf, dq = 0
-    there, dk = dv = 0 for keys no query sees, no NaN, and the rest equal to float64 attention."""
+    """The reference ring (one rank, tiled and untiled) on a mask with empty rows: out = 0, lse =
+    -inf, dq = 0 there, dk = dv = 0 for keys no query sees, no NaN, and the rest equal to float64
+    attention."""
     from ring_impl import ring_attention
     from ring_impl.kernel import TILE_ENV
 
@@ -200,5 +270,7 @@ def test_single_rank_ring_rows_that_see_nothing(e, tiles, monkeypatch):
         assert not t.isnan().any()
     assert torch.allclose(out.double(), want, atol=1e-5)
     assert bool((out[:, empty] == 0).all()) and bool((qs.grad[:, empty] == 0).all())
-    assert bool((lse[:, :, empty] == float("-inf")).all()) and bool(torch.isfinite(lse[:, :, ~empty]).all())
+    assert bool((lse[:, :, empty] == float("-inf")).all()) and bool(
+        torch.isfinite(lse[:, :, ~empty]).all()
+    )
     assert bool((ks.grad[:, unseen] == 0).all()) and bool((vs.grad[:, unseen] == 0).all())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ring_impl.masks import MaskSpec, allowed, block_is_empty, doc_ids, full_mask, visible_keys
+from ring_impl.mask_eval import allowed, block_is_empty, doc_ids, full_mask, visible_keys
+from ring_impl.masks import MaskSpec
 from tests.helpers.masks import brute
 
 STARTS = (0, 4, 9, 15)
@@ -54,10 +55,26 @@ def test_block_is_empty_agrees_with_allowed(spec):
 
 def test_doc_ids_and_visible_keys():
     spec = MaskSpec("document", doc_starts=STARTS)
-    assert doc_ids(spec, torch.tensor([0, 3, 4, 8, 9, 14, 15, 30])).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert doc_ids(spec, torch.tensor([0, 3, 4, 8, 9, 14, 15, 30])).tolist() == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
     assert visible_keys(spec, [5], 20).nonzero().view(-1).tolist() == [4, 5]
-    assert visible_keys(MaskSpec("causal"), [2, 6], 10).nonzero().view(-1).tolist() == list(range(7))
-    assert visible_keys(MaskSpec("window", window=1), [3, 9], 10).nonzero().view(-1).tolist() == [2, 3, 8, 9]
+    assert visible_keys(MaskSpec("causal"), [2, 6], 10).nonzero().view(-1).tolist() == list(
+        range(7)
+    )
+    assert visible_keys(MaskSpec("window", window=1), [3, 9], 10).nonzero().view(-1).tolist() == [
+        2,
+        3,
+        8,
+        9,
+    ]
     assert visible_keys(MaskSpec(), [], 4).all()
 
 

@@ -36,7 +36,9 @@ def check(got, want, tol=1e-6):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(el))
     assert torch.isfinite(o).all()
     fin = torch.isfinite(el)
-    assert (lse[fin].double() - el[fin]).abs().max().item() <= tol * max(1.0, el[fin].abs().max().item())
+    assert (lse[fin].double() - el[fin]).abs().max().item() <= tol * max(
+        1.0, el[fin].abs().max().item()
+    )
     assert (o.double() - eo).abs().max().item() <= tol
 
 
@@ -53,9 +55,9 @@ def test_merge_of_blocks_equals_softmax_over_all_keys():
     full = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
     def block(sl):
-        return torch.einsum("bhqk,bkhd->bqhd", s[..., sl].softmax(-1), v[:, sl]).float(), torch.logsumexp(
-            s[..., sl], -1
-        ).float()
+        return torch.einsum(
+            "bhqk,bkhd->bqhd", s[..., sl].softmax(-1), v[:, sl]
+        ).float(), torch.logsumexp(s[..., sl], -1).float()
 
     out, lse = merge(*block(slice(0, 4)), *block(slice(4, 10)))
     assert (out.double() - full).abs().max() < 1e-6

@@ -45,13 +45,16 @@ SWEEP = [
 def test_reference_passes(ring_pool, case):
     r = run_case(case, ring_pool)
     assert r.verdict == "pass", "\n".join(details(r))
-    if not needs_backward(case.call):  # no_grad, inference_mode: out and lse judged, no gradient to leak through
+    # no_grad, inference_mode: out and lse judged, no gradient to leak through
+    if not needs_backward(case.call):
         assert r.leak is None and {c.tensor for c in r.checks} == {"out", "lse"}
         return
     if case.mask.kind == "none":
         assert r.leak is None  # nothing is hidden: no leak check to run
     else:
-        assert r.leak is not None and r.leak.passed and r.leak.queries, "the leak check must run on a masked case"
+        assert r.leak is not None and r.leak.passed and r.leak.queries, (
+            "the leak check must run on a masked case"
+        )
     assert {c.tensor for c in r.checks} >= {"out", "dq", "dk", "dv"}
 
 

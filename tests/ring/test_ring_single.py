@@ -11,10 +11,11 @@ from harness.dtypes import TORCH_DTYPES
 from ring_impl import REFERENCE_PARTS, MaskSpec, make_ring_attention, ring_attention
 from ring_impl.buffers import DoubleBuffer
 from ring_impl.comm import LocalComm
-from ring_impl.masks import full_mask
+from ring_impl.mask_eval import full_mask
 
 DTYPES = TORCH_DTYPES
-TOL = {"fp32": 2e-5, "fp16": 3e-3, "bf16": 2e-2}  # |err| / max|ref|; bf16/fp16 include output rounding
+# |err| / max|ref|; bf16/fp16 include output rounding
+TOL = {"fp32": 2e-5, "fp16": 3e-3, "bf16": 2e-2}
 MASKS = [
     MaskSpec(),
     MaskSpec("causal"),
@@ -132,7 +133,9 @@ def test_parts_are_replaceable():
 
 
 def test_double_buffer_views_are_sized_per_owner():
-    buf = DoubleBuffer([(1, 3, 2, 4), (1, 0, 2, 4), (1, 5, 2, 4)], 2, torch.float32, torch.device("cpu"))
+    buf = DoubleBuffer(
+        [(1, 3, 2, 4), (1, 0, 2, 4), (1, 5, 2, 4)], 2, torch.float32, torch.device("cpu")
+    )
     assert buf.slots[0].numel() == 2 * 5 * 8
     k, v = buf.load(0, 0, torch.ones(1, 3, 2, 4), torch.full((1, 3, 2, 4), 2.0))
     assert buf.flat(0, 0).numel() == 48 and buf.flat(0, 1).numel() == 0

@@ -1,4 +1,5 @@
-"""The hypothesis strategy for fault lists: always valid, fatal faults alone, none for a single rank."""
+"""The hypothesis strategy for fault lists: always valid, fatal faults alone, none for a single
+rank."""
 
 from __future__ import annotations
 

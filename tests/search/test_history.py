@@ -1,13 +1,15 @@
 """Failures that depend on what ran before (issue #19, harness.search.history): the sequence case
-format, delta debugging of the earlier runs, confirmation on fresh ranks, and a sequence that replays
-bit for bit where the single case does not."""
+format, delta debugging of the earlier runs, confirmation on fresh ranks, and a sequence that
+replays bit for bit where the single case does not."""
 
 from __future__ import annotations
 
 import pytest
 
 from harness import case as case_mod
-from harness.case import CaseSequence, Step, make_case
+from harness import case_sequence
+from harness.case import make_case
+from harness.case_sequence import CaseSequence, Step
 from harness.errors import HarnessError
 from harness.search import history
 from harness.search.shrink import shrink
@@ -17,43 +19,67 @@ LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: fails on its first call
 
 
 def _case(**kw):
-    return make_case(**{"world_size": 2, "total_len": 6, "heads_q": 1, "heads_kv": 1, "head_dim": 4, **kw})
+    return make_case(
+        **{"world_size": 2, "total_len": 6, "heads_q": 1, "heads_kv": 1, "head_dim": 4, **kw}
+    )
 
 
-# -- the sequence case format -------------------------------------------------------------------------
+# -- the sequence case format
+# -------------------------------------------------------------------------
+
 
 def test_a_sequence_file_round_trips_and_loads_as_its_last_case(tmp_path):
     seq = CaseSequence((Step(_case(seed=1)), Step(_case(seed=2), leak=False)))
-    p = case_mod.save_sequence(seq, tmp_path / "s.yaml", result={"verdict": "silent-corruption"}, note="why",
-                               expect="reproduce")
+    p = case_sequence.save_sequence(
+        seq,
+        tmp_path / "s.yaml",
+        result={"verdict": "silent-corruption"},
+        note="why",
+        expect="reproduce",
+    )
     assert p.read_text().startswith("# why\n")
-    back, data = case_mod.load_sequence(p)
+    back, data = case_sequence.load_sequence(p)
     assert back == seq and case_mod.is_sequence(data)
     assert case_mod.recorded_result(data)["verdict"] == "silent-corruption"
     last, _ = case_mod.load(p)
     assert last == seq.last
     single = case_mod.save(_case(), tmp_path / "c.yaml")
-    assert case_mod.load_sequence(single)[0] == CaseSequence((Step(_case()),))
+    assert case_sequence.load_sequence(single)[0] == CaseSequence((Step(_case()),))
 
 
-@pytest.mark.parametrize("text, words", [
-    ("sequence: []", "non-empty list"),
-    ("sequence: [{world_size: 1, total_len: 2}]\nfoo: 1", "unknown sequence field(s): foo"),
-    ("sequence: [{world_size: 1, total_len: 2, bogus: 1}]", "sequence[0]: unknown case field(s): bogus"),
-    ("sequence: [{world_size: 1, total_len: 2, result: {}}, {world_size: 1, total_len: 2}]",
-     "sequence[0]: only the last case"),
-    ("sequence: [{world_size: 1, total_len: 2, leak_check: maybe}]", "leak_check"),
-    ("sequence: [{world_size: 1, total_len: 2, head_dim: 0}]", "sequence[0]: case field 'head_dim'"),
-    ("sequence: [3]", "sequence[0]: a case must be a mapping"),
-    ("sequence: [{world_size: 1, total_len: 2}]\nexpect: maybe", "expect"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("sequence: []", "non-empty list"),
+        ("sequence: [{world_size: 1, total_len: 2}]\nfoo: 1", "unknown sequence field(s): foo"),
+        (
+            "sequence: [{world_size: 1, total_len: 2, bogus: 1}]",
+            "sequence[0]: unknown case field(s): bogus",
+        ),
+        (
+            "sequence: [{world_size: 1, total_len: 2, result: {}}, {world_size: 1, total_len: 2}]",
+            "sequence[0]: only the last case",
+        ),
+        ("sequence: [{world_size: 1, total_len: 2, leak_check: maybe}]", "leak_check"),
+        (
+            "sequence: [{world_size: 1, total_len: 2, head_dim: 0}]",
+            "sequence[0]: case field 'head_dim'",
+        ),
+        ("sequence: [3]", "sequence[0]: a case must be a mapping"),
+        ("sequence: [{world_size: 1, total_len: 2}]\nexpect: maybe", "expect"),
+    ],
+)
 def test_a_malformed_sequence_file_is_one_error_line(text, words):
     with pytest.raises(HarnessError) as e:
         case_mod.loads(text, "f.yaml")
-    assert words in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("f.yaml: ")
+    assert (
+        words in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("f.yaml: ")
+    )
 
 
-# -- minimisation, pure ------------------------------------------------------------------------------
+# -- minimisation, pure
+# ------------------------------------------------------------------------------
+
 
 def test_ddmin_finds_the_earlier_runs_that_matter():
     steps = [Step(_case(seed=s)) for s in range(10)]
@@ -88,21 +114,18 @@ def test_greedy_shrinking_steps_back_to_the_newest_candidate_that_fails_on_fresh
         return CaseResult(c, "x", Verdict.SILENT_CORRUPTION)
 
     big = make_case(world_size=4, total_len=16, head_dim=8)
-    # every smaller candidate "fails" on the warm ranks; only cases with head_dim >= 4 fail on fresh ranks
+    # every smaller candidate "fails" on the warm ranks; only cases with head_dim >= 4 fail on fresh
+    # ranks
     best, _ = shrink(res(big), lambda c: res(c), budget_s=30, fresh=lambda r: r.case.head_dim >= 4)
     assert best.case.head_dim >= 4 and best.case != big
     plain, _ = shrink(res(big), lambda c: res(c), budget_s=30)
     assert plain.case.head_dim == 1  # without confirmation it would swap in a warm-only failure
 
 
-# -- on real ranks -----------------------------------------------------------------------------------
+# -- on real ranks
+# -----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pool():
-    from harness.ranks.pool import RankPool
-
-    with RankPool(2) as p:
-        yield p
+POOL_SIZE = 2  # ranks of the module's `pool` (tests/conftest.py)
 
 
 def test_a_history_dependent_failure_becomes_a_sequence_that_replays_bit_for_bit(pool, tmp_path):
@@ -118,12 +141,18 @@ def test_a_history_dependent_failure_becomes_a_sequence_that_replays_bit_for_bit
     found = history.confirm(pool, again, STALE, leak=False, allow_import=True)
     assert found.history_dependent and found.fresh.passed and found.earlier == 2
     assert [s.case for s in found.sequence.steps] == [c.replace(impl=STALE)] * 2
-    assert "history-dependent: on fresh ranks this case alone gives pass; after 2 earlier cases" in found.evidence()
+    assert (
+        "history-dependent: on fresh ranks this case alone gives pass; after 2 earlier cases"
+        in found.evidence()
+    )
     path = history.save_sequence(found, tmp_path / "seq.yaml", expect="reproduce")
     rp = replay_on(pool, path, STALE, allow_import=True)  # the pool is restarted: fresh ranks
-    assert rp.sequence == 2 and rp.verdict_reproduced and rp.hashes_compared and not rp.hash_mismatches
-    seq, _ = case_mod.load_sequence(path)
-    assert history.run_file_sequence(pool, seq, "reference").passed  # the same sequence on the reference
+    assert (
+        rp.sequence == 2 and rp.verdict_reproduced and rp.hashes_compared and not rp.hash_mismatches
+    )
+    seq, _ = case_sequence.load_sequence(path)
+    # the same sequence on the reference
+    assert history.run_file_sequence(pool, seq, "reference").passed
 
 
 def test_a_failure_that_does_not_depend_on_history_is_confirmed(pool):
@@ -131,7 +160,9 @@ def test_a_failure_that_does_not_depend_on_history_is_confirmed(pool):
 
     r = run_case(_case(seed=6, mask={"kind": "causal"}), pool, LEAKY, allow_import=True)
     found = history.confirm(pool, r, LEAKY, allow_import=True)
-    assert not r.passed and found.confirmed and not found.history_dependent and found.sequence is None
+    assert (
+        not r.passed and found.confirmed and not found.history_dependent and found.sequence is None
+    )
     assert found.reproducer is found.fresh and history.same_run(found.fresh, r)
 
 
@@ -145,6 +176,10 @@ def test_sequence_shrinking_keeps_the_history_and_the_failure(pool):
     found = history.confirm(pool, again, STALE, leak=False, allow_import=True)
     history.shrink_sequence(found, budget_s=60, max_tries=12, allow_import=True)
     seq = found.sequence
-    assert len(seq.steps) == 2 and seq.steps[0].case == seq.last and history.outcome(found.seq_result) != "pass"
+    assert (
+        len(seq.steps) == 2
+        and seq.steps[0].case == seq.last
+        and history.outcome(found.seq_result) != "pass"
+    )
     assert history.outcome(found.seq_result).startswith("silent-corruption (dk")
     assert (seq.last.world_size, seq.last.total_len, seq.last.head_dim) < (2, 9, 8)

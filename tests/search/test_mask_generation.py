@@ -18,8 +18,13 @@ from harness.search.strategies import boundary_positions, cases, primitives
 from ring_impl.layouts import all_positions
 from ring_impl.masks import MASK_KINDS, MaskSpec, and_, not_, or_, prim
 
-SETTINGS = settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None, database=None,
-                    derandomize=True)
+SETTINGS = settings(
+    max_examples=300,
+    suppress_health_check=list(HealthCheck),
+    deadline=None,
+    database=None,
+    derandomize=True,
+)
 
 
 def test_reference_draws_expressions_and_idle_ranks_legacy_caps_draw_neither():
@@ -36,8 +41,22 @@ def test_reference_draws_expressions_and_idle_ranks_legacy_caps_draw_neither():
 
     ref()
     assert seen["expr"] >= 30 and seen["idle"] >= 10
-    assert all(seen[p] for p in ("window", "chunked", "dilated", "prefix", "document", "blocks", "inverse-causal",
-                                 "and", "or", "not", "per-document"))
+    assert all(
+        seen[p]
+        for p in (
+            "window",
+            "chunked",
+            "dilated",
+            "prefix",
+            "document",
+            "blocks",
+            "inverse-causal",
+            "and",
+            "or",
+            "not",
+            "per-document",
+        )
+    )
 
     @SETTINGS
     @given(cases(Capabilities()))
@@ -59,26 +78,45 @@ def test_primitive_parameters_lean_on_shard_edges():
         hits[e.op, any(abs(v - b) <= 1 for b in edges + (7, 5, 9, 6))] += 1
 
     draw()
-    # uniform draws over 1..27 would land within one of an edge or shard length about a third of the time
+    # uniform draws over 1..27 would land within one of an edge or shard length about a third of the
+    # time
     for op in ("chunked", "prefix"):
         assert hits[op, True] > 1.2 * hits[op, False], hits
 
 
 def test_shrinking_an_expression_goes_to_simpler_ones():
-    e = and_(prim("document", (0, 5, 9)), or_(prim("chunked", 6), prim("prefix", 4)), not_(prim("dilated", 8, 2, 1)))
+    e = and_(
+        prim("document", (0, 5, 9)),
+        or_(prim("chunked", 6), prim("prefix", 4)),
+        not_(prim("dilated", 8, 2, 1)),
+    )
     simpler = list(simpler_expressions(e))
     assert simpler[:3] == list(e.args)  # an operand alone first
     assert all(x.size() <= e.size() for x in simpler) and len(set(simpler)) == len(simpler)
     assert prim("chunked", 3) in [a for x in simpler if x.op == "and" for a in x.args[1].args]
-    c = make_case(world_size=2, total_len=12, mask={"and": [{"kind": "causal"}, {"kind": "chunked", "size": 4}]})
+    c = make_case(
+        world_size=2,
+        total_len=12,
+        mask={"and": [{"kind": "causal"}, {"kind": "chunked", "size": 4}]},
+    )
     masks = [v.mask for v in candidates(c) if v.mask != c.mask]
-    assert MaskSpec("causal") in masks and all(case_size(c.replace(mask=m)) <= case_size(c) for m in masks)
+    assert MaskSpec("causal") in masks and all(
+        case_size(c.replace(mask=m)) <= case_size(c) for m in masks
+    )
     assert MaskSpec.of(and_(prim("causal"), prim("chunked", 2))) in masks  # a smaller chunk
 
 
 def test_idle_ranks_and_expressions_are_capabilities():
-    c = make_case(world_size=3, seq_lens=(5, 0, 6), mask={"and": [{"kind": "causal"}, {"kind": "chunked", "size": 4}]})
-    assert "idle" in case_features(c) and "mask:chunked" in case_features(c) and "mask:expr" in case_features(c)
+    c = make_case(
+        world_size=3,
+        seq_lens=(5, 0, 6),
+        mask={"and": [{"kind": "causal"}, {"kind": "chunked", "size": 4}]},
+    )
+    assert (
+        "idle" in case_features(c)
+        and "mask:chunked" in case_features(c)
+        and "mask:expr" in case_features(c)
+    )
     caps = Capabilities()
     assert unsupported(caps, c) == ["mask:expr", "mask:chunked", "mask:and", "idle"]
     assert unsupported(REFERENCE_CAPABILITIES, c) == []
@@ -89,11 +127,25 @@ def test_idle_ranks_and_expressions_are_capabilities():
 
 
 def test_an_adapter_refuses_an_undeclared_expression_in_one_line():
-    c = make_case(world_size=2, total_len=8, mask={"or": [{"kind": "causal"}, {"kind": "prefix", "length": 3}]})
+    c = make_case(
+        world_size=2,
+        total_len=8,
+        mask={"or": [{"kind": "causal"}, {"kind": "prefix", "length": 3}]},
+    )
     pos = tuple(all_positions(c.layout, c.seq_lens))
-    ctx = RunContext(group=None, rank=0, world_size=2, global_ranks=(0, 1), layout=c.layout, lengths=c.seq_lens,
-                     all_positions=pos, mask=c.mask, softmax_scale=0.25, dtype=torch.float32,
-                     device=torch.device("cpu"))
+    ctx = RunContext(
+        group=None,
+        rank=0,
+        world_size=2,
+        global_ranks=(0, 1),
+        layout=c.layout,
+        lengths=c.seq_lens,
+        all_positions=pos,
+        mask=c.mask,
+        softmax_scale=0.25,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     q = torch.zeros(1, 4, 2, 8)
     caps = Capabilities(masks=frozenset({"none", "causal"}))
     why = _common.unsupported_reasons(ctx, caps, q, q)

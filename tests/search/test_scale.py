@@ -1,5 +1,5 @@
-"""The scale stage's cases (harness.search.scale): they reach every edge the issue names, aim at the declared
-kernel tiles, and are adapted to what an implementation declares like the battery's."""
+"""The scale stage's cases (harness.search.scale): they reach every edge the issue names, aim at the
+declared kernel tiles, and are adapted to what an implementation declares like the battery's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from harness.context import Capabilities
 from harness.impls.adapters.reference import REFERENCE_CAPABILITIES
 from harness.impls.capabilities import unsupported
-from harness.search.scale import edge_lengths, scale_cases, scale_plan
+from harness.search.scale import base_cases, edge_lengths, scale_cases
 
 
 def test_edge_lengths_are_just_past_1_2_4_tiles_and_no_multiple_of_one():
@@ -23,10 +23,17 @@ def test_edge_lengths_are_just_past_1_2_4_tiles_and_no_multiple_of_one():
 
 
 def _local_past(cases, tiles) -> set[tuple[int, int]]:
-    return {(t, k) for c in cases for n in c.seq_lens for t in tiles for k in (1, 2, 4) if n > k * t and n % t}
+    return {
+        (t, k)
+        for c in cases
+        for n in c.seq_lens
+        for t in tiles
+        for k in (1, 2, 4)
+        if n > k * t and n % t
+    }
 
 
-PLAN = scale_plan()
+PLAN = base_cases()
 
 
 def test_the_plan_crosses_tiles_dtype_limits_and_real_head_dims():
@@ -58,12 +65,21 @@ def test_declared_tiles_move_the_edges():
     assert _local_past([first], (32, 96)) == {(t, k) for t in (32, 96) for k in (1, 2, 4)}
 
 
-NARROW = Capabilities(layouts=frozenset({"zigzag"}), masks=frozenset({"causal", "none"}),
-                      dtypes=frozenset({"bf16", "fp16"}), gqa=False, uneven=False, world_sizes=(2, 4),
-                      head_dims=(64, 128), zigzag_odd=False)
+NARROW = Capabilities(
+    layouts=frozenset({"zigzag"}),
+    masks=frozenset({"causal", "none"}),
+    dtypes=frozenset({"bf16", "fp16"}),
+    gqa=False,
+    uneven=False,
+    world_sizes=(2, 4),
+    head_dims=(64, 128),
+    zigzag_odd=False,
+)
 
 
-@pytest.mark.parametrize("caps", [NARROW, Capabilities(heads_divisible_by_world=True)], ids=["narrow", "ulysses"])
+@pytest.mark.parametrize(
+    "caps", [NARROW, Capabilities(heads_divisible_by_world=True)], ids=["narrow", "ulysses"]
+)
 def test_cases_are_adapted_to_what_is_declared(caps):
     cases = scale_cases(caps)
     assert len(cases) >= 5

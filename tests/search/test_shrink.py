@@ -1,5 +1,6 @@
 """Greedy shrinking keeps the failure's signature: a candidate that fails differently is a different
-failure, recorded on its own and never the shrink target; signatures map to distinct exception types."""
+failure, recorded on its own and never the shrink target; signatures map to distinct exception
+types."""
 
 from __future__ import annotations
 
@@ -10,17 +11,28 @@ from harness.search.signature import CaseFailed, Signature, failure_type
 
 
 def _result(c, bad: set[str]) -> CaseResult:
-    checks = [TensorCheck(t, 0, 5.0 if t in bad else 0.5, 1.0, 0, {}, t not in bad) for t in ("out", "dq", "dk")]
-    leak = LeakCheck(queries=[0], hidden_keys=1, leaks=[{"rank": 0, "tensor": "dk", "token": 1, "count": 1}]
-                     if "leak" in bad else [])
-    return CaseResult(case=c, impl="planted", verdict="silent-corruption" if bad else "pass", checks=checks,
-                      leak=leak if c.mask.kind != "none" else None)
+    checks = [
+        TensorCheck(t, 0, 5.0 if t in bad else 0.5, 1.0, 0, {}, t not in bad)
+        for t in ("out", "dq", "dk")
+    ]
+    leak = LeakCheck(
+        queries=[0],
+        hidden_keys=1,
+        leaks=[{"rank": 0, "tensor": "dk", "token": 1, "count": 1}] if "leak" in bad else [],
+    )
+    return CaseResult(
+        case=c,
+        impl="planted",
+        verdict="silent-corruption" if bad else "pass",
+        checks=checks,
+        leak=leak if c.mask.kind != "none" else None,
+    )
 
 
 def _two_bugs(c) -> CaseResult | None:
-    """A causality leak on causal cases with W >= 2 (and a wrong dk); a dq-only false alarm on any case
-    of at most 2 tokens, a smaller region that the leak's shrinking passes through."""
-    bad = ({"dk", "leak"} if c.mask.kind == "causal" and c.world_size >= 2 else set())
+    """A causality leak on causal cases with W >= 2 (and a wrong dk); a dq-only false alarm on any
+    case of at most 2 tokens, a smaller region that the leak's shrinking passes through."""
+    bad = {"dk", "leak"} if c.mask.kind == "causal" and c.world_size >= 2 else set()
     bad |= {"dq"} if c.total_len <= 2 else set()
     r = _result(c, bad)
     return None if r.passed else r
@@ -29,8 +41,12 @@ def _two_bugs(c) -> CaseResult | None:
 def test_signature_of_a_result():
     c = make_case(world_size=2, total_len=8, mask={"kind": "causal"})
     sig = Signature.of(_result(c, {"dk", "leak"}))
-    assert sig.impl == "planted" and sig.verdict == "silent-corruption" and sig.what == ("dk", "leak")
-    assert sig.label() == "silent-corruption: dk, leak" and sig.slug() == "silent-corruption-dk+leak"
+    assert (
+        sig.impl == "planted" and sig.verdict == "silent-corruption" and sig.what == ("dk", "leak")
+    )
+    assert (
+        sig.label() == "silent-corruption: dk, leak" and sig.slug() == "silent-corruption-dk+leak"
+    )
     assert Signature.of(_result(c, {"dk", "leak"})) == sig != Signature.of(_result(c, {"dq"}))
 
 
@@ -42,18 +58,25 @@ def test_each_signature_is_its_own_exception_type():
 
 
 def test_greedy_shrinking_keeps_the_signature_and_records_the_other_failure():
-    first = _two_bugs(make_case(world_size=4, total_len=40, mask={"kind": "causal"}, heads_q=2, heads_kv=2))
+    first = _two_bugs(
+        make_case(world_size=4, total_len=40, mask={"kind": "causal"}, heads_q=2, heads_kv=2)
+    )
     others: dict = {}
     best, tried = shrink(first, _two_bugs, others=others)
-    assert Signature.of(best) == Signature.of(first)  # still the leak (with dk), never the dq false alarm
+    # still the leak (with dk), never the dq false alarm
+    assert Signature.of(best) == Signature.of(first)
     assert (best.case.world_size, best.case.total_len, best.case.mask.kind) == (2, 3, "causal")
-    # the 2-token candidate fails both ways: another signature, recorded (smallest) and not shrunk into
+    # the 2-token candidate fails both ways: another signature, recorded (smallest) and not shrunk
+    # into
     assert list(others) == [Signature("planted", ("silent-corruption", "dk", "dq", "leak"))]
     assert next(iter(others.values())).case.total_len == 2
 
 
 def test_without_signatures_the_shrink_slips_to_the_other_failure():
-    """The test above can fail: with one signature for every failure (the old rule), the leak is lost."""
-    first = _two_bugs(make_case(world_size=4, total_len=40, mask={"kind": "causal"}, heads_q=2, heads_kv=2))
+    """The test above can fail: with one signature for every failure (the old rule), the leak is
+    lost."""
+    first = _two_bugs(
+        make_case(world_size=4, total_len=40, mask={"kind": "causal"}, heads_q=2, heads_kv=2)
+    )
     best, _ = shrink(first, _two_bugs, signature=lambda r: Signature(r.impl, ("failed",)))
     assert best.case.total_len <= 2 and "dq" in {c.tensor for c in best.failed_checks()}

@@ -1,6 +1,6 @@
 """Helpers shared by the adapters: the variant declaration, refusing what an implementation does not
-support, versions, tensor layout conversions. Imports torch and the harness only, never a third-party
-library, and never the registry (the registry imports the adapters)."""
+support, versions, tensor layout conversions. Imports torch and the harness only, never a
+third-party library, and never the registry (the registry imports the adapters)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from harness.impls.capabilities import feature_words, missing_features
 from harness.kernels import flash_standin
 from ring_impl.masks import EXPR, WINDOW_RIGHT, Expr, MaskSpec
 
-FLASH_HEAD_DIMS = tuple(range(8, 257, 8))  # flash-attn 2 / cuDNN fused attention: multiples of 8 up to 256
+# flash-attn 2 / cuDNN fused attention: multiples of 8 up to 256
+FLASH_HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,13 @@ class Variant:
     """One built-in implementation an adapter module offers, declared once in its `VARIANTS`.
 
     `capabilities`: what it declares it supports. `option`: the one setting that tells it apart from
-    its siblings in the same module (a rotation method, a library function, a comm type, a mode), read
-    by the module's `make(name)`; empty when the module has a single variant. `lets_run`: feature keys
-    (`capabilities.missing_features`) it does not declare but does not refuse at run time either, for a
-    library that runs some such cases right and others wrong or with an error of its own: the check's
-    probe of the undeclared feature and a replayed saved finding then show what the library really does
-    (a silent wrong answer is a finding), while declared-only runs (battery, property-based, faults)
-    never use them. Only for features that cannot hang a ring.
+    its siblings in the same module (a rotation method, a library function, a comm type, a mode),
+    read by the module's `make(name)`; empty when the module has a single variant. `lets_run`:
+    feature keys (`capabilities.missing_features`) it does not declare but does not refuse at run
+    time either, for a library that runs some such cases right and others wrong or with an error of
+    its own: the check's probe of the undeclared feature and a replayed saved finding then show what
+    the library really does (a silent wrong answer is a finding), while declared-only runs (battery,
+    property-based, faults) never use them. Only for features that cannot hang a ring.
     """
 
     capabilities: Capabilities
@@ -48,7 +49,9 @@ def variant(variants: Mapping[str, Variant], name: str) -> Variant:
     try:
         return variants[name]
     except KeyError:
-        raise ImplError(f"no built-in variant {name!r} here; declared: {', '.join(variants)}") from None
+        raise ImplError(
+            f"no built-in variant {name!r} here; declared: {', '.join(variants)}"
+        ) from None
 
 
 def installed_version(dist_name: str) -> str:
@@ -59,9 +62,9 @@ def installed_version(dist_name: str) -> str:
         return "unknown"
 
 
-def backend_of(ctx: RunContext) -> str:
-    """'nccl' for CUDA tensors, 'gloo' otherwise (how the harness pairs devices and backends)."""
-    return "nccl" if ctx.device.type == "cuda" else "gloo"
+def device_of(ctx: RunContext) -> str:
+    """The device the run's tensors live on, as `Capabilities.devices` names it: 'cuda' or 'cpu'."""
+    return "cuda" if ctx.device.type == "cuda" else "cpu"
 
 
 def is_subgroup(ctx: RunContext) -> bool:
@@ -69,13 +72,18 @@ def is_subgroup(ctx: RunContext) -> bool:
     return tuple(ctx.global_ranks) != tuple(range(ctx.world_size))
 
 
-def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor,
-                        lets_run: Collection[str] = ()) -> list[str]:
+def unsupported_reasons(
+    ctx: RunContext,
+    caps: Capabilities,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lets_run: Collection[str] = (),
+) -> list[str]:
     """What this run asks for that `caps` does not declare, in words (empty when all is supported),
     leaving out the feature keys in `lets_run` (see `Variant.lets_run`).
 
-    The rule is `capabilities.missing_features`, the one the case side uses; here the subgroup and the
-    backend are known, so they are checked too.
+    The rule is `capabilities.missing_features`, the one the case side uses; here the subgroup and
+    the tensors' device are known, so they are checked too.
     """
     missing = missing_features(
         caps,
@@ -88,22 +96,36 @@ def unsupported_reasons(ctx: RunContext, caps: Capabilities, q: torch.Tensor, k:
         lengths=ctx.lengths,
         head_dim=q.shape[-1],
         subgroup=is_subgroup(ctx),
-        backend=backend_of(ctx),
+        device=device_of(ctx),
     )
     keys = [f for f in missing if f not in lets_run]
     why = [
-        feature_words(f, caps, heads_q=q.shape[2], heads_kv=k.shape[2], lengths=ctx.lengths,
-                      global_ranks=ctx.global_ranks, world_size=ctx.world_size)
+        feature_words(
+            f,
+            caps,
+            heads_q=q.shape[2],
+            heads_kv=k.shape[2],
+            lengths=ctx.lengths,
+            global_ranks=ctx.global_ranks,
+            world_size=ctx.world_size,
+        )
         for f in keys
     ]
     masks = [i for i, f in enumerate(keys) if f.startswith("mask:")]
-    if masks and ctx.mask.kind == "expr":  # name the whole expression once, after its last missing piece
-        why[masks[-1]] += f" (the mask is {ctx.mask.describe()}; declared: {', '.join(sorted(caps.masks))})"
+    # name the whole expression once, after its last missing piece
+    if masks and ctx.mask.kind == "expr":
+        why[masks[-1]] += (
+            f" (the mask is {ctx.mask.describe()}; declared: {', '.join(sorted(caps.masks))})"
+        )
     return why
 
 
 def require_supported(
-    name: str, ctx: RunContext, caps: Capabilities, q: torch.Tensor, k: torch.Tensor,
+    name: str,
+    ctx: RunContext,
+    caps: Capabilities,
+    q: torch.Tensor,
+    k: torch.Tensor,
     lets_run: Collection[str] = (),
 ) -> None:
     """Refuse, with one line, a run outside the declared capabilities (but for the features in
@@ -120,7 +142,8 @@ def require_supported(
 
 
 def require_torch_api(name: str, api: Callable[[], object]) -> None:
-    """ImplError naming this torch's version when `api()` (an import of torch's experimental symbols) fails."""
+    """ImplError naming this torch's version when `api()` (an import of torch's experimental
+    symbols) fails."""
     try:
         api()
     except ImportError as e:
@@ -131,11 +154,12 @@ def require_whole_world(name: str, ctx: RunContext) -> None:
     """For libraries that address peers by global rank in the default group (and barrier on it)."""
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != ctx.world_size or tuple(ctx.global_ranks) != tuple(range(ctx.world_size)):
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size != ctx.world_size or tuple(ctx.global_ranks) != tuple(range(ctx.world_size)):
         raise ImplError(
-            f"{name}: runs only on the whole default process group (global ranks 0..{world - 1}); "
-            f"this ring is global ranks {list(ctx.global_ranks)} of {world}"
+            f"{name}: runs only on the whole default process group (global ranks "
+            f"0..{world_size - 1}); "
+            f"this ring is global ranks {list(ctx.global_ranks)} of {world_size}"
         )
 
 
@@ -167,38 +191,54 @@ def tiled_to_grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.reshape(b, n, g, kv_heads, d).transpose(2, 3).reshape(b, n, heads, d)
 
 
-# -- libraries that call flash-attn (ring-flash-attn, yunchang) -------------------------------------------
+# -- libraries that call flash-attn (ring-flash-attn, yunchang)
+# -------------------------------------------
 
-FLASH_KERNEL = "flash-attn"  # the value of an adapter module's KERNEL when its library calls flash-attn
+# the value of an adapter module's KERNEL when its library calls flash-attn
+FLASH_KERNEL = "flash-attn"
 
 
 @dataclass(frozen=True)
 class FlashMask:
-    """A mask in flash-attn's terms: packed documents (`doc_starts`, the cu_seqlens starts; (0,) for one),
-    the `causal` flag and the `window` (left, right), -1 for an unlimited side (flash-attn aligns both to
-    the bottom-right diagonal of each (query, key) document piece)."""
+    """A mask in flash-attn's terms: packed documents (`doc_starts`, the cu_seqlens starts; (0,) for
+    one), the `causal` flag and the `window` (left, right), -1 for an unlimited side (flash-attn
+    aligns both to the bottom-right diagonal of each (query, key) document piece)."""
 
     doc_starts: tuple[int, ...] = (0,)
     causal: bool = False
     window: tuple[int, int] = (-1, -1)
 
     def cu_seqlens(self, total: int) -> torch.Tensor:
-        """The documents' boundaries of a `total`-token stream (int32), as flash-attn varlen takes them."""
+        """The documents' boundaries of a `total`-token stream (int32), as flash-attn varlen takes
+        them."""
         return torch.tensor([*(s for s in self.doc_starts if s < total), total], dtype=torch.int32)
 
 
-FLASH_MASK_FEATURES = frozenset({"none", "causal", "window", "document", EXPR, "and", "full", "per-document",
-                                 WINDOW_RIGHT})  # what `flash_mask` can express (a variant declares its part)
+FLASH_MASK_FEATURES = frozenset(
+    {
+        "none",
+        "causal",
+        "window",
+        "document",
+        EXPR,
+        "and",
+        "full",
+        "per-document",
+        # what `flash_mask` can express (a variant declares its part)
+        WINDOW_RIGHT,
+    }
+)
 
 
 def flash_mask(spec: MaskSpec, total: int) -> FlashMask | None:
     """The flash-attn form of a mask over `total` tokens, or None when flash-attn cannot express it.
 
-    Expressible: a conjunction (`and`, any nesting) of full, causal, window(left, right) and document(starts)
-    leaves, and per-document(starts, m) with m such a conjunction. Causal and windows depend on k - q only,
-    so inside a document they are the same as over the whole stream; documents intersect by the union of
-    their starts; windows by the smaller side; causal cuts a window's right side to 0, and a window whose
-    right side is 0 is causal. The original kinds map directly (window w: causal with (w, 0))."""
+    Expressible: a conjunction (`and`, any nesting) of full, causal, window(left, right) and
+    document(starts) leaves, and per-document(starts, m) with m such a conjunction. Causal and
+    windows depend on k - q only, so inside a document they are the same as over the whole stream;
+    documents intersect by the union of their starts; windows by the smaller side; causal cuts a
+    window's right side to 0, and a window whose right side is 0 is causal. The original kinds map
+    directly (window w: causal with (w, 0))."""
     if spec.kind != EXPR:
         if spec.kind == "document":
             return FlashMask(tuple(spec.doc_starts), spec.causal)
@@ -208,13 +248,17 @@ def flash_mask(spec: MaskSpec, total: int) -> FlashMask | None:
     starts, causal, left, right = {0}, False, None, None
 
     def add(node: Expr, base: tuple[int, ...]) -> bool:
-        """Fold `node` in; `base`: the document starts its positions are relative to ((0,): the stream)."""
+        """Fold `node` in; `base`: the document starts its positions are relative to ((0,): the
+        stream)."""
         nonlocal causal, left, right
         if node.op == "and":
             return all(add(a, base) for a in node.args)
-        if node.op in ("document", "per-document"):  # starts relative to each of base's documents, inside it
+        # starts relative to each of base's documents, inside it
+        if node.op in ("document", "per-document"):
             ends = (*base[1:], total)
-            new = {b + s for b, e in zip(base, ends, strict=True) for s in node.params[0] if b + s < e}
+            new = {
+                b + s for b, e in zip(base, ends, strict=True) for s in node.params[0] if b + s < e
+            }
             starts.update(new)
             return node.op == "document" or add(node.args[0], tuple(sorted(new | set(base))))
         if node.op == "causal":
@@ -230,40 +274,42 @@ def flash_mask(spec: MaskSpec, total: int) -> FlashMask | None:
         return None
     if right is not None and (causal or right == 0):
         causal, right = True, 0
-    window = (-1, -1) if left is None else (left, -1 if right is None else right)
+    window = (-1, -1)
+    if left is not None:
+        window = (left, -1 if right is None else right)
     return FlashMask(tuple(sorted(s for s in starts if s < max(1, total))), causal, window)
 
 
 def require_flash_mask(name: str, ctx: RunContext) -> FlashMask:
-    """The run's mask in flash-attn's terms, or ImplError naming the mask (a variant's declared masks are
-    within what `flash_mask` expresses, so `require_supported` refuses the rest first)."""
+    """The run's mask in flash-attn's terms, or ImplError naming the mask (a variant's declared
+    masks are within what `flash_mask` expresses, so `require_supported` refuses the rest first)."""
     fm = flash_mask(ctx.mask, ctx.total_len)
     if fm is None:
         raise ImplError(f"{name}: flash-attn cannot express the mask {ctx.mask.describe()}")
     return fm
 
 
-def flash_backends() -> frozenset[str]:
-    """The backend a flash-attn library runs on here: nccl (CUDA tensors) with a real flash-attn; gloo (CPU
-    tensors) without one, where the gloo ranks install ring-harness's CPU stand-in
-    (`harness.kernels.flash_standin`). Not both: a real flash-attn takes CUDA tensors only, and without one
-    NCCL ranks have no kernel."""
-    return frozenset({"gloo"}) if flash_standin.serves_gloo() else frozenset({"nccl"})
+def flash_devices() -> frozenset[str]:
+    """The device a flash-attn library runs on here: cuda with a real flash-attn; cpu without one,
+    where the gloo ranks install ring-harness's CPU stand-in (`harness.kernels.flash_standin`). Not
+    both: a real flash-attn takes CUDA tensors only, and without one CUDA ranks have no kernel."""
+    return frozenset({"cpu"}) if flash_standin.serves_gloo() else frozenset({"cuda"})
 
 
-def flash_world_sizes(world: tuple[int, int], sends_to_itself: bool) -> tuple[int, int]:
-    """`world` as declared for NCCL, from W=2 on gloo when the library sends to itself at W=1 (its ring
-    exchanges dk/dv once even with one rank; NCCL allows a send to oneself, gloo does not: "Pair is not
-    connected")."""
-    lo, hi = world
-    if sends_to_itself and "gloo" in flash_backends():
+def flash_world_sizes(world_size: tuple[int, int], sends_to_itself: bool) -> tuple[int, int]:
+    """`world` as declared for NCCL, from W=2 on gloo when the library sends to itself at W=1 (its
+    ring exchanges dk/dv once even with one rank; NCCL allows a send to oneself, gloo does not:
+    "Pair is not connected")."""
+    lo, hi = world_size
+    if sends_to_itself and "cpu" in flash_devices():
         return max(lo, 2), hi
     return lo, hi
 
 
 def require_importable(module: str) -> None:
-    """ImportError (the registry's one-line "needs the optional extra") when `module` is not importable,
-    without importing it: the library is imported inside the run, on the ranks, where the stand-in is."""
+    """ImportError (the registry's one-line "needs the optional extra") when `module` is not
+    importable, without importing it: the library is imported inside the run, on the ranks, where
+    the stand-in is."""
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -273,9 +319,10 @@ def require_importable(module: str) -> None:
 
 
 def kernel_label(impl: Impl) -> str | None:
-    """The flash-attn kernel this process gives `impl` ("cpu-standin", "flash-attn 2.8.3", "none") when the
-    adapter module that made its run function declares `KERNEL = "flash-attn"`; None for every other impl.
-    A rank adds it to its result reply; a saved case records it under `versions: kernel`."""
+    """The flash-attn kernel this process gives `impl` ("cpu-standin", "flash-attn 2.8.3", "none")
+    when the adapter module that made its run function declares `KERNEL = "flash-attn"`; None for
+    every other impl. A rank adds it to its result reply; a saved case records it under `versions:
+    kernel`."""
     module = sys.modules.get(getattr(impl.run, "__module__", None) or "")
     if getattr(module, "KERNEL", None) != FLASH_KERNEL:
         return None
@@ -283,8 +330,8 @@ def kernel_label(impl: Impl) -> str | None:
 
 
 class GatherRanks(torch.autograd.Function):
-    """Every rank's equal-sized piece of x (dim 0), concatenated in group-rank order. Backward: the gradient
-    summed over the ranks (each rank's use of the whole), this rank's piece of it."""
+    """Every rank's equal-sized piece of x (dim 0), concatenated in group-rank order. Backward: the
+    gradient summed over the ranks (each rank's use of the whole), this rank's piece of it."""
 
     @staticmethod
     def forward(fctx, x, group):

@@ -1,23 +1,25 @@
-"""DeepSpeed's Ulysses sequence parallelism (`deepspeed.sequence.layer.DistributedAttention`), on CPU gloo
-ranks or GPUs, with torch's SDPA as the local attention. Imported on the ranks only; `make` only checks that
-deepspeed is importable.
+"""DeepSpeed's Ulysses sequence parallelism (`deepspeed.sequence.layer.DistributedAttention`), on
+CPU gloo ranks or GPUs, with torch's SDPA as the local attention. Imported on the ranks only; `make`
+only checks that deepspeed is importable.
 
-Each rank holds a sequence shard [b, s/W, h, d]; DistributedAttention all-to-alls it into a head shard of
-the whole sequence [b, s, h/W, d], runs the local attention, and all-to-alls back. The whole sequence
-arrives in rank order, so its global positions are our layout's positions concatenated: the local
-attention gets the case's mask over them (any layout, any mask: that is the caller's business in
-DeepSpeed). Two variants, the two layouts callers use (layer.py `_generate_layout_params`):
+Each rank holds a sequence shard [b, s/W, h, d]; DistributedAttention all-to-alls it into a head
+shard of the whole sequence [b, s, h/W, d], runs the local attention, and all-to-alls back. The
+whole sequence arrives in rank order, so its global positions are our layout's positions
+concatenated: the local attention gets the case's mask over them (any layout, any mask: that is the
+caller's business in DeepSpeed). Two variants, the two layouts callers use (layer.py
+`_generate_layout_params`):
 
 - `deepspeed-ulysses`: batch-first [b, s, h, d] (scatter_idx=2, gather_idx=1, batch_dim_idx=0);
-- `deepspeed-ulysses-seqfirst`: sequence-first [s, b, h, d] (scatter_idx=2, gather_idx=0, batch_dim_idx=1),
-  as Megatron-DeepSpeed calls it.
+- `deepspeed-ulysses-seqfirst`: sequence-first [s, b, h, d] (scatter_idx=2, gather_idx=0,
+  batch_dim_idx=1), as Megatron-DeepSpeed calls it.
 
-Each rank runs `deepspeed.init_distributed` over the existing process group and registers the ring as
-DeepSpeed's sequence-parallel group, as `deepspeed.initialize(mpu=...)` does (engine.py `groups.mpu =
-self.mpu`): the uneven-heads path reads the rank from it (`groups._get_sequence_parallel_rank()`, 0 when
-nothing is registered). Declared: equal per-rank lengths (one all-to-all split for every rank); kv heads at
-least W (layer.py `_resolve_kv_heads` asserts it; refused with one line); heads W does not divide go through
-DeepSpeed's uneven-heads path. No lse is returned.
+Each rank runs `deepspeed.init_distributed` over the existing process group and registers the ring
+as DeepSpeed's sequence-parallel group, as `deepspeed.initialize(mpu=...)` does (engine.py
+`groups.mpu = self.mpu`): the uneven-heads path reads the rank from it
+(`groups._get_sequence_parallel_rank()`, 0 when nothing is registered). Declared: equal per-rank
+lengths (one all-to-all split for every rank); kv heads at least W (layer.py `_resolve_kv_heads`
+asserts it; refused with one line); heads W does not divide go through DeepSpeed's uneven-heads
+path. No lse is returned.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ import torch
 
 from harness.context import Capabilities, Impl, RunContext, RunFn
 from harness.errors import ImplError
-from harness.impls.adapters._common import Variant, installed_version, require_importable, require_supported, variant
+from harness.impls.adapters._common import (
+    Variant,
+    installed_version,
+    require_importable,
+    require_supported,
+    variant,
+)
 from ring_impl.masks import MASK_FEATURES
 
 EXTRA = "deepspeed"
@@ -34,21 +42,24 @@ EXTRA = "deepspeed"
 
 def _caps() -> Capabilities:
     return Capabilities(
-        masks=frozenset(MASK_FEATURES),  # the local attention gets the whole sequence: any mask, as a dense one
+        # the local attention gets the whole sequence: any mask, as a dense one
+        masks=frozenset(MASK_FEATURES),
         dtypes=frozenset({"fp32", "fp16", "bf16"}),
         gqa=True,
         uneven=False,
         world_sizes=(1, 8),
         backward=True,
         returns_lse=False,
-        heads_divisible_by_world=True,  # the even all-to-all; other counts take the uneven-heads path: let through
+        # the even all-to-all; other counts take the uneven-heads path: let through
+        heads_divisible_by_world=True,
     )
 
 
-# option: the tensor layout DistributedAttention is called with. Not declared but let through, so the check's
-# probe shows what DeepSpeed does with them: head counts W does not divide (its uneven-heads path: tracker #6774,
-# #6797) and per-rank lengths that differ (S % W != 0, tracker #7384: one equal all-to-all split; on gloo the
-# shorter rank aborts in the all-to-all within a second, cases/deepspeed-ulysses-uneven-length.yaml)
+# option: the tensor layout DistributedAttention is called with. Not declared but let through, so
+# the check's probe shows what DeepSpeed does with them: head counts W does not divide (its
+# uneven-heads path: tracker #6774, #6797) and per-rank lengths that differ (S % W != 0, tracker
+# #7384: one equal all-to-all split; on gloo the shorter rank aborts in the all-to-all within a
+# second, cases/deepspeed-ulysses-uneven-length.yaml)
 LETS_RUN = frozenset({"heads", "uneven"})
 VARIANTS = {
     "deepspeed-ulysses": Variant(_caps(), option="batch-first", lets_run=LETS_RUN),
@@ -57,7 +68,8 @@ VARIANTS = {
 
 
 class SequenceParallelMpu:
-    """The part of a model-parallel unit DeepSpeed's sequence parallelism reads (utils/groups.py)."""
+    """The part of a model-parallel unit DeepSpeed's sequence parallelism reads
+    (utils/groups.py)."""
 
     def __init__(self, group: object) -> None:
         self.group = group
@@ -77,12 +89,14 @@ class SequenceParallelMpu:
 
 
 def init_deepspeed(group: object) -> None:
-    """DeepSpeed's comm over the existing process group, and the ring as its sequence-parallel group.
+    """DeepSpeed's comm over the existing process group, and the ring as its sequence-parallel
+    group.
 
-    Its CPU shared-memory all-reduce op is left out: `init_distributed` would JIT-compile it (a compiler run,
-    minutes, behind a file lock a killed rank leaves held) and rendezvous every world rank through it, a
-    subgroup's ranks alone then waiting for the rest. Ulysses uses all_to_all_single only. So the op
-    compatibility table, probed lazily by deepspeed.ops (compiler runs, GPU queries), is given as: none."""
+    Its CPU shared-memory all-reduce op is left out: `init_distributed` would JIT-compile it (a
+    compiler run, minutes, behind a file lock a killed rank leaves held) and rendezvous every world
+    rank through it, a subgroup's ranks alone then waiting for the rest. Ulysses uses
+    all_to_all_single only. So the op compatibility table, probed lazily by deepspeed.ops (compiler
+    runs, GPU queries), is given as: none."""
     import deepspeed
     import deepspeed.comm as dc
     import deepspeed.ops
@@ -97,9 +111,10 @@ def init_deepspeed(group: object) -> None:
 
 
 def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
-    """torch's SDPA over the whole sequence (global `positions`, rank order), the case's mask and scale. A row
-    that sees no key gets out 0 here: CUDA's SDPA kernels leave such a row nonzero (docs/third-party.md)."""
-    from ring_impl.masks import allowed
+    """torch's SDPA over the whole sequence (global `positions`, rank order), the case's mask and
+    scale. A row that sees no key gets out 0 here: CUDA's SDPA kernels leave such a row nonzero
+    (docs/third-party.md)."""
+    from ring_impl.mask_eval import allowed
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if seq_dim == 0:  # [s, b, h, d] -> [b, h, s, d]
@@ -110,7 +125,8 @@ def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
         mask = allowed(ctx.mask, pos, pos)
         mask = None if mask is None else mask.to(q.device)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=ctx.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+            q, k, v, attn_mask=mask, scale=ctx.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
         if mask is not None:
             out = out.masked_fill(~mask.any(-1)[:, None], 0.0)
         return out.permute(2, 0, 1, 3) if seq_dim == 0 else out.transpose(1, 2)
@@ -121,8 +137,11 @@ def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
 def require_kv_head_per_rank(name: str, ctx: RunContext, k: torch.Tensor) -> None:
     """One line for kv heads fewer than W, which DeepSpeed's all-to-all asserts against."""
     if k.shape[2] < ctx.world_size:
-        raise ImplError(f"{name}: unsupported here: {k.shape[2]} kv heads for W={ctx.world_size} "
-                        "(DeepSpeed asserts at least one kv head per rank, layer.py _resolve_kv_heads)")
+        raise ImplError(
+            f"{name}: unsupported here: {k.shape[2]} kv heads for W={ctx.world_size} "
+            "(DeepSpeed asserts at least one kv head per rank, layer.py "
+            "_resolve_kv_heads)"
+        )
 
 
 def _run(name: str, caps: Capabilities, option: str, lets_run: frozenset[str]) -> RunFn:
@@ -147,10 +166,14 @@ def _run(name: str, caps: Capabilities, option: str, lets_run: frozenset[str]) -
 
 
 def make(name: str) -> Impl:
-    """The variant behind our run signature. ImportError when deepspeed is not importable; the library
-    itself is imported by the run, on the ranks."""
+    """The variant behind our run signature. ImportError when deepspeed is not importable; the
+    library itself is imported by the run, on the ranks."""
     declared = variant(VARIANTS, name)
     require_importable("deepspeed")
     caps = declared.capabilities
-    return Impl(name=name, run=_run(name, caps, declared.option, declared.lets_run), capabilities=caps,
-                version=installed_version("deepspeed"))
+    return Impl(
+        name=name,
+        run=_run(name, caps, declared.option, declared.lets_run),
+        capabilities=caps,
+        version=installed_version("deepspeed"),
+    )

@@ -1,22 +1,24 @@
-"""DeepSpeed ALST's Ulysses for Hugging Face models (`deepspeed.runtime.sequence_parallel.ulysses_sp.
-UlyssesSPAttentionHF`), around transformers' SDPA attention function, on CPU gloo ranks or GPUs. Imported on
-the ranks only; `make` only checks that deepspeed and transformers are importable.
+"""DeepSpeed ALST's Ulysses for Hugging Face models
+(`deepspeed.runtime.sequence_parallel.ulysses_sp. UlyssesSPAttentionHF`), around transformers' SDPA
+attention function, on CPU gloo ranks or GPUs. Imported on the ranks only; `make` only checks that
+deepspeed and transformers are importable.
 
 The model calls the attention function with HF shapes (q [b, h, s/W, d]) and `position_ids`; ALST
 all-to-alls q/k/v into a head shard of the whole sequence, calls `sdpa_attention_forward`, and
 all-to-alls the output [b, s/W, h*d] back. What the adapter reproduces of the HF path:
 
-- one module per (group, batch, heads, kv heads, head_dim), built once on the rank and reused by every
-  later case, as a model reuses its layers: with `seq_length_is_variable=True` (the default of
-  `register_with_transformers`) it keeps the last call's `local_seq_length`, so cases of other lengths
-  and the repeat check run through that state;
+- one module per (group, batch, heads, kv heads, head_dim), built once on the rank and reused by
+  every later case, as a model reuses its layers: with `seq_length_is_variable=True` (the default of
+  `register_with_transformers`) it keeps the last call's `local_seq_length`, so cases of other
+  lengths and the repeat check run through that state;
 - the model's 4D mask is dropped, as the wrapper `register_with_transformers` installs does
   (`attention_mask = None`): the mask is the module's `is_causal` alone, over the gathered sequence
   in rank order. Declared: no mask or causal, the contiguous layout. Sliding windows and packed
-  documents are let through so the probe shows what the HF path computes for them (position_ids reset at
-  document starts, as ALST's assertion asks of packed sequences);
-- kv heads fewer than W are replicated by ALST (W a multiple of them): let through with the head counts
-  W does not divide, which ALST refuses in its constructor otherwise; so are unequal per-rank lengths.
+  documents are let through so the probe shows what the HF path computes for them (position_ids
+  reset at document starts, as ALST's assertion asks of packed sequences);
+- kv heads fewer than W are replicated by ALST (W a multiple of them): let through with the head
+  counts W does not divide, which ALST refuses in its constructor otherwise; so are unequal per-rank
+  lengths.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from __future__ import annotations
 import torch
 
 from harness.context import Capabilities, Impl, RunContext, RunFn
-from harness.impls.adapters._common import Variant, installed_version, require_importable, require_supported, variant
+from harness.impls.adapters._common import (
+    Variant,
+    installed_version,
+    require_importable,
+    require_supported,
+    variant,
+)
 from harness.impls.adapters.deepspeed import init_deepspeed
 
 EXTRA = "deepspeed"
@@ -40,14 +48,15 @@ CAPABILITIES = Capabilities(
     returns_lse=False,
     heads_divisible_by_world=True,
 )
-# option: none. Let through on purpose (`Variant.lets_run`): head counts W does not divide (ALST replicates
-# kv heads when W is a multiple of them, refuses the rest in its constructor), per-rank lengths that differ
-# (DeepSpeed #7384's class: on gloo the shorter rank aborts in the first collective) and the masks the HF
-# path drops (sliding window, packed documents)
+# option: none. Let through on purpose (`Variant.lets_run`): head counts W does not divide (ALST
+# replicates kv heads when W is a multiple of them, refuses the rest in its constructor), per-rank
+# lengths that differ (DeepSpeed #7384's class: on gloo the shorter rank aborts in the first
+# collective) and the masks the HF path drops (sliding window, packed documents)
 LETS_RUN = frozenset({"heads", "uneven", "mask:window", "mask:document"})
 VARIANTS = {"deepspeed-alst": Variant(CAPABILITIES, lets_run=LETS_RUN)}
 
-_MODULES: dict[tuple, torch.nn.Module] = {}  # per rank: the ALST module of each (group, shape), reused
+# per rank: the ALST module of each (group, shape), reused
+_MODULES: dict[tuple, torch.nn.Module] = {}
 
 
 class HFAttention(torch.nn.Module):
@@ -66,7 +75,8 @@ def is_causal(ctx: RunContext) -> bool:
 
 
 def position_ids(ctx: RunContext, batch: int) -> torch.Tensor:
-    """This rank's position_ids (batch, s/W): global positions, restarting at each document's start."""
+    """This rank's position_ids (batch, s/W): global positions, restarting at each document's
+    start."""
     pos = ctx.positions.to(torch.int64)
     if ctx.mask.kind == "document":
         starts = torch.tensor(ctx.mask.doc_starts, dtype=torch.int64)
@@ -74,7 +84,9 @@ def position_ids(ctx: RunContext, batch: int) -> torch.Tensor:
     return pos.expand(batch, -1).to(ctx.device)
 
 
-def alst_module(ctx: RunContext, batch: int, heads_q: int, heads_kv: int, head_dim: int) -> torch.nn.Module:
+def alst_module(
+    ctx: RunContext, batch: int, heads_q: int, heads_kv: int, head_dim: int
+) -> torch.nn.Module:
     """The rank's UlyssesSPAttentionHF for this group and shape, built on first use."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -82,8 +94,15 @@ def alst_module(ctx: RunContext, batch: int, heads_q: int, heads_kv: int, head_d
     key = (ctx.group.group_name, batch, heads_q, heads_kv, head_dim)
     if key not in _MODULES:
         _MODULES[key] = UlyssesSPAttentionHF(
-            attn=sdpa_attention_forward, batch_size=batch, attn_head_count=heads_q, attn_head_size=head_dim,
-            kv_head_count=heads_kv, num_hidden_layers=1, process_group=ctx.group, seq_length_is_variable=True)
+            attn=sdpa_attention_forward,
+            batch_size=batch,
+            attn_head_count=heads_q,
+            attn_head_size=head_dim,
+            kv_head_count=heads_kv,
+            num_hidden_layers=1,
+            process_group=ctx.group,
+            seq_length_is_variable=True,
+        )
     return _MODULES[key]
 
 
@@ -94,19 +113,30 @@ def _run(name: str, caps: Capabilities, lets_run: frozenset[str]) -> RunFn:
         batch, local, heads_q, dim = q.shape
         uattn = alst_module(ctx, batch, heads_q, k.shape[2], dim)
         layer = HFAttention(is_causal(ctx), heads_q // k.shape[2])
-        out, _ = uattn(layer, *(t.transpose(1, 2) for t in (q, k, v)), None, dropout=0.0,
-                       scaling=ctx.softmax_scale, position_ids=position_ids(ctx, batch))
+        out, _ = uattn(
+            layer,
+            *(t.transpose(1, 2) for t in (q, k, v)),
+            None,
+            dropout=0.0,
+            scaling=ctx.softmax_scale,
+            position_ids=position_ids(ctx, batch),
+        )
         return out.reshape(batch, local, heads_q, dim)
 
     return run
 
 
 def make(name: str) -> Impl:
-    """The variant behind our run signature. ImportError when deepspeed or transformers is not importable;
-    the libraries themselves are imported by the run, on the ranks."""
+    """The variant behind our run signature. ImportError when deepspeed or transformers is not
+    importable; the libraries themselves are imported by the run, on the ranks."""
     declared = variant(VARIANTS, name)
     require_importable("deepspeed")
     require_importable("transformers")
     caps = declared.capabilities
-    return Impl(name=name, run=_run(name, caps, declared.lets_run), capabilities=caps,
-                version=f"{installed_version('deepspeed')}, transformers {installed_version('transformers')}")
+    return Impl(
+        name=name,
+        run=_run(name, caps, declared.lets_run),
+        capabilities=caps,
+        version=f"{installed_version('deepspeed')}, transformers "
+        f"{installed_version('transformers')}",
+    )

@@ -1,22 +1,22 @@
-"""DeepSpeed FPDT (`deepspeed.sequence.fpdt_layer.FPDT_Attention`, its non-offloading path), over flash-attn's
-private forward/backward (or ring-harness's CPU stand-in on gloo ranks). Imported on the ranks only; `make`
-only checks that deepspeed is importable.
+"""DeepSpeed FPDT (`deepspeed.sequence.fpdt_layer.FPDT_Attention`, its non-offloading path), over
+flash-attn's private forward/backward (or ring-harness's CPU stand-in on gloo ranks). Imported on
+the ranks only; `make` only checks that deepspeed is importable.
 
-FPDT splits the whole sequence into `n` chunks. Each chunk is all-to-alled into a head shard, attended
-against every earlier chunk (causal on the diagonal) and merged with online softmax; the output chunks are
-all-to-alled back. Its layout is strided: the sequence is `n` segments, each split W ways, and rank r
-holds piece r of every segment (`FPDT_InputConstruct.generate`). The adapter reshards: it all-gathers our
-shards, takes this rank's FPDT rows, and after the call all-gathers the outputs back to our positions
-(gradients flow back through the same gathers). `n` is the largest of 4, 3, 2, 1 that divides the per-rank
-length, so most cases take several chunks.
+FPDT splits the whole sequence into `n` chunks. Each chunk is all-to-alled into a head shard,
+attended against every earlier chunk (causal on the diagonal) and merged with online softmax; the
+output chunks are all-to-alled back. Its layout is strided: the sequence is `n` segments, each split
+W ways, and rank r holds piece r of every segment (`FPDT_InputConstruct.generate`). The adapter
+reshards: it all-gathers our shards, takes this rank's FPDT rows, and after the call all-gathers the
+outputs back to our positions (gradients flow back through the same gathers). `n` is the largest of
+4, 3, 2, 1 that divides the per-rank length, so most cases take several chunks.
 
 FPDT computes q/k/v itself, from the layer's input through one linear layer, and ends with the dense
 projection. The adapter feeds it [q | k | v] per token with identity weights and zero biases: both
-products are exact in every dtype, and the gradient of the input is [dq | dk | dv]. The softmax scale is
-fixed at head_dim ** -0.5: q is multiplied by `q_prescale` first. Declared: causal only (FPDT's one
-mask), fp16/bf16 and flash-attn's head dims, equal per-rank lengths, heads W divides (kv heads below W
-are refused with one line: DeepSpeed asserts). Other head counts take DeepSpeed's uneven-heads path:
-let through.
+products are exact in every dtype, and the gradient of the input is [dq | dk | dv]. The softmax
+scale is fixed at head_dim ** -0.5: q is multiplied by `q_prescale` first. Declared: causal only
+(FPDT's one mask), fp16/bf16 and flash-attn's head dims, equal per-rank lengths, heads W divides (kv
+heads below W are refused with one line: DeepSpeed asserts). Other head counts take DeepSpeed's
+uneven-heads path: let through.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from harness.impls.adapters._common import (
     FLASH_KERNEL,
     GatherRanks,
     Variant,
-    flash_backends,
+    flash_devices,
     installed_version,
     q_prescale,
     require_importable,
@@ -41,10 +41,12 @@ from harness.impls.adapters._common import (
 from harness.impls.adapters.deepspeed import init_deepspeed, require_kv_head_per_rank
 
 EXTRA = "deepspeed"
-KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`_common.kernel_label`)
+# its library calls flash-attn: ranks report which one (`_common.kernel_label`)
+KERNEL = FLASH_KERNEL
 
 CAPABILITIES = Capabilities(
-    masks=frozenset({"causal"}),  # FPDT's chunk loop is causal, with no mask argument (it asserts None)
+    # FPDT's chunk loop is causal, with no mask argument (it asserts None)
+    masks=frozenset({"causal"}),
     dtypes=frozenset({"fp16", "bf16"}),
     gqa=True,
     uneven=False,
@@ -53,7 +55,7 @@ CAPABILITIES = Capabilities(
     returns_lse=False,
     head_dims=FLASH_HEAD_DIMS,
     heads_divisible_by_world=True,
-    backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
+    devices=flash_devices(),  # cpu where the CPU stand-in serves the ranks
 )
 VARIANTS = {"deepspeed-fpdt": Variant(CAPABILITIES, lets_run=frozenset({"heads"}))}
 CHUNK_COUNTS = (4, 3, 2, 1)
@@ -65,7 +67,8 @@ def chunk_count(local_len: int) -> int:
 
 
 def fpdt_rows(total: int, world_size: int, rank: int, chunks: int) -> torch.Tensor:
-    """Global positions rank `rank` holds in FPDT's layout: piece `rank` of each of `chunks` segments."""
+    """Global positions rank `rank` holds in FPDT's layout: piece `rank` of each of `chunks`
+    segments."""
     piece = total // (world_size * chunks)
     starts = (torch.arange(chunks) * world_size + rank) * piece
     return (starts[:, None] + torch.arange(piece)).reshape(-1)
@@ -82,36 +85,61 @@ def _run(name: str, caps: Capabilities, lets_run: frozenset[str]) -> RunFn:
         heads_kv, w, total = k.shape[2], ctx.world_size, ctx.total_len
         chunks = chunk_count(local)
         rows = fpdt_rows(total, w, ctx.rank, chunks).to(q.device)
-        order = torch.argsort(torch.cat(list(ctx.all_positions)).to(q.device))  # global position -> gathered row
+        # global position -> gathered row
+        order = torch.argsort(torch.cat(list(ctx.all_positions)).to(q.device))
 
-        def fpdt_shard(x: torch.Tensor) -> torch.Tensor:  # ours (b, s/W, h, d) -> FPDT's rows (s/W, b, h*d)
-            whole = GatherRanks.apply(x.transpose(0, 1).contiguous(), ctx.group).index_select(0, order)
+        # ours (b, s/W, h, d) -> FPDT's rows (s/W, b, h*d)
+        def fpdt_shard(x: torch.Tensor) -> torch.Tensor:
+            whole = GatherRanks.apply(x.transpose(0, 1).contiguous(), ctx.group).index_select(
+                0, order
+            )
             return whole.index_select(0, rows).flatten(2)
 
         qs = q * q_prescale(ctx.softmax_scale, dim)
         hidden = torch.cat([fpdt_shard(t) for t in (qs, k, v)], dim=2)
         width, out_width = hidden.shape[2], heads_q * dim
-        config = SimpleNamespace(kv_channels=dim, num_attention_heads=heads_q, num_key_value_heads=heads_kv,
-                                 hidden_size=width, attention_dropout=0.0)
+        config = SimpleNamespace(
+            kv_channels=dim,
+            num_attention_heads=heads_q,
+            num_key_value_heads=heads_kv,
+            hidden_size=width,
+            attention_dropout=0.0,
+        )
         eye = torch.eye(width, dtype=q.dtype, device=q.device)
-        layer = FPDT_Attention(config, eye, torch.zeros(width, dtype=q.dtype, device=q.device),
-                               torch.eye(out_width, dtype=q.dtype, device=q.device),
-                               torch.zeros(out_width, dtype=q.dtype, device=q.device), ctx.group,
-                               gather_idx=1, chunk_size=total // chunks, enable_offloading=False)
-        out, _ = layer(hidden, None, None, None, cpu_offloading=False)  # (s/W, b, heads_q * d) in FPDT's rows
+        layer = FPDT_Attention(
+            config,
+            eye,
+            torch.zeros(width, dtype=q.dtype, device=q.device),
+            torch.eye(out_width, dtype=q.dtype, device=q.device),
+            torch.zeros(out_width, dtype=q.dtype, device=q.device),
+            ctx.group,
+            gather_idx=1,
+            chunk_size=total // chunks,
+            enable_offloading=False,
+        )
+        # (s/W, b, heads_q * d) in FPDT's rows
+        out, _ = layer(hidden, None, None, None, cpu_offloading=False)
         gathered = GatherRanks.apply(out, ctx.group)  # (s, b, heads_q * d), rank by rank
         every = torch.cat([fpdt_rows(total, w, r, chunks) for r in range(w)]).to(q.device)
         whole = torch.empty_like(gathered).index_copy(0, every, gathered)
-        return whole.index_select(0, ctx.positions.to(q.device)).transpose(0, 1).reshape(batch, local, heads_q, dim)
+        return (
+            whole.index_select(0, ctx.positions.to(q.device))
+            .transpose(0, 1)
+            .reshape(batch, local, heads_q, dim)
+        )
 
     return run
 
 
 def make(name: str) -> Impl:
-    """The variant behind our run signature. ImportError when deepspeed is not importable; the library is
-    imported by the run, on the ranks (where flash-attn, or its CPU stand-in, is)."""
+    """The variant behind our run signature. ImportError when deepspeed is not importable; the
+    library is imported by the run, on the ranks (where flash-attn, or its CPU stand-in, is)."""
     declared = variant(VARIANTS, name)
     require_importable("deepspeed")
     caps = declared.capabilities
-    return Impl(name=name, run=_run(name, caps, declared.lets_run), capabilities=caps,
-                version=installed_version("deepspeed"))
+    return Impl(
+        name=name,
+        run=_run(name, caps, declared.lets_run),
+        capabilities=caps,
+        version=installed_version("deepspeed"),
+    )

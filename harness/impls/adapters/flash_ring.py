@@ -1,20 +1,22 @@
-"""`flash-ring`: a second, independent ring attention that does its arithmetic the way flash kernels do.
+"""`flash-ring`: a second, independent ring attention that does its arithmetic the way flash kernels
+do.
 
 Written apart from `ring_impl` (no code shared with the reference ring: its own ring loop, online
 softmax, backward, mask predicate and P2P schedule), so that a case on which the reference and this
-ring disagree with the harness points at the harness (oracle, tolerance) rather than at one ring.
-It is the calibration target for the tolerance rule's flash-family floor (harness/judging/tolerance.py):
+ring disagree with the harness points at the harness (oracle, tolerance) rather than at one ring. It
+is the calibration target for the tolerance rule's flash-family floor
+(harness/judging/tolerance.py):
 
 forward   K/V blocks ride the ring (rank r holds owner (r - s) mod W's block at step s); within a
           block, keys are taken in tiles of KEY_TILE with one running row max m, row sum l and
           accumulator acc for the whole ring (online softmax, all fp32): P = exp(S - m) in fp32,
           l += rowsum(P) in fp32, P rounded to the input dtype before P @ V (fp32 accumulation).
           out = acc / l cast to the input dtype once; lse = m + log(l) in fp32.
-backward  D = rowsum(dO * O) in fp32 from the dtype-rounded O (the output the caller got);
-          P = exp(S - lse) in fp32; dV += round(P)^T @ dO; dP = dO @ V^T (fp32);
-          dS = round(P * (dP - D)) to the input dtype before dQ += dS @ K and dK += dS^T @ Q
-          (fp32 accumulation). dq accumulates locally in fp32; the dk/dv accumulators travel with
-          the ring in fp32 and make one more hop home; each gradient is cast to the input dtype once.
+backward  D = rowsum(dO * O) in fp32 from the dtype-rounded O (the output the caller got); P = exp(S
+          - lse) in fp32; dV += round(P)^T @ dO; dP = dO @ V^T (fp32); dS = round(P * (dP - D)) to
+          the input dtype before dQ += dS @ K and dK += dS^T @ Q (fp32 accumulation). dq accumulates
+          locally in fp32; the dk/dv accumulators travel with the ring in fp32 and make one more hop
+          home; each gradient is cast to the input dtype once.
 
 Every received buffer is fresh and read only after its wait; a sent buffer is never written again,
 so the benign faults (early-read, send-reuse) cannot change a bit. Peers are global ranks, so the
@@ -36,9 +38,13 @@ from harness.impls.adapters._common import Variant, installed_version, require_s
 EXTRA = None  # part of the project itself
 KEY_TILE = 32  # keys per tile of the online softmax (flash-attn uses 64-128; any size is correct)
 KV_TAG, DKV_TAG = 11, 12
-# every layout, the original masks, dtype, uneven split and idle ranks, GQA/MQA, subgroup; gloo ranks (pure torch:
-# tested on CPU only)
-VARIANTS = {"flash-ring": Variant(Capabilities(backends=frozenset({"gloo"}), returns_lse=True, idle_ranks=True))}
+# every layout, the original masks, dtype, uneven split and idle ranks, GQA/MQA, subgroup; gloo
+# ranks (pure torch: tested on CPU only)
+VARIANTS = {
+    "flash-ring": Variant(
+        Capabilities(devices=frozenset({"cpu"}), returns_lse=True, idle_ranks=True)
+    )
+}
 
 
 def visible(ctx: RunContext, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -59,12 +65,16 @@ def visible(ctx: RunContext, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.
 
 
 class _Ring:
-    """Send to the next rank of the group and receive from the previous one; fresh receive buffers."""
+    """Send to the next rank of the group and receive from the previous one; fresh receive
+    buffers."""
 
     def __init__(self, ctx: RunContext, tag: int) -> None:
         w = ctx.world_size
         self.ctx, self.tag = ctx, tag
-        self.next, self.prev = ctx.global_ranks[(ctx.rank + 1) % w], ctx.global_ranks[(ctx.rank - 1) % w]
+        self.next, self.prev = (
+            ctx.global_ranks[(ctx.rank + 1) % w],
+            ctx.global_ranks[(ctx.rank - 1) % w],
+        )
         self.works: list[Any] = []
 
     def post(self, send: torch.Tensor, recv_numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -82,7 +92,8 @@ class _Ring:
 
 
 def _heads_first(x: torch.Tensor, group: int = 1) -> torch.Tensor:
-    """(B, L, H, D) -> float32 (B, H * group, L, D), each head repeated for its `group` query heads."""
+    """(B, L, H, D) -> float32 (B, H * group, L, D), each head repeated for its `group` query
+    heads."""
     x = x.float().permute(0, 2, 1, 3)
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
@@ -106,7 +117,8 @@ def _tiles(n: int):
 
 
 def flash_forward(q, k, v, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q.dtype (B, L, Hq, D), lse float32 (B, Hq, L)) of the local queries over the whole ring."""
+    """(out in q.dtype (B, L, Hq, D), lse float32 (B, Hq, L)) of the local queries over the whole
+    ring."""
     dtype, w, r, scale = q.dtype, ctx.world_size, ctx.rank, float(ctx.softmax_scale)
     group = q.shape[2] // k.shape[2]
     qf = _heads_first(q)
@@ -119,7 +131,9 @@ def flash_forward(q, k, v, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]
     for step in range(w):
         owner = (r - step) % w
         if step + 1 < w:
-            nxt = ring.post(kv, 2 * k.shape[0] * ctx.lengths[(owner - 1) % w] * k.shape[2] * k.shape[3], dtype)
+            nxt = ring.post(
+                kv, 2 * k.shape[0] * ctx.lengths[(owner - 1) % w] * k.shape[2] * k.shape[3], dtype
+            )
         k_j, v_j = _split(kv, _kv_shape(k, ctx, owner))
         kf, vf = _heads_first(k_j, group), _heads_first(v_j, group)
         vis_all = visible(ctx, ctx.all_positions[r], ctx.all_positions[owner])
@@ -134,7 +148,9 @@ def flash_forward(q, k, v, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]
             p = torch.exp(s - safe.unsqueeze(-1))
             alpha = torch.exp(m - safe)
             row_sum = row_sum * alpha + p.sum(dim=-1)
-            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p.to(dtype).float(), vf[:, :, start:stop])
+            acc = acc * alpha.unsqueeze(-1) + torch.matmul(
+                p.to(dtype).float(), vf[:, :, start:stop]
+            )
             m = m_new
         if step + 1 < w:
             ring.wait()
@@ -150,7 +166,8 @@ def flash_backward(dout, q, k, v, out, lse, ctx: RunContext):
     dtype, w, r, scale = q.dtype, ctx.world_size, ctx.rank, float(ctx.softmax_scale)
     hkv, group = k.shape[2], q.shape[2] // k.shape[2]
     qf, dof = _heads_first(q), _heads_first(dout)
-    delta = (dof * _heads_first(out)).sum(dim=-1, keepdim=True)  # D from the dtype-rounded O, in fp32
+    # D from the dtype-rounded O, in fp32
+    delta = (dof * _heads_first(out)).sum(dim=-1, keepdim=True)
     lse_f = lse.float().unsqueeze(-1)
     lse_f = torch.where(torch.isinf(lse_f), torch.zeros_like(lse_f), lse_f)
     dq = torch.zeros_like(qf)
@@ -162,7 +179,9 @@ def flash_backward(dout, q, k, v, out, lse, ctx: RunContext):
         owner = (r - step) % w
         shape = _kv_shape(k, ctx, owner)
         if step + 1 < w:
-            nxt = kv_ring.post(kv, 2 * shape[0] * ctx.lengths[(owner - 1) % w] * shape[2] * shape[3], dtype)
+            nxt = kv_ring.post(
+                kv, 2 * shape[0] * ctx.lengths[(owner - 1) % w] * shape[2] * shape[3], dtype
+            )
         k_j, v_j = _split(kv, shape)
         kf, vf = _heads_first(k_j, group), _heads_first(v_j, group)
         dk_h, dv_h = torch.zeros_like(kf), torch.zeros_like(vf)  # per query head, fp32
@@ -185,8 +204,9 @@ def flash_backward(dout, q, k, v, out, lse, ctx: RunContext):
         dv_acc += dv_h.view(b, hkv, group, n, d).sum(dim=2)
         if w > 1:  # the accumulator goes on to the next rank; the previous rank's comes in
             prev_owner = (owner - 1) % w
-            incoming = dkv_ring.post(dkv, 2 * shape[0] * ctx.lengths[prev_owner] * shape[2] * shape[3],
-                                     torch.float32)
+            incoming = dkv_ring.post(
+                dkv, 2 * shape[0] * ctx.lengths[prev_owner] * shape[2] * shape[3], torch.float32
+            )
             dkv_ring.wait()
             dkv = incoming
         if step + 1 < w:
@@ -217,7 +237,9 @@ def make(name: str) -> Impl:
     """The flash-style ring (`name` is "flash-ring", the one entry of VARIANTS)."""
     caps = variant(VARIANTS, name).capabilities
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
         if ctx.world_size > 1 and ctx.group is None:
             raise ImplError(f"{name}: a ring of {ctx.world_size} ranks needs a process group")

@@ -15,7 +15,9 @@ from ring_impl.masks import MASK_FEATURES
 
 EXTRA = None  # part of the project itself
 # every mask of the mask language (ring_impl.masks); the mutants' too: they are wrapped alike
-REFERENCE_CAPABILITIES = Capabilities(returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True)
+REFERENCE_CAPABILITIES = Capabilities(
+    returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True
+)
 VARIANTS = {"reference": Variant(REFERENCE_CAPABILITIES)}
 MUTANT_PREFIX = "mutant:"
 
@@ -36,7 +38,12 @@ def wrap(ring_attention: Callable[..., Any], name: str) -> Impl:
             return_lse=True,
         )
 
-    return Impl(name=name, run=run, capabilities=REFERENCE_CAPABILITIES, version=installed_version("ring-harness"))
+    return Impl(
+        name=name,
+        run=run,
+        capabilities=REFERENCE_CAPABILITIES,
+        version=installed_version("ring-harness"),
+    )
 
 
 def make(name: str) -> Impl:
@@ -55,7 +62,8 @@ def mutant_names() -> list[str]:
 
 
 def mutant(name: str) -> Impl:
-    """The bug variant `mutant:NAME` (or bare NAME) wrapped exactly like the reference; KeyError if unknown."""
+    """The bug variant `mutant:NAME` (or bare NAME) wrapped exactly like the reference; KeyError if
+    unknown."""
     from ring_impl.mutants import MUTANTS
 
     short = name.removeprefix(MUTANT_PREFIX)

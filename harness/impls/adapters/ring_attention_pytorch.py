@@ -46,7 +46,7 @@ VARIANTS = {
             uneven=False,
             world_sizes=(2, 8),
             backward=True,
-            backends=frozenset({"gloo", "nccl"}),
+            devices=frozenset({"cpu", "cuda"}),
             returns_lse=False,
             subgroups=False,  # addresses peers by global rank and barriers on the whole world
         )
@@ -84,4 +84,6 @@ def make(name: str) -> Impl:
         out = ring_flash_attn(qs, k, v, **library_args(ctx, q.shape[1]))
         return tiled_to_grouped(out, kv_heads)
 
-    return Impl(name=name, run=run, capabilities=caps, version=installed_version("ring-attention-pytorch"))
+    return Impl(
+        name=name, run=run, capabilities=caps, version=installed_version("ring-attention-pytorch")
+    )

@@ -1,9 +1,10 @@
-"""zhuzilin's `ring-flash-attn` (flash-attn kernels), four variants: on CUDA/NCCL with a real flash-attn,
-and on CPU gloo ranks with ring-harness's flash-attn stand-in (`harness.kernels`), which the ranks install
-where no real flash-attn is importable. Its ring logic (K/V rotation, lse merge, zigzag / stripe / llama3
-bookkeeping) is plain torch.distributed, so it runs unmodified; `versions: kernel` in a saved case says
-which kernel it ran on. The library is imported inside the run (on the ranks, after the stand-in is in
-place), never in the parent: `make` only checks that it is importable.
+"""zhuzilin's `ring-flash-attn` (flash-attn kernels), four variants: on CUDA/NCCL with a real
+flash-attn, and on CPU gloo ranks with ring-harness's flash-attn stand-in (`harness.kernels`), which
+the ranks install where no real flash-attn is importable. Its ring logic (K/V rotation, lse merge,
+zigzag / stripe / llama3 bookkeeping) is plain torch.distributed, so it runs unmodified; `versions:
+kernel` in a saved case says which kernel it ran on. The library is imported inside the run (on the
+ranks, after the stand-in is in place), never in the parent: `make` only checks that it is
+importable.
 
 Signatures (ring-flash-attn 0.1.x):
 - `ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
@@ -13,31 +14,31 @@ Signatures (ring-flash-attn 0.1.x):
 - `stripe_flash_attn_func(...)`: token i on rank i mod W (its tests' `extract_local`: split into
   W-sized groups, take index r), i.e. our "striped"; asserts causal;
 - `llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-  heads_k_stride, local_k_slice, ...)` with `llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal,
-  rank, world_size)`: all-gathers K/V; rank r holds tokens [r*N/W, (r+1)*N/W) of the packed stream
-  (contiguous). Packed documents (cu_seqlens) give our document masks; flash-attn aligns a causal
-  window to the bottom right of each (q, k) document piece, and llama3's causal pieces end at the same
-  global token, so window_size=(w, 0) is our window mask exactly: every mask `_common.flash_mask`
-  expresses (conjunctions of documents, causal and windows, per-document ones) but a two-sided window
-  (non-causal pieces take the whole document's keys: the alignment is off). Batches run one element at a
-  time.
+  heads_k_stride, local_k_slice, ...)` with `llama3_flash_attn_prepare_cu_seqlens(cu_seqlens,
+  causal, rank, world_size)`: all-gathers K/V; rank r holds tokens [r*N/W, (r+1)*N/W) of the packed
+  stream (contiguous). Packed documents (cu_seqlens) give our document masks; flash-attn aligns a
+  causal window to the bottom right of each (q, k) document piece, and llama3's causal pieces end at
+  the same global token, so window_size=(w, 0) is our window mask exactly: every mask
+  `_common.flash_mask` expresses (conjunctions of documents, causal and windows, per-document ones)
+  but a two-sided window (non-causal pieces take the whole document's keys: the alignment is off).
+  Batches run one element at a time.
 Tensors are (batch, seq, heads, dim) like ours; GQA is native with the grouped convention.
 With return_attn_probs=True they return (out, lse, None), lse (batch, heads, seq) in float32.
 The ring variants pass window_size to every block in block-local coordinates, which is not a
 global sliding window (upstream issue #35), so only llama3 declares the window mask.
 
-What the library supports, as declared: fp16/bf16 only and head_dim a multiple of 8 up to 256 (flash-attn
-2 refuses fp32 and other head dims with its own error); equal per-rank lengths (every ring step sends the
-same K/V buffer shape; llama3 asserts total % W == 0); zigzag and stripe assert causal. Zigzag also needs
-an even per-rank length: its forward splits a rank's tokens at L//2 but its backward with chunk(2), which
-for odd L disagree (zigzag_ring_flash_attn.py:22-23 vs :114-118, upstream issue #39), so the zigzag variant
-declares `zigzag_odd=False`: battery cases are adapted to even lengths and property-based runs draw only
-even ones. Its run does not refuse odd lengths, though (`lets_run`): the library accepts them without an
-error (L = 3: every rank silently wrong; L >= 5: a size mismatch in backward; L = 1: IndexError), and
-refusing would turn the check's probe of the undeclared feature into "rejected with an error (right)"
-and a replay of the saved findings (cases/ring-flash-attn-zigzag-odd-local-length*.yaml) into a
-refusal. So the probe runs the library on an odd length and reports its wrong answer as a finding (see
-README, "Third-party rings").
+What the library supports, as declared: fp16/bf16 only and head_dim a multiple of 8 up to 256
+(flash-attn 2 refuses fp32 and other head dims with its own error); equal per-rank lengths (every
+ring step sends the same K/V buffer shape; llama3 asserts total % W == 0); zigzag and stripe assert
+causal. Zigzag also needs an even per-rank length: its forward splits a rank's tokens at L//2 but
+its backward with chunk(2), which for odd L disagree (zigzag_ring_flash_attn.py:22-23 vs :114-118,
+upstream issue #39), so the zigzag variant declares `zigzag_odd=False`: battery cases are adapted to
+even lengths and property-based runs draw only even ones. Its run does not refuse odd lengths,
+though (`lets_run`): the library accepts them without an error (L = 3: every rank silently wrong; L
+>= 5: a size mismatch in backward; L = 1: IndexError), and refusing would turn the check's probe of
+the undeclared feature into "rejected with an error (right)" and a replay of the saved findings
+(cases/ring-flash-attn-zigzag-odd-local-length*.yaml) into a refusal. So the probe runs the library
+on an odd length and reports its wrong answer as a finding (see README, "Third-party rings").
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from harness.impls.adapters._common import (
     FLASH_KERNEL,
     FLASH_MASK_FEATURES,
     Variant,
-    flash_backends,
+    flash_devices,
     flash_world_sizes,
     installed_version,
     require_flash_mask,
@@ -66,7 +67,8 @@ from harness.impls.adapters._common import (
 from ring_impl.masks import WINDOW_RIGHT
 
 EXTRA = "ring-flash-attn"
-KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`_common.kernel_label`)
+# its library calls flash-attn: ranks report which one (`_common.kernel_label`)
+KERNEL = FLASH_KERNEL
 
 
 def _caps(layout: str, masks: set[str], sends_to_itself: bool = True) -> Capabilities:
@@ -79,27 +81,37 @@ def _caps(layout: str, masks: set[str], sends_to_itself: bool = True) -> Capabil
         uneven=False,
         world_sizes=flash_world_sizes((1, 8), sends_to_itself),  # W=1 on gloo: a send to itself
         backward=True,
-        backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
+        devices=flash_devices(),  # cpu where the CPU stand-in serves the ranks
         returns_lse=True,
         head_dims=FLASH_HEAD_DIMS,
         zigzag_odd=layout != "zigzag",
     )
 
 
-LLAMA3 = "llama3_flash_attn_varlen_func"  # all-gathers K/V over packed documents: driven differently
+# all-gathers K/V over packed documents: driven differently
+LLAMA3 = "llama3_flash_attn_varlen_func"
 # option: the library function
 VARIANTS = {
-    "ring-flash-attn": Variant(_caps("contiguous", {"none", "causal"}), option="ring_flash_attn_func"),
-    # odd zigzag lengths are undeclared but let through to the library: the probe reports what it does
-    "ring-flash-attn-zigzag": Variant(_caps("zigzag", {"causal"}), option="zigzag_ring_flash_attn_func",
-                                      lets_run=frozenset({"zigzag-odd"})),
-    "ring-flash-attn-stripe": Variant(_caps("striped", {"causal"}), option="stripe_flash_attn_func"),
-    # every mask `flash_mask` expresses (documents, causal, windows, their conjunctions, per-document) but a
-    # window reaching right of the diagonal: without causal, llama3 gives each rank's query piece of a
-    # document the whole document's keys, so flash-attn's bottom-right alignment misplaces a two-sided
-    # window on every piece that does not end the document
+    "ring-flash-attn": Variant(
+        _caps("contiguous", {"none", "causal"}), option="ring_flash_attn_func"
+    ),
+    # odd zigzag lengths are undeclared but let through to the library: the probe reports what it
+    # does
+    "ring-flash-attn-zigzag": Variant(
+        _caps("zigzag", {"causal"}),
+        option="zigzag_ring_flash_attn_func",
+        lets_run=frozenset({"zigzag-odd"}),
+    ),
+    "ring-flash-attn-stripe": Variant(
+        _caps("striped", {"causal"}), option="stripe_flash_attn_func"
+    ),
+    # every mask `flash_mask` expresses (documents, causal, windows, their conjunctions,
+    # per-document) but a window reaching right of the diagonal: without causal, llama3 gives each
+    # rank's query piece of a document the whole document's keys, so flash-attn's bottom-right
+    # alignment misplaces a two-sided window on every piece that does not end the document
     "ring-flash-attn-llama3": Variant(
-        _caps("contiguous", set(FLASH_MASK_FEATURES - {WINDOW_RIGHT}), sends_to_itself=False), option=LLAMA3
+        _caps("contiguous", set(FLASH_MASK_FEATURES - {WINDOW_RIGHT}), sends_to_itself=False),
+        option=LLAMA3,
     ),
 }
 
@@ -109,12 +121,18 @@ def _library(name: str, func: str) -> tuple[Any, Callable[..., Any]]:
     lib = importlib.import_module("ring_flash_attn")
     fn = getattr(lib, func, None)
     if fn is None:
-        raise ImplError(f"{name}: ring_flash_attn {installed_version('ring-flash-attn')} has no {func}")
+        raise ImplError(
+            f"{name}: ring_flash_attn {installed_version('ring-flash-attn')} has no {func}"
+        )
     return lib, fn
 
 
-def _ring_run(func: str, name: str, caps: Capabilities, lets_run: frozenset[str] = frozenset()) -> RunFn:
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_run(
+    func: str, name: str, caps: Capabilities, lets_run: frozenset[str] = frozenset()
+) -> RunFn:
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k, lets_run)
         _, fn = _library(name, func)
         out, lse, _ = fn(
@@ -135,16 +153,22 @@ def _ring_run(func: str, name: str, caps: Capabilities, lets_run: frozenset[str]
 
 
 def _llama3_run(name: str, caps: Capabilities) -> RunFn:
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k)
         fm = require_flash_mask(name, ctx)
         lib, fn = _library(name, LLAMA3)
         causal = fm.causal
         cu_q, cu_k, max_q, max_k, k_slice = lib.llama3_flash_attn_prepare_cu_seqlens(
-            fm.cu_seqlens(ctx.total_len).to(q.device), causal=causal, rank=ctx.rank, world_size=ctx.world_size
+            fm.cu_seqlens(ctx.total_len).to(q.device),
+            causal=causal,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
         )
         outs, lses = [], []
-        for b in range(q.shape[0]):  # the varlen API packs one token stream; batch elements are separate
+        # the varlen API packs one token stream; batch elements are separate
+        for b in range(q.shape[0]):
             out, lse, _ = fn(
                 q[b],
                 k[b],
@@ -171,13 +195,17 @@ def _llama3_run(name: str, caps: Capabilities) -> RunFn:
 
 
 def make(name: str) -> Impl:
-    """The variant's library function behind our run signature. ImportError when ring_flash_attn is not
-    importable; the library itself is imported by the run, on the ranks (where flash-attn, or its CPU
-    stand-in, is), and a version without the function is an ImplError there."""
+    """The variant's library function behind our run signature. ImportError when ring_flash_attn is
+    not importable; the library itself is imported by the run, on the ranks (where flash-attn, or
+    its CPU stand-in, is), and a version without the function is an ImplError there."""
     declared = variant(VARIANTS, name)
     require_importable("ring_flash_attn")
     func, caps = declared.option, declared.capabilities
-    run = _llama3_run(name, caps) if func == LLAMA3 else _ring_run(func, name, caps, declared.lets_run)
+    run = (
+        _llama3_run(name, caps)
+        if func == LLAMA3
+        else _ring_run(func, name, caps, declared.lets_run)
+    )
     return Impl(
         name=name,
         run=run,
@@ -187,7 +215,9 @@ def make(name: str) -> Impl:
     )
 
 
-def extract_local(layout: str, x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
+def extract_local(
+    layout: str, x: torch.Tensor, rank: int, world_size: int, dim: int = 1
+) -> torch.Tensor:
     """The library's own sharding helpers (from its tests), for checking our layout mapping.
 
     contiguous: `x.chunk(W)[rank]`; zigzag: chunks r and 2W-1-r of `x.chunk(2W)`; striped:

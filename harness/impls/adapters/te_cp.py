@@ -1,4 +1,5 @@
-"""NVIDIA Transformer Engine's context parallelism: `DotProductAttention` + `set_context_parallel_group`.
+"""NVIDIA Transformer Engine's context parallelism: `DotProductAttention` +
+`set_context_parallel_group`.
 
 `DotProductAttention(num_attention_heads, kv_channels, num_gqa_groups=, attention_dropout=,
 qkv_format="bshd", attn_mask_type=, window_size=, softmax_scale=)` then
@@ -7,23 +8,25 @@ qkv_format="bshd", attn_mask_type=, window_size=, softmax_scale=)` then
 dual-chunk swap: the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r (TE's
 tests: `index_select(seq, [rank, 2W-1-rank])`), i.e. our "zigzag", so chunks must be equal: the
 total length divisible by 2W. TE's window (left, right) is relative to the bottom-right-aligned
-diagonal, the same as ours for self-attention: `flash_mask` gives a mask's (causal, window) and TE takes
-`attn_mask_type="causal"` with `window_size=(left, 0)` or `"no_mask"` with `(left, right)` (-1: unlimited).
-TE's own tests skip sliding windows with p2p; a2a needs head counts divisible by W. Output is (batch, seq, heads*dim).
+diagonal, the same as ours for self-attention: `flash_mask` gives a mask's (causal, window) and TE
+takes `attn_mask_type="causal"` with `window_size=(left, 0)` or `"no_mask"` with `(left, right)`
+(-1: unlimited). TE's own tests skip sliding windows with p2p; a2a needs head counts divisible by W.
+Output is (batch, seq, heads*dim).
 
 THD (`te-cp-p2p-thd`): packed documents, the format Megatron trains with. `qkv_format="thd"`, tokens
-(t, heads, dim) with `cu_seqlens_q/kv` (real lengths) and `cu_seqlens_q/kv_padded` (each sequence padded to
-a multiple of 2W, TE's CP requirement), `attn_mask_type="padding[_causal]"`, and the CP ranks hold TE's own
-per-sequence dual-chunk partition, `tex.thd_get_partitioned_indices(cu_seqlens_padded, t, W, rank)`
-(chunks r and 2W-1-r of every padded sequence: TE's tests/pytorch/attention/run_attention_with_cp.py and
-test_cp_utils.py, read at NVIDIA/TransformerEngine d0067d0). Our documents (and the batch: batch row b's
-documents are sequences too) become the sequences; since that partition is not one of our layouts, the
-adapter reshards: it all-gathers our shards, packs and pads them, keeps TE's rows for this rank, and after
+(t, heads, dim) with `cu_seqlens_q/kv` (real lengths) and `cu_seqlens_q/kv_padded` (each sequence
+padded to a multiple of 2W, TE's CP requirement), `attn_mask_type="padding[_causal]"`, and the CP
+ranks hold TE's own per-sequence dual-chunk partition,
+`tex.thd_get_partitioned_indices(cu_seqlens_padded, t, W, rank)` (chunks r and 2W-1-r of every
+padded sequence: TE's tests/pytorch/attention/run_attention_with_cp.py and test_cp_utils.py, read at
+NVIDIA/TransformerEngine d0067d0). Our documents (and the batch: batch row b's documents are
+sequences too) become the sequences; since that partition is not one of our layouts, the adapter
+reshards: it all-gathers our shards, packs and pads them, keeps TE's rows for this rank, and after
 TE all-gathers the outputs back to our positions (`thd_run`; gradients flow back through the same
 gathers). Padding between sequences (a document length not a multiple of 2W) is passed to TE as
-`cu_seqlens_padded` != `cu_seqlens`, which TE serves with cuDNN's fused attention or FA3. The resharding
-runs on CPU gloo ranks in tests/impls/test_te_thd.py with a stand-in for TE's kernel; TE itself has not been
-run here (no GPU).
+`cu_seqlens_padded` != `cu_seqlens`, which TE serves with cuDNN's fused attention or FA3. The
+resharding runs on CPU gloo ranks in tests/impls/test_te_thd.py with a stand-in for TE's kernel; TE
+itself has not been run here (no GPU).
 """
 
 from __future__ import annotations
@@ -58,14 +61,15 @@ def _caps(masks: set[str], layouts: frozenset[str] = frozenset({"zigzag"})) -> C
         uneven=False,
         world_sizes=(1, 8),
         backward=True,
-        backends=frozenset({"nccl"}),
+        devices=frozenset({"cuda"}),
         returns_lse=False,
         head_dims=FLASH_HEAD_DIMS,
     )
 
 
-# sliding windows, one- or two-sided, with or without causal (TE's tests run (512, 0) causal and (512, 512)
-# no_mask with a2a and all_gather; they skip windows with p2p): what `flash_mask` maps without documents
+# sliding windows, one- or two-sided, with or without causal (TE's tests run (512, 0) causal and
+# (512, 512) no_mask with a2a and all_gather; they skip windows with p2p): what `flash_mask` maps
+# without documents
 WINDOWS = {"none", "causal", "window", EXPR, "and", "full", WINDOW_RIGHT}
 # option: TE's cp_comm_type, and ":thd" for packed documents (every layout: the adapter reshards)
 THD_CAPS = _caps({"none", "causal", "document"}, frozenset({"contiguous", "zigzag", "striped"}))
@@ -78,12 +82,16 @@ VARIANTS = {
 
 
 def mask_args(ctx: RunContext, thd: bool = False) -> dict:
-    """TE's attn_mask_type and window_size for our mask (THD: padding masks; documents are its sequences)."""
+    """TE's attn_mask_type and window_size for our mask (THD: padding masks; documents are its
+    sequences)."""
     if thd:
         if ctx.mask.kind not in ("none", "causal", "document"):
             raise ImplError(f"te-cp: mask {ctx.mask.kind} has no TE THD equivalent here")
         causal = ctx.mask.is_causal
-        return {"attn_mask_type": "padding_causal" if causal else "padding", "window_size": (-1, 0 if causal else -1)}
+        return {
+            "attn_mask_type": "padding_causal" if causal else "padding",
+            "window_size": (-1, 0 if causal else -1),
+        }
     fm = flash_mask(ctx.mask, ctx.total_len)
     if fm is None or fm.doc_starts != (0,):
         raise ImplError(f"te-cp: the mask {ctx.mask.describe()} has no TE equivalent here")
@@ -94,11 +102,13 @@ def mask_args(ctx: RunContext, thd: bool = False) -> dict:
 
 @dataclass(frozen=True)
 class Thd:
-    """A case's batch packed as TE's THD sequences: batch row b's documents, in order, each padded to a
-    multiple of 2W. `rows[b * total + p]` is the packed row of global token p of batch row b."""
+    """A case's batch packed as TE's THD sequences: batch row b's documents, in order, each
+    padded to a multiple of 2W. `rows[b * total + p]` is the packed row of global token p of
+    batch row b."""
 
     cu_seqlens: torch.Tensor  # int32 (sequences + 1,): real lengths
-    cu_seqlens_padded: torch.Tensor  # int32: padded lengths; the same object as cu_seqlens when no padding
+    # int32: padded lengths; the same object as cu_seqlens when no padding
+    cu_seqlens_padded: torch.Tensor
     rows: torch.Tensor  # int64 (batch * total,)
     causal: bool
 
@@ -107,25 +117,31 @@ class Thd:
         return int(self.cu_seqlens_padded[-1])
 
 
-def thd_packing(mask: MaskSpec, total: int, batch: int, world_size: int, device: torch.device) -> Thd:
-    """The THD packing of a case: its documents (one sequence for no mask or causal) for every batch row."""
+def thd_packing(
+    mask: MaskSpec, total: int, batch: int, world_size: int, device: torch.device
+) -> Thd:
+    """The THD packing of a case: its documents (one sequence for no mask or causal) for every batch
+    row."""
     starts = tuple(mask.doc_starts) if mask.kind == "document" else (0,)
     lengths = [b - a for a, b in zip(starts, (*starts[1:], total), strict=True)] * batch
     unit = 2 * world_size
     padded = [(n + unit - 1) // unit * unit for n in lengths]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-    first = cu_padded[:-1].long().repeat_interleave(torch.tensor(lengths))  # each token's sequence start
+    # each token's sequence start
+    first = cu_padded[:-1].long().repeat_interleave(torch.tensor(lengths))
     within = torch.cat([torch.arange(n) for n in lengths])
     rows = (first + within).to(device)
     cu, cu_padded = cu.to(device), cu_padded.to(device)
     return Thd(cu, cu if padded == lengths else cu_padded, rows, causal=mask.is_causal)
 
 
-def dual_chunk_rows(cu_seqlens_padded: torch.Tensor, total_padded: int, world_size: int, rank: int) -> torch.Tensor:
-    """Packed rows a rank holds in TE's THD partition: chunks rank and 2W-1-rank of every padded sequence,
-    ascending (what `tex.thd_get_partitioned_indices` returns, its test's expected values; our reading, for
-    the CPU test of the resharding)."""
+def dual_chunk_rows(
+    cu_seqlens_padded: torch.Tensor, total_padded: int, world_size: int, rank: int
+) -> torch.Tensor:
+    """Packed rows a rank holds in TE's THD partition: chunks rank and 2W-1-rank of every padded
+    sequence, ascending (what `tex.thd_get_partitioned_indices` returns, its test's expected values;
+    our reading, for the CPU test of the resharding)."""
     out = []
     bounds = cu_seqlens_padded.tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -139,18 +155,30 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Thd, list[torch.Ten
 Partition = Callable[[torch.Tensor, int, int, int], torch.Tensor]
 
 
-def thd_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext, attend: Attend,
-            partition: Partition) -> torch.Tensor:
-    """Out (batch, local seq, heads, dim) at our positions, computed by `attend` on TE's THD partition.
+def thd_run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: RunContext,
+    attend: Attend,
+    partition: Partition,
+) -> torch.Tensor:
+    """Out (batch, local seq, heads, dim) at our positions, computed by `attend` on TE's THD
+    partition.
 
-    Our shards are all-gathered, put in global order, packed (`thd_packing`) and cut to this rank's rows of
-    `partition` (TE's `thd_get_partitioned_indices`); `attend(q, k, v, packing, rows of every rank)` returns
-    this rank's out (rows, heads_q * dim); the outputs are all-gathered and read back at our positions."""
+    Our shards are all-gathered, put in global order, packed (`thd_packing`) and cut to this rank's
+    rows of `partition` (TE's `thd_get_partitioned_indices`); `attend(q, k, v, packing, rows of
+    every rank)` returns this rank's out (rows, heads_q * dim); the outputs are all-gathered and
+    read back at our positions."""
     batch, _, heads_q, dim = q.shape
     w, rank = ctx.world_size, ctx.rank
     pack = thd_packing(ctx.mask, ctx.total_len, batch, w, q.device)
-    rows = [partition(pack.cu_seqlens_padded, pack.total_padded, w, r).long().to(q.device) for r in range(w)]
-    order = torch.argsort(torch.cat(list(ctx.all_positions)).to(q.device))  # global position -> gathered row
+    rows = [
+        partition(pack.cu_seqlens_padded, pack.total_padded, w, r).long().to(q.device)
+        for r in range(w)
+    ]
+    # global position -> gathered row
+    order = torch.argsort(torch.cat(list(ctx.all_positions)).to(q.device))
 
     def own_rows(x: torch.Tensor) -> torch.Tensor:
         whole = GatherRanks.apply(x.transpose(0, 1).contiguous(), ctx.group).index_select(0, order)
@@ -160,7 +188,9 @@ def thd_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext, 
 
     out = attend(own_rows(q), own_rows(k), own_rows(v), pack, rows)
     gathered = GatherRanks.apply(out.reshape(out.shape[0], heads_q * dim), ctx.group)
-    packed = gathered.new_zeros(pack.total_padded, heads_q * dim).index_copy(0, torch.cat(rows), gathered)
+    packed = gathered.new_zeros(pack.total_padded, heads_q * dim).index_copy(
+        0, torch.cat(rows), gathered
+    )
     whole = packed.index_select(0, pack.rows).view(batch, ctx.total_len, heads_q, dim)
     return whole.index_select(1, ctx.positions.to(q.device))
 
@@ -171,7 +201,9 @@ def check_shapes(name: str, ctx: RunContext, heads_q: int, heads_kv: int) -> Non
         raise ImplError(
             f"{name}: total length {ctx.total_len} is not divisible by 2*W = {2 * ctx.world_size}"
         )
-    if variant(VARIANTS, name).option == "a2a" and (heads_q % ctx.world_size or heads_kv % ctx.world_size):
+    if variant(VARIANTS, name).option == "a2a" and (
+        heads_q % ctx.world_size or heads_kv % ctx.world_size
+    ):
         raise ImplError(
             f"{name}: a2a needs head counts divisible by W={ctx.world_size} "
             f"(got {heads_q} query, {heads_kv} kv heads)"
@@ -179,7 +211,8 @@ def check_shapes(name: str, ctx: RunContext, heads_q: int, heads_kv: int) -> Non
 
 
 def make(name: str) -> Impl:
-    """TE's DotProductAttention with the variant's cp_comm_type; imports TE (ImportError when absent)."""
+    """TE's DotProductAttention with the variant's cp_comm_type; imports TE (ImportError when
+    absent)."""
     declared = variant(VARIANTS, name)
     from transformer_engine.pytorch import DotProductAttention
 
@@ -207,7 +240,9 @@ def make(name: str) -> Impl:
                 softmax_scale=ctx.softmax_scale,
                 **mask_args(ctx, thd),
             )
-            m.set_context_parallel_group(ctx.group, list(ctx.global_ranks), torch.cuda.Stream(), comm)
+            m.set_context_parallel_group(
+                ctx.group, list(ctx.global_ranks), torch.cuda.Stream(), comm
+            )
             modules[key] = m.to(ctx.device)
         return modules[key]
 
@@ -218,8 +253,15 @@ def make(name: str) -> Impl:
 
             def attend(qt, kt, vt, pack: Thd, rows) -> torch.Tensor:
                 cu, cu_padded = pack.cu_seqlens, pack.cu_seqlens_padded
-                return module_for(ctx, q, k)(qt, kt, vt, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+                return module_for(ctx, q, k)(
+                    qt,
+                    kt,
+                    vt,
+                    cu_seqlens_q=cu,
+                    cu_seqlens_kv=cu,
+                    cu_seqlens_q_padded=cu_padded,
+                    cu_seqlens_kv_padded=cu_padded,
+                )
 
             return thd_run(q, k, v, ctx, attend, tex.thd_get_partitioned_indices)
         check_shapes(name, ctx, q.shape[2], k.shape[2])
@@ -236,6 +278,6 @@ def make(name: str) -> Impl:
 
 
 def dual_chunk_positions(total: int, world_size: int, rank: int) -> torch.Tensor:
-    """Global positions TE's dual-chunk-swap sharding gives `rank` (its tests' index_select): the THD partition
-    of one sequence."""
+    """Global positions TE's dual-chunk-swap sharding gives `rank` (its tests' index_select): the
+    THD partition of one sequence."""
     return dual_chunk_rows(torch.tensor([0, total]), total, world_size, rank)

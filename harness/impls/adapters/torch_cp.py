@@ -21,16 +21,17 @@ _context_parallel/`; GPU-only, not run here):
   sharding check is therefore made only for causal runs, where the positions matter.
 - zigzag needs an even per-rank length: torch load-balances only when the sequence divides by 2W
   (`_create_default_load_balancer`, _load_balancer.py:475); otherwise it shards contiguously and the
-  sharding check would refuse the run. Declared: `zigzag_odd=False` (the case side adapts odd lengths
-  up to even ones; a run is refused with one line before it reaches torch).
+  sharding check would refuse the run. Declared: `zigzag_odd=False` (the case side adapts odd
+  lengths up to even ones; a run is refused with one line before it reaches torch).
 - fp16/bf16 only, head_dim a multiple of 8 up to 256: then SDPA picks the flash kernel, whose lse is
   (B, H, L). fp32 (and head dims flash refuses) go to the memory-efficient kernel, whose lse is
-  padded to ceil(L/32)*32 (`meta__scaled_dot_product_efficient_attention`, torch/_meta_registrations.py:
-  6523; CUDA's kAlignLSE = 32). `_SDPAMerger._merge_one` (_attention.py:151-207) unsqueezes that lse to
-  (B, H, Lpad, 1) and merges it with outputs (B, H, L, D): from the second ring step on this raises for
-  1 < L, L % 32 != 0, broadcasts out to 32 rows for L == 1 (a wrong shape), and with load balancing
-  `lse.chunk(2)` halves the padded lse, not the rows, unless L % 64 == 0. So fp32 is not declared
-  (tests/impls/test_torch_cp_lse_padding.py runs torch's own merger on such shapes on CPU).
+  padded to ceil(L/32)*32 (`meta__scaled_dot_product_efficient_attention`,
+  torch/_meta_registrations.py: 6523; CUDA's kAlignLSE = 32). `_SDPAMerger._merge_one`
+  (_attention.py:151-207) unsqueezes that lse to (B, H, Lpad, 1) and merges it with outputs (B, H,
+  L, D): from the second ring step on this raises for 1 < L, L % 32 != 0, broadcasts out to 32 rows
+  for L == 1 (a wrong shape), and with load balancing `lse.chunk(2)` halves the padded lse, not the
+  rows, unless L % 64 == 0. So fp32 is not declared (tests/impls/test_torch_cp_lse_padding.py runs
+  torch's own merger on such shapes on CPU).
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ _CAPS = Capabilities(
     uneven=False,
     world_sizes=(1, 8),
     backward=True,
-    backends=frozenset({"nccl"}),
+    devices=frozenset({"cuda"}),
     returns_lse=False,
-    head_dims=FLASH_HEAD_DIMS,  # what SDPA's flash kernel takes; others fall back to the efficient one
-    zigzag_odd=False,  # torch load-balances only a sequence divisible by 2W: two equal chunks per rank
+    # what SDPA's flash kernel takes; others fall back to the efficient one
+    head_dims=FLASH_HEAD_DIMS,
+    # torch load-balances only a sequence divisible by 2W: two equal chunks per rank
+    zigzag_odd=False,
 )
 # option: torch's `set_rotate_method` argument, "allgather" (its default) or "alltoall"
 VARIANTS = {
@@ -93,11 +96,16 @@ def cp_context(ctx: RunContext, rotate: str) -> Iterator[None]:
     opts.enable_load_balance = load_balance(ctx)
     positions = torch.arange(ctx.total_len, device=ctx.device).view(1, -1)
     try:
-        with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}):
+        with context_parallel(
+            mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}
+        ):
             # without a mask the result does not depend on which rank holds which token (docstring)
-            if ctx.mask.is_causal and not torch.equal(positions.view(-1).cpu(), ctx.positions.cpu()):
+            if ctx.mask.is_causal and not torch.equal(
+                positions.view(-1).cpu(), ctx.positions.cpu()
+            ):
                 raise ImplError(
-                    f"torch-cp: torch sharded rank {ctx.rank} as {positions.view(-1).tolist()[:8]}..., "
+                    f"torch-cp: torch sharded rank {ctx.rank} as "
+                    f"{positions.view(-1).tolist()[:8]}..., "
                     f"not as layout {ctx.layout}"
                 )
             yield

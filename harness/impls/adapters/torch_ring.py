@@ -12,13 +12,13 @@ Layouts: torch's head-tail load balancer (`_HeadTailLoadBalancer`, used when
 "zigzag"; its causal ring halves each local shard with `chunk(2)` (`_attention.py:471`, 550-568),
 which puts ceil(L/2) tokens first, as our zigzag does: odd local lengths L >= 3 pass, but one token
 per rank (W >= 2) is an IndexError "tuple index out of range". No capability says "L >= 2", so
-`zigzag_odd=False` is declared (the battery is adapted to even lengths, property-based runs draw only
-even ones) and odd lengths are let through at run time (`lets_run`): the check's probe then shows
-"works although undeclared" for L = 3, and a run with L = 1 ends in torch's own error. Without
-it the sharding is "contiguous". Load balancing only exists for causal masks
-(torch raises otherwise), and a non-causal result does not depend on the layout, so non-causal
-runs use the plain ring for either layout. Rotation: "allgather" (torch's default) or "alltoall";
-the dK/dV ring of the backward is always all-to-all in torch.
+`zigzag_odd=False` is declared (the battery is adapted to even lengths, property-based runs draw
+only even ones) and odd lengths are let through at run time (`lets_run`): the check's probe then
+shows "works although undeclared" for L = 3, and a run with L = 1 ends in torch's own error. Without
+it the sharding is "contiguous". Load balancing only exists for causal masks (torch raises
+otherwise), and a non-causal result does not depend on the layout, so non-causal runs use the plain
+ring for either layout. Rotation: "allgather" (torch's default) or "alltoall"; the dK/dV ring of the
+backward is always all-to-all in torch.
 
 The module-level options are torch globals; they are set for the duration of each call and restored.
 """
@@ -37,7 +37,12 @@ from harness.errors import ImplError
 from harness.impls.adapters._common import Variant, require_supported, to_bhsd, variant
 
 EXTRA = None  # torch itself
-NEEDED = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "_RotateMethod")
+NEEDED = (
+    "_templated_ring_attention",
+    "_templated_ring_attention_backward",
+    "_cp_options",
+    "_RotateMethod",
+)
 MODULES = (
     "torch.distributed.tensor.experimental._context_parallel._attention",  # torch >= 2.9
     "torch.distributed.tensor.experimental._attention",  # torch 2.5 - 2.8 (a re-export later)
@@ -55,11 +60,13 @@ _CAPS = Capabilities(
     uneven=False,  # the ring reshapes received buffers to the local shape
     world_sizes=(1, 8),
     backward=True,
-    backends=frozenset({"gloo"}),
+    devices=frozenset({"cpu"}),
     returns_lse=True,
-    zigzag_odd=False,  # chunk(2) of a one-token shard: IndexError (odd L >= 3 works: let through, see above)
+    # chunk(2) of a one-token shard: IndexError (odd L >= 3 works: let through, see above)
+    zigzag_odd=False,
 )
-# option: the K/V rotation, "allgather" (torch's default: all-gather K/V once) or "alltoall" (permute each step)
+# option: the K/V rotation, "allgather" (torch's default: all-gather K/V once) or "alltoall"
+# (permute each step)
 _LETS_RUN = frozenset({"zigzag-odd"})
 VARIANTS = {
     "torch-ring": Variant(_CAPS, option="allgather", lets_run=_LETS_RUN),
@@ -86,7 +93,9 @@ def load_private_api() -> ModuleType:
     ops = [op for op in CPU_OPS if not hasattr(torch.ops.aten, op)]
     if mod is None or missing or ops:
         what = ", ".join(missing + [f"aten.{op}" for op in ops])
-        raise ImplError(f"torch-ring: unsupported torch version {torch.__version__} (missing {what})")
+        raise ImplError(
+            f"torch-ring: unsupported torch version {torch.__version__} (missing {what})"
+        )
     return mod
 
 
@@ -96,7 +105,8 @@ def load_balance(ctx: RunContext) -> bool:
 
 
 def head_tail_positions(total: int, world_size: int) -> list[torch.Tensor]:
-    """Global positions each rank holds under torch's head-tail load balancer (for layout checks)."""
+    """Global positions each rank holds under torch's head-tail load balancer (for layout
+    checks)."""
     balancer = None
     for name in (
         "torch.distributed.tensor.experimental._context_parallel._load_balancer",
@@ -110,7 +120,8 @@ def head_tail_positions(total: int, world_size: int) -> list[torch.Tensor]:
             break
     if balancer is None:
         raise ImplError(
-            f"torch-ring: unsupported torch version {torch.__version__} (missing _HeadTailLoadBalancer)"
+            f"torch-ring: unsupported torch version {torch.__version__} (missing "
+            "_HeadTailLoadBalancer)"
         )
     idx = balancer(total, world_size, "cpu")._generate_indices(restore=False)[0].long()
     return list(idx.chunk(world_size))
@@ -182,7 +193,9 @@ def make(name: str) -> Impl:
     mod = load_private_api()
     rotate, caps, lets_run = declared.option, declared.capabilities, declared.lets_run
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         require_supported(name, ctx, caps, q, k, lets_run)
         if ctx.group is None:
             raise ImplError(f"{name}: needs a process group")

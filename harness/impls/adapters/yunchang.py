@@ -1,17 +1,18 @@
-"""feifeibear's `yunchang` (long-context-attention): ring, Ulysses and USP over flash-attn: on CUDA/NCCL
-with a real flash-attn (>= 2.7: it compares versions as strings, kernels/attention.py:176,210), and on CPU
-gloo ranks with ring-harness's flash-attn stand-in (`harness.kernels`), installed by the ranks where no
-real flash-attn is importable. The library is imported inside the run (on the ranks), never in the
-parent: `make` only checks that it is importable.
+"""feifeibear's `yunchang` (long-context-attention): ring, Ulysses and USP over flash-attn: on
+CUDA/NCCL with a real flash-attn (>= 2.7: it compares versions as strings,
+kernels/attention.py:176,210), and on CPU gloo ranks with ring-harness's flash-attn stand-in
+(`harness.kernels`), installed by the ranks where no real flash-attn is importable. The library is
+imported inside the run (on the ranks), never in the parent: `make` only checks that it is
+importable.
 
 - ring: `yunchang.hybrid.utils.RING_IMPL_DICT[impl_type](q, k, v, dropout_p, softmax_scale, causal,
   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, attn_type)` with
   impl_type "basic" (contiguous), "zigzag" (rank r: chunks r, 2W-1-r) or "strip" (token i on
   rank i mod W), as its `EXTRACT_FUNC_DICT` helpers shard with one Ulysses rank;
 - Ulysses: `UlyssesAttention(sequence_process_group, scatter_idx=2, gather_idx=1, attn_type)`:
-  all-to-all from sequence shards to head shards, full attention, and back; contiguous layout,
-  heads divisible by W (declared: `heads_divisible_by_world`), and a sliding window, one- or two-sided,
-  is exact because each rank sees the whole sequence: every conjunction of full, causal and windows
+  all-to-all from sequence shards to head shards, full attention, and back; contiguous layout, heads
+  divisible by W (declared: `heads_divisible_by_world`), and a sliding window, one- or two-sided, is
+  exact because each rank sees the whole sequence: every conjunction of full, causal and windows
   (`_common.flash_mask`), no documents (its flash_attn_func takes no cu_seqlens);
 - USP: `LongContextAttention(ring_impl_type="basic")` over `PROCESS_GROUP.ULYSSES_PG` and
   `RING_PG`. We build the groups the way `set_seq_parallel_pg(..., use_ulysses_low=True)` does,
@@ -19,18 +20,18 @@ parent: `make` only checks that it is importable.
   contiguous chunk g, which is our "contiguous" layout. U is the largest divisor of W below W that
   divides both head counts (U > 1 and W/U > 1, else refused).
 
-Declared as the library supports it: fp16/bf16 and head_dim a multiple of 8 up to 256 (flash-attn 2);
-equal per-rank lengths; zigzag/strip assert causal. The zigzag ring is ring-flash-attn's code (forward
-splits a rank's tokens at L//2, backward with chunk(2): wrong for an odd local length L, upstream
-zhuzilin/ring-flash-attention#39), so yunchang-ring declares `zigzag_odd=False` and, like
-ring-flash-attn-zigzag, lets such runs through to the library (`lets_run`) so that the check's probe reports
-what it does (cases/yunchang-ring-zigzag-odd-local-length.yaml). Ulysses needs both head counts divisible
-by W, its degree (`heads_divisible_by_world`, refused with one line at run time). USP's rule (some
-Ulysses degree 1 < U < W dividing W and both head counts, `usp_degrees`) is not a capability: such runs
-are refused with one line. Not driven here: the varlen
-ring (ring/ring_flash_attn_varlen.py:56-71 calls flash-attn < 2.6's API: TypeError with 2.8.3), the
-qkvpacked/kvpacked wrappers (ring/ring_flash_attn.py:240,271 pass 13 arguments to a 14-argument forward)
-and the FA3 path (kernels/attention.py:283 hard-codes causal=False).
+Declared as the library supports it: fp16/bf16 and head_dim a multiple of 8 up to 256 (flash-attn
+2); equal per-rank lengths; zigzag/strip assert causal. The zigzag ring is ring-flash-attn's code
+(forward splits a rank's tokens at L//2, backward with chunk(2): wrong for an odd local length L,
+upstream zhuzilin/ring-flash-attention#39), so yunchang-ring declares `zigzag_odd=False` and, like
+ring-flash-attn-zigzag, lets such runs through to the library (`lets_run`) so that the check's probe
+reports what it does (cases/yunchang-ring-zigzag-odd-local-length.yaml). Ulysses needs both head
+counts divisible by W, its degree (`heads_divisible_by_world`, refused with one line at run time).
+USP's rule (some Ulysses degree 1 < U < W dividing W and both head counts, `usp_degrees`) is not a
+capability: such runs are refused with one line. Not driven here: the varlen ring
+(ring/ring_flash_attn_varlen.py:56-71 calls flash-attn < 2.6's API: TypeError with 2.8.3), the
+qkvpacked/kvpacked wrappers (ring/ring_flash_attn.py:240,271 pass 13 arguments to a 14-argument
+forward) and the FA3 path (kernels/attention.py:283 hard-codes causal=False).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from harness.impls.adapters._common import (
     FLASH_KERNEL,
     FLASH_MASK_FEATURES,
     Variant,
-    flash_backends,
+    flash_devices,
     flash_world_sizes,
     installed_version,
     require_flash_mask,
@@ -56,24 +57,31 @@ from harness.impls.adapters._common import (
 )
 
 EXTRA = "yunchang"
-KERNEL = FLASH_KERNEL  # its library calls flash-attn: ranks report which one (`_common.kernel_label`)
+# its library calls flash-attn: ranks report which one (`_common.kernel_label`)
+KERNEL = FLASH_KERNEL
 RING_TYPE = {"contiguous": "basic", "zigzag": "zigzag", "striped": "strip"}
 
 
-def _caps(layouts: set[str], masks: set[str], world: tuple[int, int], sends_to_itself: bool = True,
-          heads_divisible_by_world: bool = False) -> Capabilities:
+def _caps(
+    layouts: set[str],
+    masks: set[str],
+    world_size: tuple[int, int],
+    sends_to_itself: bool = True,
+    heads_divisible_by_world: bool = False,
+) -> Capabilities:
     return Capabilities(
         layouts=frozenset(layouts),
         masks=frozenset(masks),
         dtypes=frozenset({"fp16", "bf16"}),
         gqa=True,
         uneven=False,
-        world_sizes=flash_world_sizes(world, sends_to_itself),  # W=1 on gloo: a send to itself
+        world_sizes=flash_world_sizes(world_size, sends_to_itself),  # W=1 on gloo: a send to itself
         backward=True,
-        backends=flash_backends(),  # gloo where the CPU stand-in serves the ranks
+        devices=flash_devices(),  # cpu where the CPU stand-in serves the ranks
         returns_lse=False,
         head_dims=FLASH_HEAD_DIMS,
-        zigzag_odd="zigzag" not in layouts,  # ring-flash-attn's zigzag code: two equal chunks per rank
+        # ring-flash-attn's zigzag code: two equal chunks per rank
+        zigzag_odd="zigzag" not in layouts,
         heads_divisible_by_world=heads_divisible_by_world,
     )
 
@@ -81,17 +89,22 @@ def _caps(layouts: set[str], masks: set[str], world: tuple[int, int], sends_to_i
 # option: the mode, "ring" (RING_IMPL_DICT by layout), "ulysses" (UlyssesAttention) or "usp"
 # (LongContextAttention over Ulysses x ring groups)
 VARIANTS = {
-    # zigzag and strip assert causal; "basic" also runs non-causal, but the product of layouts and masks
-    # is what a capability set promises, so non-causal is left to the contiguous variants
-    # odd zigzag lengths are undeclared but let through to the library: the probe reports what it does
+    # zigzag and strip assert causal; "basic" also runs non-causal, but the product of layouts and
+    # masks is what a capability set promises, so non-causal is left to the contiguous variants odd
+    # zigzag lengths are undeclared but let through to the library: the probe reports what it does
     "yunchang-ring": Variant(
         _caps(set(RING_TYPE), {"causal"}, (1, 8)), option="ring", lets_run=frozenset({"zigzag-odd"})
     ),
-    # each rank attends the whole sequence (for its heads), so flash-attn's window is exact on both sides;
-    # its flash_attn_func call takes no documents (no cu_seqlens)
+    # each rank attends the whole sequence (for its heads), so flash-attn's window is exact on both
+    # sides; its flash_attn_func call takes no documents (no cu_seqlens)
     "yunchang-ulysses": Variant(
-        _caps({"contiguous"}, set(FLASH_MASK_FEATURES - {"document", "per-document"}), (1, 8), False,
-              heads_divisible_by_world=True),
+        _caps(
+            {"contiguous"},
+            set(FLASH_MASK_FEATURES - {"document", "per-document"}),
+            (1, 8),
+            False,
+            heads_divisible_by_world=True,
+        ),
         option="ulysses",
     ),
     "yunchang-usp": Variant(_caps({"contiguous"}, {"none", "causal"}, (4, 8)), option="usp"),
@@ -99,7 +112,8 @@ VARIANTS = {
 
 
 def usp_degrees(world_size: int, heads_q: int, heads_kv: int) -> tuple[int, int]:
-    """(ulysses, ring) degrees for USP: the largest Ulysses degree 1 < U < W dividing W and both heads."""
+    """(ulysses, ring) degrees for USP: the largest Ulysses degree 1 < U < W dividing W and both
+    heads."""
     for u in range(world_size - 1, 1, -1):
         if world_size % u == 0 and heads_q % u == 0 and heads_kv % u == 0:
             return u, world_size // u
@@ -109,8 +123,11 @@ def usp_degrees(world_size: int, heads_q: int, heads_kv: int) -> tuple[int, int]
     )
 
 
-def usp_groups(global_ranks: tuple[int, ...], ulysses: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(ulysses groups, ring groups) as global ranks, in `set_seq_parallel_pg`'s ulysses-low order."""
+def usp_groups(
+    global_ranks: tuple[int, ...], ulysses: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(ulysses groups, ring groups) as global ranks, in `set_seq_parallel_pg`'s ulysses-low
+    order."""
     w = len(global_ranks)
     ring = w // ulysses
     uly = [[global_ranks[r * ulysses + u] for u in range(ulysses)] for r in range(ring)]
@@ -122,14 +139,16 @@ _GROUPS: dict[tuple, object] = {}
 
 
 def _group(ranks: list[int], ring: object) -> object:
-    """The process group of `ranks` (global), created by its members only and cached per harness ring group.
+    """The process group of `ranks` (global), created by its members only and cached per harness
+    ring group.
 
-    torch names a locally synchronised group by hashing its ranks with the number of groups the calling
-    process knows (`distributed_c10d._hash_ranks_to_str`). That number differs between pool ranks (a rank
-    outside an earlier ring never registered that ring's group), so the members of a new group would
-    rendezvous under different store prefixes and hang (seen: a W=4 USP case after any W=2 case). The name
-    is made from what every member agrees on instead: the harness's ring group (`ring.group_name`, created
-    collectively, and fresh after a failed case, so no stale group is reused) and the ranks.
+    torch names a locally synchronised group by hashing its ranks with the number of groups the
+    calling process knows (`distributed_c10d._hash_ranks_to_str`). That number differs between pool
+    ranks (a rank outside an earlier ring never registered that ring's group), so the members of a
+    new group would rendezvous under different store prefixes and hang (seen: a W=4 USP case after
+    any W=2 case). The name is made from what every member agrees on instead: the harness's ring
+    group (`ring.group_name`, created collectively, and fresh after a failed case, so no stale group
+    is reused) and the ranks.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -137,7 +156,9 @@ def _group(ranks: list[int], ring: object) -> object:
     tag = str(getattr(ring, "group_name", ""))
     key = (tag, tuple(ranks))
     if key not in _GROUPS:
-        name = hashlib.sha1(f"ring-harness-usp/{tag}/{'_'.join(map(str, ranks))}".encode()).hexdigest()
+        name = hashlib.sha1(
+            f"ring-harness-usp/{tag}/{'_'.join(map(str, ranks))}".encode()
+        ).hexdigest()
         original = getattr(c10d, "_hash_ranks_to_str", None)
         if original is not None:
             c10d._hash_ranks_to_str = lambda _ranks: name
@@ -229,14 +250,19 @@ _RUNS = {"ring": _ring_run, "ulysses": _ulysses_run, "usp": _usp_run}
 
 
 def make(name: str) -> Impl:
-    """The variant's mode behind our run signature. ImportError when yunchang is not importable; the
-    library itself is imported by the run, on the ranks (where flash-attn, or its CPU stand-in, is)."""
+    """The variant's mode behind our run signature. ImportError when yunchang is not importable;
+    the library itself is imported by the run, on the ranks (where flash-attn, or its CPU
+    stand-in, is)."""
     declared = variant(VARIANTS, name)
     require_importable("yunchang")
     caps = declared.capabilities
     run = _RUNS[declared.option](name, caps, declared.lets_run)
     return Impl(
-        name=name, run=run, capabilities=caps, version=installed_version("yunchang"), deterministic=False
+        name=name,
+        run=run,
+        capabilities=caps,
+        version=installed_version("yunchang"),
+        deterministic=False,
     )
 
 

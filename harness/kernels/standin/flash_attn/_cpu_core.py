@@ -1,18 +1,21 @@
-"""CPU numerics of the flash-attn stand-in: flash-attention 2's forward and backward, in torch, on CPU.
+"""CPU numerics of the flash-attn stand-in: flash-attention 2's forward and backward, in torch, on
+CPU.
 
-Layout (b, s, h, d) as flash-attn's padded API; every sequence of a batch has the same (seqlen_q, seqlen_k)
-here (the varlen entry points call this once per document). Rounding points follow flash-attn 2's kernels
-(csrc/flash_attn/src/flash_fwd_kernel.h, flash_bwd_kernel.h at tag v2.8.3):
+Layout (b, s, h, d) as flash-attn's padded API; every sequence of a batch has the same (seqlen_q,
+seqlen_k) here (the varlen entry points call this once per document). Rounding points follow
+flash-attn 2's kernels (csrc/flash_attn/src/flash_fwd_kernel.h, flash_bwd_kernel.h at tag v2.8.3):
 
-forward   S = scale * q @ k^T in fp32 (inputs upcast); keys in blocks of KEY_BLOCK with a running row max m
-          and sum l (fp32); P = exp(S - m) in fp32, l += rowsum(P) in fp32, P rounded to the input dtype
-          before P @ V (fp32 accumulation); out = acc / l cast to the input dtype; lse = m + log(l) (fp32).
-          A row that sees no key: out = 0, lse = +inf (softmax.h: `sum == 0 ? INFINITY`).
-backward  D = rowsum(dout * out) in fp32 from the GIVEN out; P = exp(S - lse) from the GIVEN lse (fp32,
-          0 where masked); dV = round(P)^T @ dO; dP = dO @ V^T (fp32); dS = P * (dP - D) (fp32), rounded to
-          the input dtype before dQ = dS @ K * scale and dK = dS^T @ Q * scale (fp32 accumulation).
-          GQA/MQA: query head i uses kv head i // (Hq // Hkv); per-query-head dK/dV are rounded to the input
-          dtype (flash_api.cpp's dk_expanded) and then summed over the group (at::sum_out, fp32 accumulation).
+forward   S = scale * q @ k^T in fp32 (inputs upcast); keys in blocks of KEY_BLOCK with a running
+          row max m and sum l (fp32); P = exp(S - m) in fp32, l += rowsum(P) in fp32, P rounded to
+          the input dtype before P @ V (fp32 accumulation); out = acc / l cast to the input dtype;
+          lse = m + log(l) (fp32). A row that sees no key: out = 0, lse = +inf (softmax.h: `sum == 0
+          ? INFINITY`).
+backward  D = rowsum(dout * out) in fp32 from the GIVEN out; P = exp(S - lse) from the GIVEN lse
+          (fp32, 0 where masked); dV = round(P)^T @ dO; dP = dO @ V^T (fp32); dS = P * (dP - D)
+          (fp32), rounded to the input dtype before dQ = dS @ K * scale and dK = dS^T @ Q * scale
+          (fp32 accumulation). GQA/MQA: query head i uses kv head i // (Hq // Hkv); per-query-head
+          dK/dV are rounded to the input dtype (flash_api.cpp's dk_expanded) and then summed over
+          the group (at::sum_out, fp32 accumulation).
 
 Memory is O(seqlen_q * KEY_BLOCK) per head for the scores, never O(seqlen_q * seqlen_k).
 """
@@ -31,9 +34,9 @@ def normalise_window(causal: bool, left: int, right: int, seqlen_k: int) -> Wind
 
     mha_fwd / mha_varlen_fwd (flash_api.cpp): a side >= seqlen_k becomes -1; causal sets right = 0.
     set_params_fprop: left < 0 with right >= 0 gives left = seqlen_k; left >= 0 with right < 0 gives
-    right = seqlen_k (NOT infinity: with seqlen_q > seqlen_k + 1 the first rows then see fewer keys, or none).
-    `seqlen_k` is max_seqlen_k in the varlen API. (mha_fwd's `seqlen_q == 1 -> not causal` changes nothing:
-    with one query row bottom-right causal already sees every key.)
+    right = seqlen_k (NOT infinity: with seqlen_q > seqlen_k + 1 the first rows then see fewer keys,
+    or none). `seqlen_k` is max_seqlen_k in the varlen API. (mha_fwd's `seqlen_q == 1 -> not causal`
+    changes nothing: with one query row bottom-right causal already sees every key.)
     """
     if left >= seqlen_k:
         left = -1
@@ -51,7 +54,12 @@ def normalise_window(causal: bool, left: int, right: int, seqlen_k: int) -> Wind
 
 
 def visible(
-    seqlen_q: int, seqlen_k: int, start: int, stop: int, window: Window, device: torch.device | None = None
+    seqlen_q: int,
+    seqlen_k: int,
+    start: int,
+    stop: int,
+    window: Window,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """(seqlen_q, stop - start) bool: query i sees key j (start <= j < stop), bottom-right aligned.
 
@@ -67,15 +75,22 @@ def visible(
 
 
 def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
-    """(b, s, h, d) any dtype -> (b, h * group, s, d) float32, kv head h repeated for its `group` query heads."""
+    """(b, s, h, d) any dtype -> (b, h * group, s, d) float32, kv head h repeated for its `group`
+    query heads."""
     x = x.float().permute(0, 2, 1, 3)
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: Window, block: int = KEY_BLOCK
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: Window,
+    block: int = KEY_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (b, sq, hq, d) in q.dtype and lse (b, hq, sq) float32 for q (b, sq, hq, d), k/v (b, sk, hkv, d)."""
+    """out (b, sq, hq, d) in q.dtype and lse (b, hq, sq) float32 for q (b, sq, hq, d), k/v (b, sk,
+    hkv, d)."""
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     group = heads_q // heads_k
@@ -95,7 +110,8 @@ def forward(
         s = torch.matmul(qf, kf[:, :, start:stop].transpose(-1, -2)) * scale
         s = s.masked_fill(~vis, neg_inf)
         new_max = torch.maximum(row_max, s.amax(dim=-1))
-        safe_max = torch.where(new_max == neg_inf, torch.zeros_like(new_max), new_max)  # softmax.h's guard
+        # softmax.h's guard
+        safe_max = torch.where(new_max == neg_inf, torch.zeros_like(new_max), new_max)
         p = torch.exp(s - safe_max.unsqueeze(-1))
         alpha = torch.exp(row_max - safe_max)
         row_sum = row_sum * alpha + p.sum(dim=-1)
@@ -108,7 +124,8 @@ def forward(
 
 
 def _sum_groups(x: torch.Tensor, heads_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """(b, hq, s, d) fp32 per query head -> (b, s, hkv, d) in dtype, rounding per head first when grouped."""
+    """(b, hq, s, d) fp32 per query head -> (b, s, hkv, d) in dtype, rounding per head first when
+    grouped."""
     batch, heads_q, seqlen, dim = x.shape
     if heads_q != heads_k:
         x = x.to(dtype).float().view(batch, heads_k, heads_q // heads_k, seqlen, dim).sum(dim=2)
@@ -126,10 +143,12 @@ def backward(
     window: Window,
     block: int = KEY_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq (b, sq, hq, d), dk/dv (b, sk, hkv, d) in q.dtype and D = rowsum(dout * out) (b, hq, sq) float32.
+    """dq (b, sq, hq, d), dk/dv (b, sk, hkv, d) in q.dtype and D = rowsum(dout * out) (b, hq, sq)
+    float32.
 
-    P comes from the given lse and D from the given out, as flash-attn's backward does: ring attention
-    passes the merged (global) out and lse, and each block's gradient is then its share of the global one.
+    P comes from the given lse and D from the given out, as flash-attn's backward does: ring
+    attention passes the merged (global) out and lse, and each block's gradient is then its share of
+    the global one.
     """
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]

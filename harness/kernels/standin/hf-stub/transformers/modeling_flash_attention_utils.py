@@ -1,4 +1,5 @@
-"""Stub of `transformers.modeling_flash_attention_utils`: only the name ring-flash-attn 0.1.8 imports."""
+"""Stub of `transformers.modeling_flash_attention_utils`: only the name ring-flash-attn 0.1.8
+imports."""
 
 
 def is_flash_attn_greater_or_equal_2_10() -> bool:

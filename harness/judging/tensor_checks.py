@@ -1,23 +1,15 @@
-"""Judging one case: every rank's out/lse/dq/dk/dv against the float64 oracle, the precision check,
-and the exact causality-leak check. Produces per-rank, per-tensor checks with error ratios and positions.
+"""Tensor checks of one case: every rank's out/lse/dq/dk/dv against the float64 oracle.
 
-The precision check (`coarse_grid`): a tensor returned in the case's dtype must carry that dtype's
-precision. When every one of at least GRID_MIN_VALUES distinct nonzero normal values of a rank's
-out/dq/dk/dv is exactly a value of a narrower dtype (fp16 -> bf16; fp32 -> bf16 or fp16), the tensor went through
-that dtype on its way: a real bug class (ring-flash-attn and yunchang return an fp16 dq rounded through
-bf16, zhuzilin/ring-flash-attention#87) that the error bound alone cannot see, since a single bf16
-rounding (8 fp16 units) is inside what a correct flash-style backward may err. Why no correct
-implementation fails it: a value computed in fp16 has uniformly distributed low mantissa bits, so it is
-a bf16 value with probability 1/8 (fp32: 2^-16 for bf16, 2^-13 for fp16), independently enough across
-distinct values of random-normal inputs that 64 of them all on the grid has probability <= 8^-64 ~ 1e-58
-(distinct: under near-tie keys and a one-dimensional head every query's output is the same number, so
-64 copies of one value are one sample; seen on torch-ring).
-Zeros (masked rows, zero gradients) and subnormals are not looked at, nor values below GRID_FLOOR (1/64)
-of the scale of the terms they are summed from (TermScales): a result of heavy cancellation, e.g. dq of
-near-tie keys, can be exact with few significant bits when a correct ring adds two partial results in
-the input dtype (torch's ring: 98% of such a dq on the bf16 grid), so it is no evidence. Tensors with
-fewer values give no evidence and are not judged. lse is float32 whatever the dtype and is left to the
-error bound."""
+Three checks per rank and tensor. The error bound is harness.judging.tolerance's rule. The exact
+leak check asks whether a masked key changed a result. The precision check (`coarse_grid`) asks
+whether a tensor went through a narrower dtype on its way.
+
+The precision check fails a tensor when at least GRID_MIN_VALUES distinct values all lie on a
+narrower dtype's grid. A correct fp16 value is a bf16 value with probability 1/8, so 64 of them have
+probability ~1e-58. Values below GRID_FLOOR of their terms' scale are not looked at: heavy
+cancellation leaves few significant bits. docs/tolerance.md ("The precision check") has the
+evidence.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +19,10 @@ from harness import inputs
 from harness.case import Case
 from harness.dtypes import TORCH_DTYPES
 from harness.judging import tolerance
-from harness.judging.oracle import Reference
+from harness.oracle.assemble import OracleOutputs
 from harness.result import LeakCheck, TensorCheck
 from ring_impl.layouts import all_positions
-from ring_impl.masks import visible_keys
+from ring_impl.mask_eval import visible_keys
 
 
 def _as_bnhd(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -54,14 +46,15 @@ GRID_FLOOR = 2.0**-6  # values below this fraction of their summed terms' scale 
 
 
 def coarse_grid(t: torch.Tensor, dtype: str, floor: float = 0.0) -> tuple[str, int]:
-    """(the coarsest dtype narrower than `dtype` on whose grid every normal value of `t` at least `floor`
-    in magnitude lies, or '' when there is none or fewer than GRID_MIN_VALUES distinct values to tell; the
-    number of distinct values looked at)."""
+    """(the coarsest dtype narrower than `dtype` on whose grid every normal value of `t` at least
+    `floor` in magnitude lies, or '' when there is none or fewer than GRID_MIN_VALUES distinct
+    values to tell; the number of distinct values looked at)."""
     narrower = NARROWER.get(dtype, ())
     if not narrower or t.dtype != TORCH_DTYPES[dtype] or not t.is_floating_point():
         return "", 0
     x = t.reshape(-1)
-    # distinct values: one value repeated (e.g. every query's output under a uniform softmax) is one sample
+    # distinct values: one value repeated (e.g. every query's output under a uniform softmax) is one
+    # sample
     x = torch.unique(x[torch.isfinite(x) & (x.abs() >= max(torch.finfo(t.dtype).tiny, floor))])
     n = x.numel()
     if n < GRID_MIN_VALUES:
@@ -73,10 +66,10 @@ def coarse_grid(t: torch.Tensor, dtype: str, floor: float = 0.0) -> tuple[str, i
 
 
 def _same_infinity(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Where the reference is infinite and the result is the same infinity: the lse = -inf of a query that
-    sees no key (README "Rows that see nothing") matched by a result of -inf. An implementation with
-    flash-attn's +inf convention for such rows is read as -inf only by its adapter, where documented:
-    here +inf against -inf is a wrong value like any other."""
+    """Where the oracle's value is infinite and the result is the same infinity: the lse = -inf of a
+    query that sees no key (README "Rows that see nothing") matched by a result of -inf. An
+    implementation with flash-attn's +inf convention for such rows is read as -inf only by its
+    adapter, where documented: here +inf against -inf is a wrong value like any other."""
     return torch.isinf(want) & (got == want)
 
 
@@ -92,24 +85,39 @@ def _finite_max(t: torch.Tensor) -> float:
     return float(a.max()) if a.numel() else 0.0
 
 
-def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: Reference, base: Reference,
-                  maps: dict[str, torch.Tensor] | None = None) -> list[TensorCheck]:
-    """Compare each rank's shards (group rank -> {tensor: shard}) with the reference.
+def check_tensors(
+    case: Case,
+    shards: dict[int, dict[str, torch.Tensor]],
+    exact: OracleOutputs,
+    base: OracleOutputs,
+    maps: dict[str, torch.Tensor] | None = None,
+) -> list[TensorCheck]:
+    """Compare each rank's shards (group rank -> {tensor: shard}) with the oracle's exact outputs.
 
-    With `maps`, also fill maps[tensor] with the (batch, global token, head) max-abs error (inf where
-    non-finite), so harness.localise can say where errors concentrate."""
+    With `maps`, also fill maps[tensor] with the (batch, global token, head) max-abs error (inf
+    where non-finite), so harness.localise can say where errors concentrate."""
     pos_all = all_positions(case.layout, case.seq_lens)
     checks = []
-    lse_max = _finite_max(ref.lse)
+    lse_max = _finite_max(exact.lse)
     names = [n for n in ("out", "lse", "dq", "dk", "dv") if any(n in s for s in shards.values())]
     for name in names:
-        r64 = _as_bnhd(getattr(ref, name), name)
+        r64 = _as_bnhd(getattr(exact, name), name)
         b = _as_bnhd(getattr(base, name), name).to(torch.float64)
         base_err = float(_diff(b, r64).nan_to_num(nan=float("inf")).max()) if r64.numel() else 0.0
-        ref_max = _finite_max(r64)
-        grid_floor = GRID_FLOOR * max(ref.term_scale.get(name, {}).values(), default=0.0)
-        allowed = tolerance.bound(name, case.dtype, base_err, ref_max, case.tolerance, case.world_size, lse_max,
-                                  ref.term_scale.get(name, 0.0), ref.term_scale.get("blocks", {}).get("max_v", 0.0))
+        exact_max = _finite_max(r64)
+        scales = exact.term_scale
+        grid_floor = GRID_FLOOR * max(scales.get(name, {}).values(), default=0.0)
+        allowed = tolerance.bound(
+            name,
+            case.dtype,
+            base_err,
+            exact_max,
+            case.tolerance,
+            case.world_size,
+            lse_max,
+            scales.get(name, 0.0),
+            scales.get("blocks", {}).get("max_v", 0.0),
+        )
         for rank, tensors in sorted(shards.items()):
             if name not in tensors:
                 continue
@@ -132,12 +140,29 @@ def check_tensors(case: Case, shards: dict[int, dict[str, torch.Tensor]], ref: R
             kinds = ""
             if nonfinite:
                 bad = got[bad_values]
-                counts = (("NaN", bad.isnan()), ("+inf", bad == float("inf")), ("-inf", bad == float("-inf")))
+                counts = (
+                    ("NaN", bad.isnan()),
+                    ("+inf", bad == float("inf")),
+                    ("-inf", bad == float("-inf")),
+                )
                 kinds = ",".join(k for k, mask in counts if bool(mask.any()))
-            grid, looked = ("", 0) if name == "lse" else coarse_grid(tensors[name], case.dtype, grid_floor)
-            checks.append(TensorCheck(name, rank, err, allowed, nonfinite, position,
-                                      passed=nonfinite == 0 and err <= allowed and not grid, nonfinite_kinds=kinds,
-                                      grid=grid, grid_values=looked if grid else 0))
+            grid, looked = (
+                ("", 0) if name == "lse" else coarse_grid(tensors[name], case.dtype, grid_floor)
+            )
+            checks.append(
+                TensorCheck(
+                    name,
+                    rank,
+                    err,
+                    allowed,
+                    nonfinite,
+                    position,
+                    passed=nonfinite == 0 and err <= allowed and not grid,
+                    nonfinite_kinds=kinds,
+                    grid=grid,
+                    grid_values=looked if grid else 0,
+                )
+            )
     return checks
 
 
@@ -157,6 +182,12 @@ def check_leak(case: Case, leak_shards: dict[int, dict[str, torch.Tensor]]) -> L
             nz = (g != 0).any(dim=3).any(dim=2).any(dim=0)  # per local key token
             bad = (nz & local_hidden).nonzero().view(-1)
             if bad.numel():
-                result.leaks.append({"rank": rank, "tensor": name, "token": int(pos_all[rank][bad[0]]),
-                                     "count": int(bad.numel())})
+                result.leaks.append(
+                    {
+                        "rank": rank,
+                        "tensor": name,
+                        "token": int(pos_all[rank][bad[0]]),
+                        "count": int(bad.numel()),
+                    }
+                )
     return result

@@ -1,0 +1,171 @@
+"""The battery stage: the fixed battery, probes of undeclared features, the capability matrix.
+
+A deterministic implementation runs each battery case twice in a row: the repeat check. The
+battery's cases come from harness.search.battery, adapted to the declared capabilities.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.case import Case
+from harness.checks import report
+from harness.checks.capability_matrix import format_matrix, matrix
+from harness.checks.options import CheckOptions
+from harness.context import Capabilities
+from harness.impls.capabilities import adapt, isolated_probe, unsupported
+from harness.judging.verdicts import probe_acceptable
+from harness.result import CaseResult, Verdict
+from harness.runner import run_case
+from harness.search.battery import battery_pool_size, default_battery
+
+if TYPE_CHECKING:
+    from harness.checks.check import Check
+
+name = "battery"  # the stage's name (harness.checks.stages.Stage)
+
+
+def _battery(opts: CheckOptions) -> list[Case]:
+    """The default battery for `opts`, before adaptation."""
+    return default_battery(
+        opts.world_size, opts.dtype, impl=opts.impl, model_calls=opts.model_calls
+    )
+
+
+def plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], list[Case]]:
+    """(battery cases adapted to the capabilities, probe cases of undeclared features)."""
+    cases = _battery(opts)
+    if opts.deadline is not None:
+        cases = [c.replace(deadline_s=opts.deadline) for c in cases]
+    found = probes(caps, cases)
+    cases = [adapt(caps, c) for c in cases]
+    return list({c.key(): c for c in cases if c is not None}.values()), found
+
+
+def probes(caps: Capabilities, cases: list[Case]) -> list[Case]:
+    """One probe case per undeclared feature the battery exercises.
+
+    A probe is the first case using the feature, with the undeclared features of every other
+    dimension adapted away. So the probe changes exactly one thing: the mask, the split, the heads,
+    the layout, ... (impls.capabilities.isolated_probe). A feature no case isolates is not probed
+    (`unprobed`).
+    """
+    seen, out = set(), []
+    for c in cases:
+        for f in unsupported(caps, c):
+            probe = None if f in seen else isolated_probe(caps, c, f)
+            if probe is not None:
+                seen.update(unsupported(caps, probe))
+                out.append(probe.replace(deadline_s=min(c.deadline_s, 30.0)))
+    return out
+
+
+def unprobed(caps: Capabilities, opts: CheckOptions) -> list[str]:
+    """Undeclared features the battery uses that no probe isolates: 'not probed' in the matrix."""
+    cases = _battery(opts)
+    used = {f for c in cases for f in unsupported(caps, c)}
+    probed = {f for p in probes(caps, cases) for f in unsupported(caps, p)}
+    return sorted(used - probed)
+
+
+def fitting(check: Check) -> tuple[list[Case], int]:
+    """(the battery's cases that fit the pool, how many do not). The check's header counts them."""
+    cases, _ = plan(check.opts, check.caps)
+    fit = [c for c in cases if c.pool_size <= check.pool.size]
+    return fit, len(cases) - len(fit)
+
+
+def ranks(opts: CheckOptions, caps: Capabilities) -> int:
+    """Ranks to run every battery case and probe without restarting."""
+    cases, found = plan(opts, caps)
+    return battery_pool_size(cases + found)
+
+
+def repeat_check(first: CaseResult, again: CaseResult) -> None:
+    """The "repeat" check (issue #19): the same case run twice in a row on the same ranks.
+
+    A deterministic implementation must give bit-identical outputs. State carried over between
+    calls shows on the second call only: a gradient buffer cached and not zeroed, a stale receive
+    buffer, a reused communicator. The first result then becomes `diverged`, with which shards
+    differed.
+    """
+    if first.verdict not in (Verdict.PASS, Verdict.SILENT_CORRUPTION):
+        return
+    if again.verdict == Verdict.HANG:
+        return
+    diffs = [
+        f"{t}@rank{g}"
+        for g, hs in sorted(first.hashes.items())
+        for t, h in sorted(hs.items())
+        if again.hashes.get(g, {}).get(t) != h
+    ]
+    if again.verdict != first.verdict and again.verdict != Verdict.PASS and not diffs:
+        diffs = [f"verdict {again.verdict}"]
+    first.extra["repeat"] = {"identical": not diffs, "diffs": diffs, "verdict": str(again.verdict)}
+    if diffs:
+        first.verdict = Verdict.DIVERGED
+        more = f" (+{len(diffs) - 6} more)" if len(diffs) > 6 else ""
+        before = f"; first run: {first.detail}" if first.detail else ""
+        first.detail = (
+            "repeat: the same case run again on the same ranks gave different results "
+            f"({', '.join(diffs[:6])}{more}; second run: {again.verdict}): state "
+            f"carried over between calls{before}"
+        )
+
+
+def _run_cases(check: Check, cases: list[Case]) -> bool:
+    """Each battery case, repeated when the implementation is deterministic. True: stop."""
+    opts, outcome, out = check.opts, check.outcome, check.reporter
+    out(report.header())
+    for i, c in enumerate(cases, 1):
+        r = run_case(c, check.pool, opts.impl, allow_import=opts.allow_import)
+        again = None
+        repeat = opts.repeat and check.resolved.deterministic
+        if repeat and r.verdict in (Verdict.PASS, Verdict.SILENT_CORRUPTION):
+            # A run that hung or raised is not repeated: nothing to compare, and a hang costs
+            # its deadline.
+            again = run_case(c, check.pool, opts.impl, allow_import=opts.allow_import, leak=False)
+            repeat_check(r, again)
+        outcome.results.append(r)
+        outcome.cases += 1
+        out(report.row(i, len(cases), r))
+        for line in report.details(r):
+            out(line)
+        if not r.passed:
+            check.save_failure(r, again=again)
+            if check.record_failure(name, r):
+                # A battery stopped at one of its cases records no wall time, as before `Check`.
+                why = f"stopped at battery case {i} ({len(outcome.failures)} failing)"
+                return check.stop(why, lap=False)
+    return False
+
+
+def _run_probes(check: Check, found: list[Case]) -> None:
+    """Each probe. One file per distinct finding, confirmed on fresh ranks like a failure."""
+    opts, caps, out = check.opts, check.caps, check.reporter
+    out(f"probing {len(found)} case(s) with features {opts.impl} does not declare:")
+    for i, c in enumerate(found, 1):
+        r = run_case(c, check.pool, opts.impl, allow_import=opts.allow_import)
+        check.outcome.probe_results.append(r)
+        feats = tuple(unsupported(caps, c))
+        out(report.row(i, len(found), r) + "  [" + ", ".join(feats) + "]")
+        if not probe_acceptable(r):
+            note = (
+                f"undeclared feature probe: {', '.join(feats)}\n{r.verdict}: "
+                f"{r.case.summary()}\n{r.detail}"
+            )
+            check.save_failure(r, note=note, features=feats)
+
+
+def run(check: Check) -> bool:
+    """Run the battery, the probes and the capability matrix. True: stop at a battery failure."""
+    _, found = plan(check.opts, check.caps)
+    if _run_cases(check, fitting(check)[0]):
+        return True
+    if found:
+        _run_probes(check, found)
+    outcome = check.outcome
+    left = unprobed(check.caps, check.opts)
+    for line in format_matrix(matrix(check.caps, outcome.results, outcome.probe_results, left)):
+        check.reporter(line)
+    return False

@@ -1,0 +1,129 @@
+"""The fault stage: buffer-discipline faults on every rank and every op of both phases.
+
+Results must not change under them. A bug then shows deterministically: a read before its wait sees
+NaN, and an overwrite of a buffer being sent is caught when it happens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.case import Case, make_case
+from harness.checks import report
+from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, CheckOptions, parse_kinds
+from harness.context import Capabilities
+from harness.faults.schema import make_fault
+from harness.impls.capabilities import adapt
+from harness.judging.verdicts import fault_ok
+from harness.result import Verdict
+from harness.runner import run_case
+from ring_impl.masks import MaskSpec
+
+if TYPE_CHECKING:
+    from harness.checks.check import Check
+
+name = "faults"  # the stage's name (harness.checks.stages.Stage)
+
+# (world size, tokens, layout, mask) of the fault stage: W = 2 for the dk/dv ring, W >= 3 for a
+# forward K/V slot that is received into while it is still being sent.
+SHAPES = (
+    (2, 9, "contiguous", MaskSpec("none")),
+    (3, 14, "zigzag", MaskSpec("causal")),
+    (4, 21, "striped", MaskSpec("window", window=3)),
+)
+
+
+def _stage_fault(kind: str, world_size: int) -> dict:
+    """`kind` on every rank and every op of both phases (a straggler needs one rank: the last)."""
+    return make_fault(kind, rank=world_size - 1) if kind == "straggler" else make_fault(kind)
+
+
+def plan(
+    kinds: tuple[str, ...],
+    impl: str,
+    caps: Capabilities,
+    *,
+    max_world: int,
+    deadline_s: float,
+    dtype: str | None = None,
+) -> list[Case]:
+    """Per shape, one case per kind and one with all kinds at once, each fault on every rank and op.
+
+    With early-read and send-reuse together, every byte moves at a point fixed by the program
+    order. So even a racy implementation's wrong numbers are the same on every run: replayable bit
+    for bit.
+    """
+    out = []
+    for w, total, layout, mask in SHAPES:
+        if w > max_world:
+            continue
+        for group in [(k,) for k in kinds] + ([kinds] if len(kinds) > 1 else []):
+            c = make_case(
+                world_size=w,
+                total_len=total,
+                layout=layout,
+                mask=mask,
+                heads_q=4,
+                heads_kv=2,
+                head_dim=8,
+                seed=100 + len(out),
+                impl=impl,
+                dtype=dtype or "fp32",
+                deadline_s=deadline_s,
+                faults=tuple(_stage_fault(k, w) for k in group),
+            )
+            c = adapt(caps, c)
+            if c is not None:
+                out.append(c)
+    return out
+
+
+def ranks(opts: CheckOptions, caps: Capabilities) -> int:
+    """None of its own: it runs the shapes that fit the pool it gets."""
+    return 0
+
+
+def _cases(check: Check, kinds: tuple[str, ...]) -> list[Case]:
+    """The stage's cases for the pool and the declared ring sizes."""
+    opts, caps = check.opts, check.caps
+    lo, hi = caps.world_sizes
+    deadline = min(opts.fault_deadline, opts.deadline or opts.fault_deadline)
+    cases = plan(
+        kinds,
+        opts.impl,
+        caps,
+        max_world=min(hi, check.pool.size),
+        deadline_s=deadline,
+        dtype=opts.dtype,
+    )
+    return [c for c in cases if c.world_size >= lo]
+
+
+def run(check: Check) -> bool:
+    """Run the fault stage into `check.outcome`. True: the check stops at one of its failures."""
+    opts, out = check.opts, check.reporter
+    kinds = parse_kinds(opts.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
+    if not kinds:
+        return False
+    cases = _cases(check, kinds)
+    out(
+        f"fault stage: {len(cases)} cases, {', '.join(kinds)} on every rank, both phases "
+        "(results must not change)"
+    )
+    for i, c in enumerate(cases, 1):
+        r = run_case(c, check.pool, opts.impl, allow_import=opts.allow_import)
+        check.outcome.fault_results.append(r)
+        check.outcome.cases += 1
+        out(report.row(i, len(cases), r) + f"  [{'+'.join(f['kind'] for f in c.faults)}]")
+        if r.verdict == Verdict.INVALID:
+            out(f"        -> not applicable here: {r.detail[:200]}")
+        elif not fault_ok(r):
+            if r.detail:
+                out(f"        -> {r.detail[:300]}")
+            else:
+                out(f"        -> {r.verdict}, expected pass")
+            check.save_failure(r)
+            if check.record_failure(name, r):
+                n, failing = len(check.outcome.fault_results), len(check.outcome.failures)
+                return check.stop(f"stopped at fault stage case {n} ({failing} failing)")
+    return False

@@ -1,0 +1,147 @@
+"""The oracle's global outputs, put together from the shares' parts.
+
+The oracle is single-device full attention with the explicit mask, forward and backward. It gives
+two sets of outputs: `exact`, in float64, which every rank is judged against, and `base`, the same
+attention in the case's own dtype, whose error sets the tolerance. `two_passes` runs the shares'
+rows passes, gathers every row's statistics, runs the keys passes, and `assemble` puts the parts in
+place. Who runs the passes is `harness.oracle.mode`'s choice; `local` runs them all here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.case import Case
+from harness.oracle.shares import (
+    KeysPart,
+    RowsPart,
+    RowStats,
+    TermScales,
+    gather_stats,
+    keys_part,
+    rows_part,
+    share_keys,
+    share_rows,
+)
+from harness.oracle.tiles import block_size, groups, runs
+
+BLOCK: int | None = None  # tile side for `attention`; None: tiles.block_size's score budget
+
+
+@dataclass
+class OracleOutputs:
+    """Global out, lse and q/k/v gradients, all in one compute dtype, and (float64 only) the term
+    scales the tolerance rule reads."""
+
+    out: torch.Tensor  # (B, N, Hq, D)
+    lse: torch.Tensor  # (B, Hq, N)
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    # tensor -> {class: scale}
+    term_scale: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+Pair = tuple[OracleOutputs, OracleOutputs]  # (exact: float64, base: the case's dtype)
+
+
+def assemble(
+    n: int,
+    scale: float,
+    rows: Sequence[RowsPart],
+    keys: Sequence[KeysPart],
+    n_keys: int | None = None,
+) -> OracleOutputs:
+    """The global outputs from the parts of every share of one compute dtype.
+
+    Each rows part's out, lse and dq go into its rows (n of them), each keys part's dk and dv into
+    its keys (`n_keys`, n unless said). The term scales (float64 only) come from all of them."""
+    first, kfirst = rows[0], keys[0]
+    b, _, hq, d = first.out.shape
+    out, dq = first.out.new_zeros(b, n, hq, d), first.dq.new_zeros(b, n, hq, d)
+    lse = first.lse.new_zeros(b, hq, n)
+    dk = kfirst.dk.new_zeros(b, n if n_keys is None else n_keys, *kfirst.dk.shape[2:])
+    dv = torch.zeros_like(dk)
+    for p in rows:
+        out.index_copy_(1, p.rows, p.out)
+        dq.index_copy_(1, p.rows, p.dq)
+        lse.index_copy_(2, p.rows, p.lse)
+    for p in keys:
+        dk.index_copy_(1, p.keys, p.dk)
+        dv.index_copy_(1, p.keys, p.dv)
+    is_exact = out.dtype == torch.float64
+    return OracleOutputs(
+        out, lse, dq, dk, dv, TermScales(rows, keys).scales(scale) if is_exact else {}
+    )
+
+
+Parts = tuple  # (float64 part, base part) of one share
+
+
+def two_passes(
+    n: int,
+    world_size: int,
+    scale: float,
+    run_rows: Callable[[], dict[int, Parts]],
+    run_keys: Callable[[tuple[RowStats, RowStats]], dict[int, Parts]],
+) -> tuple[OracleOutputs, OracleOutputs, float]:
+    """(exact, base, the slowest share's seconds) from the W shares' two passes.
+
+    `run_rows()` maps group rank -> (float64, base) RowsPart. Every row's statistics are gathered
+    here. `run_keys(stats)` then maps group rank -> (float64, base) KeysPart."""
+    got = run_rows()
+    rows = [got[g] for g in range(world_size)]
+    stats = tuple(gather_stats([r[i] for r in rows], n) for i in (0, 1))
+    got = run_keys(stats)
+    keys = [got[g] for g in range(world_size)]
+    exact, base = (assemble(n, scale, [r[i] for r in rows], [k[i] for k in keys]) for i in (0, 1))
+    seconds = max(
+        sum(p.seconds for p in r) + sum(p.seconds for p in k)
+        for r, k in zip(rows, keys, strict=True)
+    )
+    return exact, base, seconds
+
+
+def attention_pair(q, k, v, dout, mask, scale: float, dtype: torch.dtype) -> Pair:
+    """(exact, base in `dtype`) of full attention of global tensors rounded to `dtype`.
+
+    Forward and backward, every query and key in one share. There are as many queries as keys, or
+    fewer: the first ones."""
+    tensors = {"q": q, "k": k, "v": v, "dout": dout}
+    nq, nk, hkv = q.shape[1], k.shape[1], k.shape[2]
+    size = BLOCK or block_size(q.shape[0], q.shape[2])
+
+    def fetch(name: str, pos: torch.Tensor) -> torch.Tensor:
+        t = tensors[name]
+        return t[:, pos.to(t.device)]
+
+    qpos, kpos = torch.arange(nq), torch.arange(nk)
+    key_groups = groups([kpos], size)
+    rows = rows_part(fetch, qpos, [g.pos for g in key_groups], hkv, mask, scale, dtype, size)
+    stats = tuple(gather_stats([r], nq) for r in rows)
+    qblocks = [qpos[a:z] for a, z in runs(qpos, size)]
+    keys = keys_part(fetch, kpos, 0, qblocks, key_groups, hkv, stats, mask, scale, dtype)
+    return tuple(assemble(nq, scale, [rows[i]], [keys[i]], nk) for i in (0, 1))
+
+
+def attention(q, k, v, dout, mask, scale: float, compute: torch.dtype) -> OracleOutputs:
+    """One of `attention_pair`. For compute=float64: the exact outputs of the inputs rounded to
+    float32. Else the base of a case in `compute`, inputs rounded to it."""
+    if compute == torch.float64:
+        return attention_pair(q, k, v, dout, mask, scale, torch.float32)[0]
+    return attention_pair(q, k, v, dout, mask, scale, compute)[1]
+
+
+def local(case: Case) -> Pair:
+    """(exact, base) computed here, share after share: what the ranks compute."""
+    exact, base, _ = two_passes(
+        case.total_len,
+        case.world_size,
+        case.scale,
+        lambda: {g: share_rows(case, g) for g in range(case.world_size)},
+        lambda stats: {g: share_keys(case, g, stats) for g in range(case.world_size)},
+    )
+    return exact, base

@@ -1,0 +1,391 @@
+"""One case on this rank: its shards, the implementation's call, the reply.
+
+The shards of q, k, v and dout are rebuilt from the case's seed. The implementation is called the
+case's way (harness.calls), forward and then backward, inside the fault interposer. A leak run
+follows when the mask hides keys. An implementation's error is a result, not a crash: it goes back
+in the reply. The pool worker (harness.ranks.worker) and the torchrun driver
+(harness.ranks.torchrun) both run cases through `handle_case` and `handle_oracle`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import sysconfig
+import time
+import traceback
+
+import torch
+
+from harness import calls, inputs
+from harness import case as case_mod
+from harness.context import RunContext
+from harness.errors import ShapeError
+from harness.faults import interpose, schema
+from harness.impls import registry
+from harness.impls.adapters._common import kernel_label
+from harness.oracle import shares
+from harness.ranks.protocol import (
+    DIVERGED,
+    ERROR,
+    IDLE,
+    OK,
+    ORACLE_RESULT,
+    RESULT,
+    OracleMessage,
+    OracleResultMessage,
+    ResultMessage,
+    RunMessage,
+)
+from ring_impl.layouts import all_positions
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw bytes: equal hashes mean bit-identical results."""
+    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _error_text(e: BaseException) -> str:
+    """One line: exception type, message, and the innermost frame it came from."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = (
+        f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    )
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg}{where}"
+
+
+def _callers_frame(e: BaseException) -> str:
+    """'file:line in function' of the innermost frame outside the harness, torch and the standard
+    library: the implementation's own call that raised ('' when every frame is the harness's)."""
+    skip = (
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        os.path.dirname(torch.__file__),
+        sysconfig.get_paths()["stdlib"],
+    )
+    for fr in reversed(traceback.extract_tb(e.__traceback__)):
+        path = os.path.abspath(fr.filename)
+        if not path.startswith(skip):
+            return (
+                f"{os.path.relpath(path) if not os.path.relpath(path).startswith('..') else path}:{fr.lineno} "
+                f"in {fr.name}"
+            )
+    return ""
+
+
+class Groups:
+    """Process groups for ring subsets, cached by (offset, size, timeout) and created identically on
+    every rank (new_group is collective over the whole pool)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.cache: dict[tuple, object] = {}
+        # groups that may hold stale messages: kept, never used again
+        self.retired: list[object] = []
+
+    def reset(self) -> None:
+        """Use fresh groups from now on (after a case whose ranks raised mid-ring); the old ones
+        are kept alive rather than destroyed, because destroying a group with ops in flight can
+        block."""
+        self.retired.extend(self.cache.values())
+        self.cache = {}
+
+    def get(self, offset: int, size: int, timeout_s: float):
+        import torch.distributed as dist
+
+        key = (offset, size, round(timeout_s, 3))
+        if key not in self.cache:
+            group = dist.new_group(
+                ranks=list(range(offset, offset + size)),
+                timeout=datetime.timedelta(seconds=timeout_s),
+                backend=self.backend,
+            )
+            # every member has finished building the group before any uses it: without this, a
+            # member that returned from new_group, raised at once (e.g. refused the case) and closed
+            # its pairs (`_close_peers`) could do so while another member was still connecting them,
+            # which then waited forever inside new_group (seen: refusal cases hanging at the
+            # deadline on gloo)
+            if offset <= dist.get_rank() < offset + size:
+                dist.barrier(group=group)
+            self.cache[key] = group
+        return self.cache[key]
+
+
+def pg_timeout(case: case_mod.Case) -> float:
+    """The process-group timeout for a case: well inside its deadline, so ranks fail before the
+    parent's watchdog has to step in."""
+    return max(1.0, min(case.deadline_s * 0.5, case.deadline_s - 2.0))
+
+
+def _split(res):
+    if isinstance(res, (tuple, list)):
+        if len(res) != 2:
+            raise ShapeError(
+                f"implementation returned {len(res)} values; expected out or (out, lse)"
+            )
+        return res[0], res[1]
+    return res, None
+
+
+def _no_phase(phase: str) -> None:
+    """Phase marker when no interposer listens."""
+
+
+def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict):
+    """The forward as `call` makes it, on inputs in `form` (harness.calls); then the backward when
+    the call has one. Returns (out, lse, (dq, dk, dv) or None); `times` gets forward_s and
+    backward_s."""
+
+    def fn(q, k, v):
+        return _split(impl.run(q, k, v, ctx))
+
+    grad = calls.needs_backward(call)
+    mode = torch.inference_mode() if call == "inference-mode" else contextlib.nullcontext()
+    with mode:  # a serving model makes its q, k, v under inference_mode too
+        x = calls.present(form, q, k, v, dout, grad)
+        phase("forward")
+        t0 = time.perf_counter()
+        out, lse = calls.forward(call, fn, x.q, x.k, x.v)
+        times.update(forward_s=time.perf_counter() - t0, backward_s=0.0)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ShapeError(f"output shape {got} != expected {tuple(q.shape)}")
+    if not grad:
+        return out, lse, None
+    if not out.requires_grad:
+        raise RuntimeError(
+            "the output does not require grad: the ring ran no autograd graph (a "
+            "forward-only "
+            "ring? Capabilities(backward=False))"
+        )
+    phase("backward")
+    t1 = time.perf_counter()
+    torch.autograd.backward(out, x.dout)
+    times["backward_s"] = time.perf_counter() - t1
+    grads = []
+    for name, g, t in zip(("q", "k", "v"), x.grads(), (q, k, v), strict=True):
+        if g is None:
+            raise ShapeError(f"implementation produced no gradient for {name}")
+        if tuple(g.shape) != tuple(t.shape):
+            raise ShapeError(f"d{name} shape {tuple(g.shape)} != expected {tuple(t.shape)}")
+        grads.append(g)
+    return out, lse, tuple(grads)
+
+
+def _forward_backward(
+    impl, q, k, v, dout, ctx, phase=_no_phase, call: str = "train", form: str = "contiguous"
+):
+    """One call of the implementation (harness.calls: train, no-grad, checkpoint, ...) on inputs in
+    `form`. Returns (out, lse, grads or None, times); `phase` is told forward / backward / done, so
+    the comm log and fault schedule know which."""
+    times: dict = {}
+    out, lse, grads = _run_call(impl, q, k, v, dout, ctx, call, form, phase, times)
+    phase("done")
+    return out, lse, grads, times
+
+
+def run_on_rank(
+    case: case_mod.Case, impl, group, device: torch.device, leak: bool, phase=_no_phase
+) -> dict:
+    """Run one case on this rank: build shards from the seed, forward + backward, leak run (not
+    under faults: the fault schedule counts the ops of one forward + backward)."""
+    import torch.distributed as dist
+
+    grank = dist.get_rank(group) if group is not None else 0
+    world_size = case.world_size
+    gl = (
+        tuple(dist.get_global_rank(group, r) for r in range(world_size))
+        if group is not None
+        else (0,)
+    )
+    pos_all = tuple(all_positions(case.layout, case.seq_lens))
+    pos = pos_all[grank]
+    t_in = time.perf_counter()
+    q, k, v, dout = (inputs.make(case, n, pos).to(device) for n in inputs.NAMES)
+    t_in = time.perf_counter() - t_in
+    ctx = RunContext(
+        group=group,
+        rank=grank,
+        world_size=world_size,
+        global_ranks=gl,
+        layout=case.layout,
+        lengths=tuple(case.seq_lens),
+        all_positions=pos_all,
+        mask=case.mask,
+        softmax_scale=case.scale,
+        dtype=q.dtype,
+        device=device,
+        seed=case.seed,
+    )
+    out, lse, grads, times = _forward_backward(
+        impl, q, k, v, dout, ctx, phase, case.call, case.inputs
+    )
+    tensors = {"out": out}
+    if grads is not None:
+        tensors.update(zip(("dq", "dk", "dv"), grads, strict=True))
+    if lse is not None:
+        tensors["lse"] = lse
+    t_pack = time.perf_counter()
+    reply = {
+        "tensors": {n: t.detach().cpu() for n, t in tensors.items()},
+        "hashes": {n: tensor_hash(t) for n, t in tensors.items()},
+        "timings": times,
+    }
+    # for the benchmarks' accounting
+    times.update(inputs_s=t_in, pack_s=time.perf_counter() - t_pack)
+    # the leak run reads gradients: a call without a backward has none (its out is judged against
+    # the oracle)
+    if leak and grads is not None and case.mask.kind != "none" and not case.faults:
+        chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
+        dout_s = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
+        _, _, leak_grads, leak_times = _forward_backward(
+            impl,
+            q,
+            k,
+            v,
+            dout_s,
+            ctx,
+            lambda p: phase(p if p == "done" else f"leak-{p}"),
+            case.call,
+            case.inputs,
+        )
+        reply["leak"] = {"dk": leak_grads[1].detach().cpu(), "dv": leak_grads[2].detach().cpu()}
+        times["leak_s"] = leak_times["forward_s"] + leak_times["backward_s"]
+    return reply
+
+
+def comm_budget(case: case_mod.Case) -> float:
+    """Seconds from a case's start by which every communication op must have completed or failed,
+    leaving the rest of the deadline for the error to reach the parent."""
+    return max(0.5, case.deadline_s - max(0.5, min(2.0, 0.1 * case.deadline_s)))
+
+
+def _interposer(
+    case: case_mod.Case, rank: int, msg: RunMessage, workdir: str | None, stage: bool = False
+):
+    """This rank's torch.distributed interposer for the case: op log, faults, short timeouts."""
+
+    def path(name: str) -> str | None:
+        return os.path.join(workdir, f"{name}-{rank}") if workdir else None
+
+    return interpose.Interposer(
+        rank - case.group_offset,
+        schema.parse_faults(case.faults, case.world_size),
+        seed=case.seed,
+        timeout_s=pg_timeout(case),
+        budget_s=comm_budget(case),
+        pending_path=path("pending"),
+        note_path=path("faults"),
+        case_id=msg.get("case_id"),
+        stage=stage,
+    )
+
+
+PEERS_TAG = 0x5EED  # the tag of the receives `_close_peers` times out on purpose (never sent to)
+
+
+def _close_peers(case: case_mod.Case, rank: int, groups: Groups) -> None:
+    """After this rank raised mid-case: end the case on the other ranks at once instead of letting
+    them wait out the backend's timeout. For each peer, a receive on the case's group is posted and
+    timed out after 1 ms; gloo then closes the connection to that peer ("Application timeout caused
+    pair closure"), so whatever the peer waits for from this rank fails immediately ("Connection
+    closed by peer"), and its own error closes its connections in turn. The group is retired either
+    way (the pool builds a fresh one for the next case). NCCL has no such pairs: its ranks end by
+    the group's timeout, which follows the case deadline."""
+    import torch.distributed as dist
+
+    if case.world_size < 2 or not (case.group_offset <= rank < case.group_offset + case.world_size):
+        return
+    try:
+        # only a group this case already made: creating one here (new_group is collective over the
+        # whole pool) when the error came before it would desynchronise the ranks' group creation
+        group = groups.cache.get((case.group_offset, case.world_size, round(pg_timeout(case), 3)))
+        if group is None or dist.get_backend(group) != "gloo":
+            return
+        box = torch.empty(1)
+        for peer in range(case.group_offset, case.group_offset + case.world_size):
+            if peer == rank:
+                continue
+            try:
+                dist.irecv(box, src=peer, group=group, tag=PEERS_TAG).wait(
+                    datetime.timedelta(milliseconds=1)
+                )
+            except RuntimeError:
+                pass  # the timeout we asked for: the pair to `peer` is closed
+    except Exception:  # best effort: the peers still end by the group's timeout
+        pass
+
+
+def handle_case(
+    msg: RunMessage,
+    rank: int,
+    groups: Groups,
+    device: torch.device,
+    impls: dict,
+    workdir: str | None = None,
+    stage: bool = False,
+) -> ResultMessage:
+    """Run one 'run' message on this (global) rank and build the reply; never raises for an
+    implementation's error (that is a result). Shared by the pool worker and the torchrun driver.
+    The case runs inside the fault interposer; the reply carries its op log and fired faults."""
+    case = case_mod.from_dict(msg["case"])
+    reply = ResultMessage(op=RESULT, rank=rank, case_id=msg["case_id"], status=OK)
+    ip = _interposer(case, rank, msg, workdir, stage)
+    try:
+        if msg.get("fresh_group"):
+            groups.reset()
+        group = groups.get(case.group_offset, case.world_size, pg_timeout(case))
+        if not (case.group_offset <= rank < case.group_offset + case.world_size):
+            reply["status"] = IDLE
+            return reply
+        spec = msg["impl"]
+        if spec not in impls:
+            impls[spec] = registry.resolve(spec, allow_import=msg.get("allow_import", False))
+        reply["deterministic"] = bool(getattr(impls[spec], "deterministic", True))
+        # the flash-attn a flash-attn library ran on: cpu-standin, ...
+        kernel = kernel_label(impls[spec])
+        if kernel:
+            reply["kernel"] = kernel
+        with interpose.active(ip):
+            reply.update(
+                run_on_rank(case, impls[spec], group, device, msg.get("leak", True), ip.set_phase)
+            )
+        reply["status"] = OK
+    except ShapeError as e:
+        reply.update(status=DIVERGED, error=_error_text(e), error_time=time.time())
+        _close_peers(case, rank, groups)
+    except Exception as e:  # the implementation's error is a result, not a worker crash
+        reply.update(
+            status=ERROR,
+            error=_error_text(e),
+            error_time=time.time(),
+            where=_callers_frame(e),
+            traceback=traceback.format_exc()[-4000:],
+        )
+        _close_peers(case, rank, groups)
+    reply.update(comm=ip.compact_log(), faults=ip.report())
+    return reply
+
+
+def handle_oracle(msg: OracleMessage, rank: int, device: torch.device) -> OracleResultMessage:
+    """One pass of this rank's share of a case's oracle (float64 and base: its own query rows
+    against every key, or its own keys against every query given every row's statistics) on its own
+    device. Runs outside the fault interposer and uses no process group: faults cannot touch it."""
+    case = case_mod.from_dict(msg["case"])
+    reply = OracleResultMessage(op=ORACLE_RESULT, rank=rank, case_id=msg["case_id"], status=OK)
+    g = rank - case.group_offset
+    if not 0 <= g < case.world_size:
+        reply["status"] = IDLE
+        return reply
+    try:
+        if msg["oracle_pass"] == "rows":
+            reply["parts"] = shares.share_rows(case, g, device)
+        else:
+            reply["parts"] = shares.share_keys(case, g, msg["stats"], device)
+    # e.g. out of memory: reported to the parent, which raises it as the harness's error
+    except Exception as e:
+        reply.update(status=ERROR, error=_error_text(e))
+    return reply

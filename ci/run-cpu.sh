@@ -37,8 +37,9 @@ python3 -m venv .venv && . .venv/bin/activate && pip install -r ci/requirements-
 # `set -e` does not stop inside an && list: check that the line above ended in its virtualenv, installed
 python -c "import sys, harness; assert sys.prefix.endswith('.venv'), sys.prefix"
 
-echo "== lint"
+echo "== lint and format (ruff, 100 columns: pyproject.toml)"
 ruff check .
+ruff format --check .
 echo "== architecture contracts (import-linter, pyproject.toml)"
 lint-imports --no-cache
 

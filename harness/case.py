@@ -1,10 +1,9 @@
-"""Case: everything one run depends on, and its YAML form (safe_load, validated schema).
+"""Case: everything one run depends on, and its YAML form.
 
-Tensors are never stored: every rank rebuilds its shard of Q, K, V and dout from the seed.
-
-A case file holds one case, or a sequence of them (a top-level `sequence:` list). This module reads
-both forms: for a sequence file, `load` gives its last member. The sequence as a type lives in
-`harness.case_sequence`.
+Tensors are never stored: every rank rebuilds its shard of q, k, v and dout from the seed. A case
+file is read with safe_load and checked against a schema. It holds one case, or a sequence of them
+under a top-level `sequence:` list. For a sequence file, `load` gives the last member. The sequence
+as a type lives in `harness.case_sequence`.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ class Case:
 
     @property
     def pool_size(self) -> int:
-        """Ranks the pool needs: the ring group is global ranks [offset, offset + world_size)."""
+        """Ranks the pool needs. The ring group is global ranks [offset, offset + world_size)."""
         return self.group_offset + self.world_size
 
     @property
@@ -118,7 +117,9 @@ class Case:
 
 
 def make_case(total_len: int | None = None, **fields: Any) -> Case:
-    """Case with `seq_lens` from an even split of `total_len` when per-rank lengths aren't given."""
+    """A Case, with `seq_lens` from an even split of `total_len` when per-rank lengths are not
+    given.
+    """
     if total_len is not None:
         if "seq_lens" in fields:
             raise HarnessError("give either total_len or seq_lens, not both")
@@ -144,7 +145,7 @@ def _need(cond: bool, name: str, msg: str) -> None:
 
 
 def validate(c: Case) -> None:
-    """Check every field; raise HarnessError naming the first bad one."""
+    """Check every field, and raise HarnessError naming the first bad one."""
     for name in ("world_size", "batch", "heads_q", "heads_kv", "head_dim"):
         v = getattr(c, name)
         _need(_is_int(v) and v >= 1, name, f"must be a positive integer, got {v!r}")
@@ -211,7 +212,8 @@ def validate(c: Case) -> None:
     _need(
         isinstance(c.faults, tuple), "faults", f"must be a list of fault mappings, got {c.faults!r}"
     )
-    parse_faults(c.faults, c.world_size)  # raises naming the field, e.g. 'faults[1].index'
+    # It raises naming the field, e.g. 'faults[1].index'.
+    parse_faults(c.faults, c.world_size)
     _need(isinstance(c.tolerance, dict), "tolerance", f"must be a mapping, got {c.tolerance!r}")
     for k, v in c.tolerance.items():
         _need(
@@ -251,9 +253,11 @@ EXPECT = ("pass", "reproduce")
 
 
 def to_dict(c: Case) -> dict:
-    """Plain-data form (YAML/JSON friendly); the inverse of `from_dict`. `call` and `inputs` appear
-    only when they are not the plain training call on contiguous inputs, so older cases keep their
-    keys and file names."""
+    """The plain-data form, for YAML and JSON, and the inverse of `from_dict`.
+
+    `call` and `inputs` appear only when they differ from the plain training call on contiguous
+    inputs. Older cases thus keep their keys and file names.
+    """
     d = {
         "format": FORMAT,
         "impl": c.impl,
@@ -285,9 +289,12 @@ LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}
 
 
 def _mask_from_dict(d: Any) -> MaskSpec:
-    """A mask: one of the original kinds (`{kind: causal}`, `{kind: window, window: 3}`, `{kind:
-    document, doc_starts: [...], causal: false}`), or an expression of primitives and and / or / not
-    (ring_impl.masks: `{and: [{kind: causal}, {kind: chunked, size: 8}]}`)."""
+    """A mask: one of the original kinds, or an expression of primitives (ring_impl.masks).
+
+    The original kinds are `{kind: causal}`, `{kind: window, window: 3}` and `{kind: document,
+    doc_starts: [...], causal: false}`. An expression combines primitives with and, or and not, e.g.
+    `{and: [{kind: causal}, {kind: chunked, size: 8}]}`.
+    """
     if not isinstance(d, dict):
         raise HarnessError(f"case field 'mask': must be a mapping like {{kind: causal}}, got {d!r}")
     if d.get("kind", "none") not in MASK_KINDS or not set(d) <= LEGACY_MASK_KEYS:
@@ -323,7 +330,7 @@ def _mask_from_dict(d: Any) -> MaskSpec:
 
 
 def from_dict(d: Any) -> Case:
-    """Validated Case from plain data; raises HarnessError naming the bad field."""
+    """A validated Case from plain data. It raises HarnessError naming the bad field."""
     if not isinstance(d, dict):
         raise HarnessError(f"a case must be a mapping of fields, got {type(d).__name__}")
     unknown = set(d) - FILE_KEYS
@@ -369,13 +376,17 @@ def from_dict(d: Any) -> Case:
         raise HarnessError("case needs 'seq_lens' (per-rank lengths) or 'total_len'")
     try:
         return Case(**fields)
-    except TypeError as e:  # a wrongly typed field that dataclass construction rejects
+    # A wrongly typed field, which the dataclass's construction rejects.
+    except TypeError as e:
         raise HarnessError(f"bad case: {e}") from None
 
 
 def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
-    """Parse YAML text into (Case, the whole mapping). Only safe_load: a case file is data. For a
-    sequence file the Case is its last (failing) member; `is_sequence(mapping)` tells them apart."""
+    """Parse YAML text into (Case, the whole mapping).
+
+    Only safe_load is used: a case file is data. For a sequence file, the Case is its last member,
+    the failing one. `is_sequence(mapping)` tells the two forms apart.
+    """
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -395,7 +406,7 @@ def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
 
 
 def load(path: str | os.PathLike) -> tuple[Case, dict]:
-    """Read a case file: (Case, the whole mapping including any recorded `result`)."""
+    """Read a case file: (Case, the whole mapping, with any recorded `result`)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -407,8 +418,10 @@ def load(path: str | os.PathLike) -> tuple[Case, dict]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """safe_dump, plus str-valued enums (a `Verdict` in a recorded result) written as their plain
-    value."""
+    """safe_dump, plus str-valued enums written as their plain value.
+
+    A `Verdict` in a recorded result is one.
+    """
 
 
 _Dumper.add_multi_representer(enum.Enum, lambda d, v: d.represent_data(v.value))
@@ -442,7 +455,7 @@ def save(
     note: str | None = None,
     expect: str | None = None,
 ) -> Path:
-    """Atomic write (temp file + fsync + rename): a crash never leaves a half-written case."""
+    """Write a case file atomically: a crash never leaves a half-written case."""
     return write_atomic(Path(path), dumps(c, result=result, note=note, expect=expect))
 
 
@@ -455,7 +468,8 @@ def write_atomic(p: Path, text: str) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a case file is shared data
+        # mkstemp makes 0600, but a case file is shared data.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
@@ -472,12 +486,15 @@ STEP_KEYS = (FILE_KEYS - {"expect", "note"}) | {"leak_check"}
 
 
 def is_sequence(data: Any) -> bool:
-    """Whether a loaded mapping is a sequence case file (a top-level `sequence:` list)."""
+    """Whether a loaded mapping is a sequence case file, with a top-level `sequence:` list."""
     return isinstance(data, dict) and "sequence" in data
 
 
 def recorded_result(data: dict) -> dict:
-    """The recorded `result:` of a loaded case or sequence file (the last member's), or {}."""
+    """The recorded `result:` of a loaded case or sequence file, or {}.
+
+    For a sequence file it is the last member's.
+    """
     if is_sequence(data):
         seq = data.get("sequence") or [{}]
         return (seq[-1] if isinstance(seq[-1], dict) else {}).get("result") or {}
@@ -485,8 +502,11 @@ def recorded_result(data: dict) -> dict:
 
 
 def sequence_members(d: Any) -> list[tuple[Case, bool]]:
-    """A sequence file's members, validated: (case, whether its run included the leak run) each.
-    Raises HarnessError naming the bad member and field."""
+    """A sequence file's members, validated.
+
+    Each is a pair: the case, and whether its run included the leak run. A bad member raises
+    HarnessError naming the member and the field.
+    """
     if not isinstance(d, dict):
         raise HarnessError(f"a sequence case must be a mapping, got {type(d).__name__}")
     unknown = set(d) - SEQUENCE_KEYS

@@ -1,8 +1,8 @@
 """The adapter protocol: what an implementation receives (RunContext) and declares (Capabilities).
 
-An implementation is an `Impl`: a plain function `run(q, k, v, ctx)` returning the local output
-shard, or `(out, lse)`, plus its declared capabilities. The harness calls backward through
-autograd with the local dout and reads q/k/v `.grad`.
+An implementation is an `Impl`: a plain function `run(q, k, v, ctx)` and its declared capabilities.
+`run` returns the local output shard, or `(out, lse)`. The harness calls backward through autograd
+with the local dout, and reads the `.grad` of q, k and v.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from ring_impl.masks import MASK_FEATURES, MASK_KINDS, MaskSpec
 class RunContext:
     """Everything an adapter may need to know about one run on one rank.
 
-    q/k/v shards are (batch, seq_local, heads, head_dim). `rank`/`world_size` are ranks in `group`;
-    `global_ranks[r]` is the global rank of group rank r (use it for P2P peers).
-    `all_positions[r]` are the global token positions held by group rank r, in local order.
+    The q, k and v shards are (batch, seq_local, heads, head_dim). `rank` and `world_size` are ranks
+    in `group`. `global_ranks[r]` is the global rank of group rank r: use it for P2P peers.
+    `all_positions[r]` are the global token positions that group rank r holds, in local order.
     """
 
     group: Any  # torch.distributed.ProcessGroup (None only in single-process unit tests)
@@ -62,7 +62,7 @@ BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What an implementation declares it supports; property-based runs draw only from this."""
+    """What an implementation declares it supports. Property-based runs draw only from this."""
 
     layouts: frozenset[str] = frozenset(LAYOUTS)
     masks: frozenset[str] = frozenset(MASK_KINDS)
@@ -71,15 +71,18 @@ class Capabilities:
     uneven: bool = True
     world_sizes: tuple[int, int] = (1, 8)  # inclusive range
     backward: bool = True
-    devices: frozenset[str] = frozenset(DEVICES)  # where the ring's tensors may live: cpu, cuda
+    # where the ring's tensors may live: cpu, cuda
+    devices: frozenset[str] = frozenset(DEVICES)
     returns_lse: bool = False
     head_dims: tuple[int, ...] | None = None  # None: any head_dim
-    subgroups: bool = True  # False: the ring must be the whole world (global ranks 0..W-1)
+    # False: the ring must be the whole world, global ranks 0..W-1
+    subgroups: bool = True
     # False: in the zigzag layout every local length must be even (two equal chunks per rank)
     zigzag_odd: bool = True
     # True: heads_q and heads_kv must be multiples of W (Ulysses head split)
     heads_divisible_by_world: bool = False
-    idle_ranks: bool = False  # True: a rank may hold no token at all (seq_lens with zeros, not all)
+    # True: a rank may hold no token at all (some seq_lens are zero, never all)
+    idle_ranks: bool = False
     # the kernel's tile sizes in tokens: the scale stage aims at their edges
     tiles: tuple[int, ...] = DEFAULT_TILES
     # the forms q, k, v, dout may come in (harness.calls)
@@ -88,9 +91,11 @@ class Capabilities:
     backends: InitVar[Iterable[str] | None] = None
 
     def __post_init__(self, backends: Iterable[str] | None) -> None:
-        """Check every field and normalise it (any iterable of names -> frozenset; head_dims and
-        tiles -> sorted tuples); a wrong one raises ImplError naming the field, so a declaration
-        mistake is exit 2, never a run."""
+        """Check every field and normalise it.
+
+        Any iterable of names becomes a frozenset, and head_dims and tiles become sorted tuples. A
+        wrong field raises ImplError naming it. A declaration mistake is thus exit 2, never a run.
+        """
         if backends is not None:
             names = _names("backends", backends, tuple(BACKEND_DEVICES))
             object.__setattr__(self, "devices", frozenset(BACKEND_DEVICES[n] for n in names))
@@ -165,8 +170,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _names(field_name: str, value: Any, known: tuple[str, ...]) -> frozenset[str]:
-    """An iterable of known names (a set, tuple, list, ...) as a frozenset; one ImplError line
-    otherwise."""
+    """Any iterable of known names (set, tuple, list) as a frozenset, else one ImplError line."""
     if isinstance(value, str) or not isinstance(value, Iterable):
         raise ImplError(
             f"Capabilities.{field_name}: expected a collection of names, e.g. "
@@ -185,8 +189,7 @@ def _names(field_name: str, value: Any, known: tuple[str, ...]) -> frozenset[str
 
 
 def _ints(field_name: str, value: Any, example: str, hi: int) -> tuple[int, ...]:
-    """Positive integers (one, or any collection of them) as a sorted tuple; one ImplError line
-    otherwise."""
+    """Positive integers, one or a collection, as a sorted tuple, else one ImplError line."""
     items = (value,) if _is_int(value) else value
     items = None if isinstance(items, str) or not isinstance(items, Iterable) else list(items)
     if not items or not all(_is_int(x) and 1 <= x <= hi for x in items):
@@ -203,8 +206,8 @@ RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RunContext], Any]
 class Impl:
     """A named implementation: `run(q, k, v, ctx) -> out | (out, lse)` and its capabilities.
 
-    lse, when returned, is float32 (batch, heads_q, seq_local) in natural log.
-    `deterministic` means bit-identical outputs for identical inputs (replay compares hashes).
+    The lse, when returned, is float32 (batch, heads_q, seq_local) in natural log. `deterministic`
+    means bit-identical outputs for identical inputs. Replay compares hashes when it holds.
     """
 
     name: str

@@ -1,18 +1,8 @@
-"""Every exception the harness raises itself, in one hierarchy (imports nothing).
+"""Every exception the harness raises itself, in one hierarchy. It imports nothing.
 
-    RingHarnessError                      anything the harness raises on purpose
-    ├── HarnessError (ValueError)         bad input: the CLI prints one line and exits 2
-    │   └── ImplError                     an implementation cannot be resolved or cannot run as asked
-    │       └── MissingDependency         a built-in adapter's third-party library is not installed
-    ├── PoolError (RuntimeError)          the ranks could not start
-    ├── CommError (RuntimeError)          a communication op failed or timed out inside a rank
-    ├── ShapeError (RuntimeError)         an implementation returned a tensor of the wrong shape
-    └── Interrupted                       SIGINT or SIGTERM asked to stop (raised at a safe point, harness.interrupt)
-
-`except RingHarnessError` catches all of them; the built-in bases are kept so that code catching
-`ValueError` (bad input) or `RuntimeError` (a run went wrong) keeps working. Errors from the
-implementations under test are not wrapped: they are what the harness observes, not what it
-raises.
+`except RingHarnessError` catches all of them. Each keeps a built-in base, ValueError for bad input
+or RuntimeError for a run gone wrong, so older handlers keep working. Errors from the
+implementations under test are not wrapped. docs/api.md draws the tree.
 """
 
 from __future__ import annotations
@@ -30,24 +20,30 @@ __all__ = [
 
 
 class RingHarnessError(Exception):
-    """The root: every exception the harness raises itself (never one raised by an
-    implementation)."""
+    """The root: every exception the harness raises itself, never one an implementation raised."""
 
 
 class HarnessError(RingHarnessError, ValueError):
-    """Bad input (case file, option, implementation name): the message names the problem on one
-    line; the CLI prints it and exits 2."""
+    """Bad input: a case file, an option, an implementation name.
+
+    The message names the problem on one line. The CLI prints it and exits 2.
+    """
 
 
 class ImplError(HarnessError):
-    """An implementation cannot be resolved (unknown name, refused import, broken entry point) or
-    cannot run as asked (outside its declared capabilities, unsupported library version); the
-    message is one line. Raised inside a rank it makes the run a fail-stop."""
+    """An implementation cannot be resolved, or cannot run as asked. The message is one line.
+
+    It cannot be resolved for an unknown name, a refused import or a broken entry point. It cannot
+    run as asked outside its declared capabilities, or with an unsupported library version. Raised
+    inside a rank, it makes the run a fail-stop.
+    """
 
 
 class MissingDependency(ImplError):
-    """A built-in adapter's third-party library is not installed (or failed to import); the message
-    names the optional extra to install."""
+    """A built-in adapter's third-party library is not installed, or failed to import.
+
+    The message names the optional extra to install.
+    """
 
 
 class PoolError(RingHarnessError, RuntimeError):
@@ -55,18 +51,24 @@ class PoolError(RingHarnessError, RuntimeError):
 
 
 class CommError(RingHarnessError, RuntimeError):
-    """A communication op failed or timed out inside a rank (fault interposition); the message names
-    the op, the peer and the phase."""
+    """A communication op failed or timed out inside a rank, under fault interposition.
+
+    The message names the op, the peer and the phase.
+    """
 
 
 class ShapeError(RingHarnessError, RuntimeError):
-    """An implementation returned an output or gradient of the wrong shape (verdict: diverged)."""
+    """An implementation returned an output or gradient of the wrong shape. The
+    verdict is diverged.
+    """
 
 
 class Interrupted(RingHarnessError):
-    """SIGINT or SIGTERM asked to stop; raised at a safe point (a wait of the rank pool), never from
-    inside a signal handler (harness.interrupt). `signal` names it; the command line exits 128 + its
-    number."""
+    """SIGINT or SIGTERM asked to stop.
+
+    It is raised at a safe point, a wait of the rank pool, never from inside a signal handler
+    (harness.interrupt). `signal` names the signal, and the command line exits 128 + its number.
+    """
 
     def __init__(self, signal: str, where: str = "") -> None:
         super().__init__(f"interrupted by {signal}" + (f" ({where})" if where else ""))

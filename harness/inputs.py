@@ -1,8 +1,9 @@
-"""Deterministic tensors from a case's seed, built per token so a rank makes only its own shard.
+"""Deterministic tensors from a case's seed, built per token so that a rank makes only its own
+shard.
 
-Values for token block b of tensor `name` come from a generator seeded by (seed, name, b), so the
-parent's global tensors and each rank's shard agree bit for bit, and no rank ever materialises
-the global Q, K, V or dout.
+The values for token block b of tensor `name` come from a generator seeded by (seed, name, b). So
+the parent's global tensors and each rank's shard agree bit for bit. No rank ever materialises the
+global q, k, v or dout.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def make(case: Case, name: str, positions: torch.Tensor) -> torch.Tensor:
 
 
 def outlier_channels(head_dim: int) -> slice:
-    """The channels that carry outliers (the last ones: fixed, so every rank and the oracle
-    agree)."""
+    """The channels that carry outliers: the last ones, fixed so that every rank and the oracle
+    agree.
+    """
     n = max(1, head_dim // OUTLIER_SHARE)
     return slice(head_dim - n, head_dim)
 
@@ -82,9 +84,11 @@ def _outliers(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -
 
 
 def overflow_shift(case: Case) -> float:
-    """The constant each of q and k holds in its last channel: its square passes fp16's largest
-    value, and times the softmax scale stays below half of it (a large scale or a tiny head_dim
-    lowers the product)."""
+    """The constant that q and k each hold in their last channel.
+
+    Its square passes fp16's largest value. Times the softmax scale, it stays below half of it. A
+    large scale or a tiny head_dim lowers the product.
+    """
     return min(OVERFLOW_PRODUCT, 0.5 * FP16_MAX / case.scale) ** 0.5
 
 
@@ -95,9 +99,11 @@ def _qk_overflow(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor
 
 
 def _sink(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Every query leans along one direction u (the last channel); the first token's key is u
-    grown until its logit is SINK_LOGIT above the others; its value shrinks to SINK_VALUE of the
-    others'."""
+    """Make the first token an attention sink.
+
+    Every query leans along one direction u, the last channel. The first token's key is u, grown
+    until its logit is SINK_LOGIT above the others. Its value shrinks to SINK_VALUE of the others'.
+    """
     first = positions == 0
     if name == "q":
         x[..., -1] = 1.0  # one unit along u
@@ -118,17 +124,19 @@ FLASH_BASE_VALUES = ("qk-overflow",)
 
 
 def make_global(case: Case) -> dict[str, torch.Tensor]:
-    """All four global tensors (used by the parent's oracle)."""
+    """All four global tensors, for the parent's oracle."""
     pos = torch.arange(case.total_len, dtype=torch.long)
     return {n: make(case, n, pos) for n in NAMES}
 
 
 def leak_queries(case: Case) -> torch.Tensor:
-    """Query positions S for the causality-leak check: one or two short random runs of tokens, and a
-    third beyond the dtype's exact integers when the sequence passes them (where a position computed
-    in the input dtype rounds: a query there that sees a future key leaks).
+    """Query positions S for the causality-leak check.
 
-    Short runs make most keys invisible under causal/window/document masks, so a leak shows.
+    They are one or two short random runs of tokens. A third run lies beyond the dtype's exact
+    integers when the sequence passes them. There, a position computed in the input dtype rounds,
+    and a query that sees a future key leaks.
+
+    Short runs make most keys invisible under causal, window and document masks, so a leak shows.
     """
     n = case.total_len
     gen = torch.Generator().manual_seed(_block_seed(case.seed, "dout", 2**31))
@@ -138,7 +146,8 @@ def leak_queries(case: Case) -> torch.Tensor:
         length = int(torch.randint(1, 4, (1,), generator=gen))
         picks.append(torch.arange(start, min(n, start + length)))
     exact = EXACT_INTEGERS[case.dtype]
-    if n > exact + 4:  # drawn after the runs above, so cases within the exact integers keep theirs
+    # Drawn after the runs above, so cases within the exact integers keep theirs.
+    if n > exact + 4:
         start = int(torch.randint(exact, n - 3, (1,), generator=gen))
         picks.append(torch.arange(start, start + 3))
     return torch.unique(torch.cat(picks))

@@ -1,13 +1,9 @@
-"""Run one case end to end: the ranks compute, then the oracle, then judging gives exactly one
-verdict.
+"""Run one case end to end: the ranks compute, then the oracle, then judging gives one verdict.
 
-The oracle's outputs come from the cache, or are computed as `harness.oracle.mode` says: by the
-ranks after their run (the default), or by this process while the ranks run. They are passed to
-`harness.judging.verdicts.judge` as arguments.
-
-This is the one step every check, search and diagnosis goes through: case -> ranks -> judging ->
-`CaseResult`. A case with benign faults first runs fault-free (cached), so judging can demand that
-the faults left the results bit-identical.
+Every check, search and diagnosis goes through this step: case -> ranks -> judging -> `CaseResult`.
+The oracle's outputs come from the cache, or from whoever `harness.oracle.mode` names. They reach
+`harness.judging.verdicts.judge` as arguments. A case with benign faults first runs fault-free, so
+judging can demand that the faults left the results bit-identical.
 """
 
 from __future__ import annotations
@@ -30,8 +26,10 @@ if TYPE_CHECKING:
 
 
 def ring_completed(case: Case, reply) -> bool:
-    """Every rank of the case's ring returned its tensors (so the case will be judged against the
-    oracle)."""
+    """Whether every rank of the case's ring returned its tensors.
+
+    Such a case is judged against the oracle.
+    """
     if reply.hung or reply.dead:
         return False
     ring = range(case.group_offset, case.group_offset + case.world_size)
@@ -44,9 +42,11 @@ _BASELINES_MAX = 64
 
 @functools.lru_cache(maxsize=64)
 def needs_whole_world(impl: str) -> bool:
-    """True for implementations that declare they cannot run inside a subgroup (their ring must be
-    global ranks 0..W-1, so the pool is sized exactly W). Unresolvable names say False: the worker
-    reports the real error."""
+    """Whether an implementation declares that it cannot run inside a subgroup.
+
+    Its ring must then be global ranks 0..W-1, so the pool is sized exactly W. A name that does not
+    resolve says False, and the worker reports the real error.
+    """
     from harness.impls import registry
 
     try:
@@ -56,8 +56,10 @@ def needs_whole_world(impl: str) -> bool:
 
 
 def baseline_for(case: Case, pool: Pool, impl: str, allow_import: bool = False) -> dict | None:
-    """The fault-free run of a case whose faults must not change results: {verdict, hashes};
-    cached."""
+    """The cached fault-free run of a case whose faults must not change results.
+
+    It is {verdict, hashes}, or None when the faults may change the results.
+    """
     if not case.faults or case_expected(case) != Verdict.PASS:
         return None
     plain = case.replace(faults=())
@@ -80,9 +82,12 @@ LARGE_CASE_TOKENS = 8192
 
 
 def check_memory(case: Case, mode: str | None = None) -> None:
-    """Refuse, before any rank starts, a case this machine cannot hold (issue #21): one line with
-    the estimate (ranks with tiled blocks and their oracle shares, or the parent's whole oracle
-    under `local`) instead of a rank killed mid-run."""
+    """Refuse a case this machine cannot hold, before any rank starts.
+
+    The refusal is one line with the estimate, instead of a rank killed mid-run. The estimate counts
+    the ranks with tiled blocks and their oracle shares. Under `local`, it counts the parent's whole
+    oracle instead. docs/long-sequences.md has the figures.
+    """
     if case.total_len < LARGE_CASE_TOKENS:
         return
     from harness.errors import HarnessError
@@ -102,9 +107,13 @@ def run_case(
     leak: bool = True,
     keep_shards: bool = False,
 ) -> CaseResult:
-    """Run `case` on the pool (implementation `impl` or the case's own) and judge it; with
-    `keep_shards` the result also holds every rank's output tensors (for localisation probes). The
-    oracle is computed as `harness.oracle.mode` says (default: by the ranks, after their run)."""
+    """Run `case` on the pool and judge it.
+
+    `impl` names the implementation, by default the case's own. With `keep_shards`, the result also
+    holds every rank's output tensors, for the localisation probes. `harness.oracle.mode` says who
+    computes the oracle. By default the ranks do, after their run. Under `--oracle local`, this
+    process does, while the ranks run.
+    """
     name = impl or case.impl
     mode = current_mode()
     check_memory(case, mode)
@@ -120,7 +129,8 @@ def run_case(
     pair: Pair | None = None
     try:
         if mode == "local":
-            pair = cache.outputs(case)  # the oracle overlaps with the ranks' work
+            # The oracle overlaps with the ranks' work.
+            pair = cache.outputs(case)
             oracle_s = time.perf_counter() - t0
         reply = pool.collect(ticket)
         t_collect = time.perf_counter()

@@ -93,7 +93,7 @@ class Sampler:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--world", dest="world_size", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bf16")

@@ -390,7 +390,7 @@ def _mask_rows(fig: Figure, long_spec: dict, total: int, causal: list[dict]) -> 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="harness.bench.memory")
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--world", dest="world_size", type=int, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--spec", required=True)
     p.add_argument("--parent", type=int, required=True)

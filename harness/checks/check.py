@@ -1,11 +1,8 @@
 """The default check: `Check` runs one preflight case, then the stages in order.
 
-`ring-harness check` and `ring-harness selftest` share it. The stages (harness.checks.stages):
-the growth check, the fixed battery (then probes of undeclared features and the capability
-matrix), the scale stage, the buffer-discipline fault stage and the property-based run. `--shape`
-runs the shape stage alone. `stop_at_first_failure` ends the check at the first failing case that
-`accept` takes: selftest accepts only failures that reproduce bit for bit. A failure it refuses is
-recorded and the check goes on. The summary lines: harness.checks.summary.
+`ring-harness check` and `ring-harness selftest` share it. Each stage is one module of
+harness.checks.stages. `--shape` runs the shape stage alone. The summary lines come from
+harness.checks.summary. docs/check.md walks through the stages.
 """
 
 from __future__ import annotations
@@ -68,8 +65,12 @@ def placement_text(pool: object) -> str:
 class Check:
     """One run of the default check of `opts.impl` on `pool`: its state, and one method per step.
 
-    Results go into `outcome` as they come, so a caller interrupted mid-check still holds what
+    Results go into `outcome` as they come. A caller interrupted mid-check still holds what
     finished. Failing cases are saved under opts.save_dir as they happen.
+
+    `stop_at_first_failure` ends the check at the first failing case that `accept` takes. Selftest
+    accepts only failures that reproduce bit for bit. A failure it refuses is recorded, and the
+    check goes on.
     """
 
     def __init__(
@@ -102,7 +103,10 @@ class Check:
         return time.perf_counter() - self.start - self.paused
 
     def run(self) -> CheckOutcome:
-        """The preflight case, then the stages in order (or the shape stage alone); the outcome."""
+        """Run the preflight case, then the stages in order, and return the outcome.
+
+        With --shape, the shape stage runs alone.
+        """
         opts, pool = self.opts, self.pool
         if not self.resolved.declared:
             self.reporter(f"note: {opts.impl} {BARE_FUNCTION_NOTE}")
@@ -127,12 +131,12 @@ class Check:
         return self.finish()
 
     def preflight(self) -> CaseResult | None:
-        """One small declared case before any stage.
+        """Run one small declared case before any stage.
 
-        An implementation whose adapter is broken is bad input: it raises on every rank before
-        communicating, or returns the wrong shape. That is one line and exit 2, not a ring that
-        fails every case (harness.judging.verdicts.adapter_error). A preflight case that hung cost
-        its deadline: it counts toward --max-hangs.
+        A broken adapter is bad input. It raises on every rank before communicating, or it returns
+        the wrong shape. The check then stops with one line and exit 2, rather than report a ring
+        that fails every case (harness.judging.verdicts.adapter_error). A preflight case that hung
+        cost its deadline, so it counts toward --max-hangs.
         """
         opts = self.opts
         c = adapt(self.caps, make_case(impl=opts.impl, **PREFLIGHT))
@@ -159,7 +163,10 @@ class Check:
         minimal: CaseResult | None = None,
         grown: GrowthCase | None = None,
     ) -> bool:
-        """Record a failure. `accept` judges the minimal one when there is one. True: stop here."""
+        """Record a failure, and say whether the check stops here.
+
+        `accept` judges the minimal failure when there is one.
+        """
         outcome, opts = self.outcome, self.opts
         seconds, t0 = self.elapsed(), time.perf_counter()
         ok = self.accept is None or self.accept(minimal or r)
@@ -188,12 +195,12 @@ class Check:
         again: CaseResult | None = None,
         features: tuple[str, ...] = (),
     ) -> None:
-        """One saved file per distinct failure (its first case), confirmed on fresh ranks first.
+        """Save one file per distinct failure (its first case), confirmed on fresh ranks first.
 
-        One that does not reproduce there is history-dependent, and saved as the sequence of cases
-        that does (harness.search.history). `again`: the repeat check's second run of the case.
-        `features`: the undeclared features of a probe. Its finding is grouped with its features, in
-        outcome.finding_files.
+        A failure that does not reproduce there is history-dependent. It is saved as the sequence of
+        cases that does reproduce it (harness.search.history). `again` is the repeat check's second
+        run of the case. `features` are a probe's undeclared features. A probe's finding is grouped
+        with them, in outcome.finding_files.
         """
         sig = (*sorted(features), *failure_signature(r))
         table, what = self.outcome.distinct, "failure"
@@ -214,14 +221,15 @@ class Check:
             return
         # The repeat check's failing run is the second one.
         path = self._save_confirmed(again if repeat else r, sig, note, leak=not repeat)
-        self.paused += time.perf_counter() - t0  # the confirmation is not the check's own time
+        # The confirmation is not the check's own time.
+        self.paused += time.perf_counter() - t0
         table[sig] = [path, 1]
         self.reporter(f"        {'finding ' if features else ''}saved {path}")
 
     def _save_bits_only(self, r: CaseResult, note: str | None) -> Path:
-        """Save a repeat-check failure whose second run differs only in bits and passes on its own.
+        """Save a repeat-check failure whose second run differs only in bits and passes alone.
 
-        There is no failing run to reproduce: replaying the case alone does not show the divergence.
+        No failing run exists to reproduce. Replaying the case alone does not show the divergence.
         """
         text = "\n".join(
             filter(
@@ -255,8 +263,10 @@ class Check:
                 backend=pool.backend,
                 note=note or "",
             )
-        rec = found.reproducer  # the fresh run when it confirmed the failure
-        loc = localise.localise(rec, pool)  # where the errors are, as a property-based failure's
+        # The fresh run, when it confirmed the failure.
+        rec = found.reproducer
+        # Where the errors are, as for a property-based failure.
+        loc = localise.localise(rec, pool)
         for line in localise.lines(loc):
             self.reporter(line)
         text = note or f"{rec.verdict}: {rec.case.summary()}\n{rec.detail}"
@@ -270,7 +280,8 @@ class Check:
     def stop(self, why: str, *, lap: bool = True) -> bool:
         """End the check after the running stage, with `why` as its `stopped` text.
 
-        It returns True, for the stage to return. lap=False: the stage's wall time is not recorded.
+        It returns True, which the stage returns in turn. With lap=False, the stage's wall time is
+        not recorded.
         """
         if lap:
             self.lap(self.stage)
@@ -285,7 +296,7 @@ class Check:
         self.mark = now
 
     def finish(self, why: str = "") -> CheckOutcome:
-        """The outcome, with why the check stopped early (if it did) and its time."""
+        """The outcome, with its time and why the check stopped early, if it did."""
         outcome, max_hangs = self.outcome, self.opts.max_hangs
         if why and max_hangs and outcome.hangs >= max_hangs:
             why += (
@@ -325,7 +336,7 @@ def pool_size(opts: CheckOptions, caps: Capabilities) -> int:
 
 
 def _run_on(pool, opts: CheckOptions, out: Reporter, res: CheckOutcome) -> None:
-    """Start the ranks and run the check into `res`; a stop request ends it with what ran."""
+    """Start the ranks and run the check into `res`. A stop request ends it with what ran."""
     t0 = time.perf_counter()
     try:
         # Start the local pool's ranks now, so their start is not a stage's time.
@@ -353,8 +364,8 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     """The default check as a library call.
 
     It opens the ranks (`opts.launcher`), runs `run_check`, prints the summary and writes
-    `opts.json`. Under torchrun, non-zero ranks return an empty outcome once rank 0 is done.
-    `outcome.passed` is the verdict. The command line exits 1 when it is False.
+    `opts.json`. Under torchrun, ranks other than 0 return an empty outcome once rank 0 is done.
+    `outcome.passed` is the verdict, and the command line exits 1 when it is False.
     """
     from harness.ranks.launch import open_pool
 
@@ -363,7 +374,8 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     caps = registry.resolve(opts.impl, allow_import=opts.allow_import).capabilities
     size = pool_size(opts, caps)
     with open_pool(opts.launcher, opts.backend, size, opts.placement) as pool:
-        if pool is None:  # a torchrun follower rank: rank 0 reports
+        # A torchrun follower rank: rank 0 reports.
+        if pool is None:
             return CheckOutcome(impl=opts.impl, follower=True)
         # torchrun started fewer processes than the battery's main ring needs.
         if opts.world_size > pool.size:

@@ -1,6 +1,6 @@
 """Options of every check, as dataclasses holding each default once.
 
-The command line builds these (harness/commands/ is argparse and nothing else); Python callers
+The command line builds these, since harness/commands/ is argparse and nothing else. Python callers
 build them directly: `harness.check(CheckOptions(impl="mypkg.attn:my_ring", max_examples=50))`.
 `validate()` rejects a bad value with one `HarnessError` line naming the option.
 """
@@ -27,7 +27,7 @@ FAULT_BATTERY_PER_KIND = 4
 
 
 def default(cls: type, name: str):
-    """The default of option `name` of an options dataclass (for help texts)."""
+    """The default of option `name` of an options dataclass, for help texts."""
     f = cls.__dataclass_fields__[name]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
@@ -39,8 +39,11 @@ def parse_kinds(
     default_kinds: tuple[str, ...],
     allow_all: bool = False,
 ) -> tuple[str, ...]:
-    """A comma list (or tuple) of fault kinds -> kinds in canonical order; 'none' -> (); 'all' ->
-    every allowed kind (when `allow_all`); one clear error otherwise."""
+    """A comma list or tuple of fault kinds -> the kinds in canonical order.
+
+    'none' gives (). 'all' gives every allowed kind, when `allow_all`. Anything else is one clear
+    error.
+    """
     if text is None:
         return default_kinds
     names = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
@@ -113,10 +116,12 @@ def _check_oracle(oracle: str) -> None:
 class CheckOptions:
     """The default check (`ring-harness check`): fixed battery, fault stage, property-based run."""
 
-    impl: str = "reference"  # a built-in name, an installed entry point, or package.module:attr
+    # a built-in name, an installed entry point, or package.module:attr
+    impl: str = "reference"
     world_size: int = 4  # main ring size of the battery
     dtype: str | None = None  # run every case in this dtype
-    deadline: float | None = None  # per-case deadline, seconds (None: each case's own, 60 s)
+    # per-case deadline, seconds (None: each case's own, 60 s)
+    deadline: float | None = None
     save_dir: str = "ring-harness-failures"  # failing cases are written here as YAML
     json: str | None = None  # machine-readable results
     # gloo for the local pool; nccl under torchrun when CUDA is available
@@ -127,13 +132,17 @@ class CheckOptions:
     profile: str = "ci"
     # property-based examples (0: battery only; None: the profile's)
     max_examples: int | None = None
-    time_budget: float | None = None  # seconds of property-based search (None: the profile's)
-    seed: int | None = None  # hypothesis seed (None: 0 for ci, random and printed for nightly)
-    plot: str | None = None  # write error heatmaps (PNG) of failing cases here (needs matplotlib)
+    # seconds of property-based search (None: the profile's)
+    time_budget: float | None = None
+    # hypothesis seed (None: 0 for ci, random and printed for nightly)
+    seed: int | None = None
+    # write error heatmaps (PNG) of failing cases here (needs matplotlib)
+    plot: str | None = None
     # benign faults on every rank and op, both phases
     fault_stage: tuple[str, ...] = FAULT_STAGE_DEFAULT
     fault_deadline: float = 8.0  # per-case deadline of the fault stage
-    maxfail: int | None = None  # stop after this many failing cases, as pytest's --maxfail (-x: 1)
+    # stop after this many failing cases, as pytest's --maxfail (-x: 1)
+    maxfail: int | None = None
     # stop after this many hanging cases (each waits out its deadline); 0: no limit
     max_hangs: int = 3
     # run each battery case twice on the same ranks: bit-identical (the "repeat" check)
@@ -209,8 +218,7 @@ class CheckOptions:
 
 @dataclass(frozen=True)
 class FaultBatteryOptions:
-    """The fault battery (`ring-harness check --faults KINDS`): many small cases, one fault kind
-    each."""
+    """The fault battery (`ring-harness check --faults KINDS`): small cases, one fault kind each."""
 
     impl: str = "reference"
     kinds: tuple[str, ...] = KINDS  # fault kinds, in turn
@@ -287,14 +295,15 @@ class ReplayOptions:
 
 @dataclass(frozen=True)
 class SelftestOptions:
-    """`ring-harness selftest`: the default check against every mutant (kill matrix) and the
-    reference."""
+    """`ring-harness selftest`: the default check on every mutant and the reference."""
 
     # these mutants only (bare names; 'reference' is the control)
     only: tuple[str, ...] | None = None
-    false_alarm_cases: int | None = None  # property-based examples for the reference, no time limit
+    # property-based examples for the reference, no time limit
+    false_alarm_cases: int | None = None
     save_dir: str = "ring-harness-selftest"  # per-mutant check logs and found cases
-    corpus: str | None = None  # write each mutant's minimal case here as mutant-NAME.yaml
+    # write each mutant's minimal case here as mutant-NAME.yaml
+    corpus: str | None = None
     json: str | None = None
     # what every mutant gets: check's defaults
     check: CheckOptions = field(default_factory=CheckOptions)

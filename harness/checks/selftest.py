@@ -1,31 +1,9 @@
-"""`ring-harness selftest`: would the default check have caught these bugs? Run it against every
-mutant of the reference ring (ring_impl.mutants, one real, publicly reported bug class each) and
-against the reference itself, and report a kill matrix.
+"""`ring-harness selftest`: would the default check have caught these bugs?
 
-Each mutant gets exactly what a user gets: `check`'s own default options (growth check, fixed
-battery, fault stage, property-based run with the ci budget), through the same `run_check`, stopped
-at the first failure. A failure counts as the kill only if it reproduces bit for bit on two re-runs
-and once under perturbed timing (a data race, e.g. reading a receive buffer before waiting on plain
-gloo, fails with different numbers from run to run; it is reported, and the check goes on to a
-deterministic failure); the time to kill does not count those re-runs. The kill is shrunk (by
-hypothesis for a property-based failure, by `harness.shrink` for a fixed case, each smaller
-candidate also reproducing bit for bit), confirmed once more, run on the reference (which must
-pass), and saved as `mutant-NAME.yaml`, a regression case for the `cases/` corpus. A growth-check
-kill (an error that grows with the ring size: no single case fails) has no case to shrink; its
-witness is the growth figure, and its worst ring size's run must reproduce bit for bit. Its op log
-is compared with the reference's on the same case ("comm count": a ring of W ranks makes W - 1 K/V
-hops in forward).
-
-The other side is false alarms: the reference runs through the same pipeline, with
-`--false-alarm-cases N` property-based examples, and must not fail once; the worst error ratio
-(error / allowed) of its passing cases is reported per dtype and tensor.
-
-Equivalent mutants: a mutant no valid input can distinguish from the reference cannot be killed.
-None is expected (each mutant's docstring says where it shows). One may be declared only in
-EQUIVALENT, with the written argument why no input distinguishes it; it is still run and reported,
-never silently skipped, and a kill of a declared-equivalent mutant is reported as a contradiction.
-None is declared: every mutant of the zoo has a witness, its `cases/mutant-NAME.yaml`, a valid case
-on which it and the reference differ (the corpus test replays both sides).
+It runs the check against every mutant of the reference ring (ring_impl.mutants), and against the
+reference itself. Each mutant is one real, publicly reported bug class. The result is a kill matrix.
+A kill must reproduce bit for bit, and the reference must not fail once. docs/check.md says what a
+kill must show, and how the false alarms and equivalent mutants are handled.
 """
 
 from __future__ import annotations
@@ -56,14 +34,17 @@ from harness.search import history
 from harness.search.fuzz import PROFILES, impl_info
 from harness.search.shrink import shrink
 
-SHRINK_DEADLINE_S = 20.0  # a shrinking candidate that hangs costs at most this
+# A shrinking candidate that hangs costs at most this.
+SHRINK_DEADLINE_S = 20.0
 # extra runs a failure must reproduce bit for bit in to count (a race rarely does twice)
 REPRODUCE_RUNS = 2
 
 
 def mutant_names(only: str | tuple[str, ...] | None = None) -> list[str]:
-    """`mutant:NAME` of the zoo, or of the comma list `only` (bare names; 'reference' is the
-    control)."""
+    """`mutant:NAME` of the zoo, or of the comma list `only`.
+
+    `only` holds bare names. 'reference' is the control.
+    """
     from harness.impls.registry import mutant_names as all_names
 
     names = all_names()
@@ -84,16 +65,23 @@ def mutant_names(only: str | tuple[str, ...] | None = None) -> list[str]:
 
 
 def perturbed(c: Case) -> Case:
-    """`c` with every communication op on every rank posted after a seeded random 0-10 ms: the same
-    program order under another timing, so a result that depends on a race shows it."""
+    """`c` with every communication op on every rank posted after a seeded random 0-10 ms.
+
+    The program order is the same, under another timing. So a result that depends on a race shows
+    it.
+    """
     return c.replace(
         faults=(*c.faults, make_fault("delay", seconds=0.0, jitter=0.01, where="post"))
     )
 
 
 def reproduces(pool, impl: str, r: CaseResult, times: int = 1) -> bool:
-    """The same verdict `times` more, with identical output hashes for completed runs, and the same
-    hashes once more under perturbed timing (a data race rarely survives both)."""
+    """Whether a failure reproduces: the same verdict `times` more, and under perturbed timing once
+    more.
+
+    Completed runs must also give identical output hashes each time. A data race rarely survives
+    both.
+    """
     completed = r.verdict in (Verdict.PASS, Verdict.SILENT_CORRUPTION, Verdict.DIVERGED)
     for _ in range(times):
         again = run_case(r.case, pool, impl)
@@ -108,8 +96,10 @@ def reproduces(pool, impl: str, r: CaseResult, times: int = 1) -> bool:
 def sequence_reproduces(
     found: history.HistoryFinding, times: int = 1, placement: Placement | None = None
 ) -> bool:
-    """A history-dependent failure's sequence gives its recorded result bit for bit `times` more,
-    each time on fresh ranks."""
+    """Whether a history-dependent failure's sequence gives its recorded result bit for bit.
+
+    It must, `times` more, each time on fresh ranks.
+    """
     if found.sequence is None or found.seq_result is None:
         return False
     with history.FreshRanks(placement=placement) as fr:
@@ -121,8 +111,7 @@ def sequence_reproduces(
 
 
 def comm_difference(mut: CaseResult, ref: CaseResult) -> str:
-    """How the mutant's op counts per phase differ from the reference's on the same case ('' if
-    not)."""
+    """How the mutant's op counts per phase differ from the reference's on the same case, or ''."""
     from harness.faults.interpose import phase_counts
 
     if mut.verdict in (Verdict.FAIL_STOP, Verdict.HANG) or ref.verdict != Verdict.PASS:
@@ -145,7 +134,8 @@ def comm_difference(mut: CaseResult, ref: CaseResult) -> str:
 
 def corpus_note(name: str, run: MutantRun, kill: Failure) -> str:
     """The leading comment of a corpus case: what it reproduces, the public report, how it was
-    found."""
+    found.
+    """
     from ring_impl.mutants import MUTANTS
 
     doc = " ".join((MUTANTS[short(name)].__doc__ or "").split())
@@ -193,8 +183,11 @@ def _minimal(pool, impl: str, kill: Failure, opts: CheckOptions) -> tuple[CaseRe
 
 
 def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None) -> MutantRun:
-    """Run the default check of `name`, stopped at its first reproducible failure; shrink and save
-    it. The check's lines go to the mutant's log file (its own reporter)."""
+    """Run the default check of `name`, stopped at its first reproducible failure. Shrink and save
+    it.
+
+    The check's lines go to the mutant's log file, through its own reporter.
+    """
     run = MutantRun(name=name, log=work / "logs" / f"{short(name)}.log")
     run.log.parent.mkdir(parents=True, exist_ok=True)
     mopts = opts.with_(impl=name, save_dir=str(work / "found" / short(name)))
@@ -202,8 +195,10 @@ def run_one(pool, name: str, opts: CheckOptions, work: Path, corpus: Path | None
     res = CheckOutcome(impl=name)
 
     def accept(r: CaseResult) -> bool:
-        """Reproduces bit for bit; a history-dependent failure (harness.search.history): its
-        sequence does, on fresh ranks."""
+        """Whether a failure reproduces bit for bit.
+
+        For a history-dependent failure (harness.search.history), its sequence must, on fresh ranks.
+        """
         found = res.histories.get(failure_signature(r))
         if found is not None and found.history_dependent:
             return sequence_reproduces(found, REPRODUCE_RUNS, opts.placement)
@@ -258,7 +253,8 @@ def _shrink_and_save(
     pool, name: str, run: MutantRun, kill: Failure, opts: CheckOptions, corpus: Path
 ) -> None:
     """Shrink the kill, confirm it, run it on the reference, compare op counts, save the corpus
-    case."""
+    case.
+    """
     found = (
         run.check.histories.get(failure_signature(kill.result)) if run.check is not None else None
     )
@@ -295,8 +291,11 @@ def _shrink_and_save_sequence(
     opts: CheckOptions,
     corpus: Path,
 ) -> None:
-    """A history-dependent kill: shrink its sequence on fresh ranks, confirm it, run the same
-    sequence on the reference (which must pass) and save it as the corpus's sequence case."""
+    """A history-dependent kill: shrink its sequence on fresh ranks, and confirm it.
+
+    The same sequence then runs on the reference, which must pass. It is saved as the corpus's
+    sequence case.
+    """
     with history.FreshRanks(placement=opts.placement) as fr:
         history.shrink_sequence(found, fr, budget_s=PROFILES[opts.profile].shrink_budget_s)
         run.shrunk, run.shrink_tries = found.seq_result, found.shrink_tries
@@ -338,8 +337,10 @@ def _shrink_and_save_sequence(
 
 
 def false_alarm_options(opts: CheckOptions, cases: int | None) -> CheckOptions:
-    """The reference's options: `cases` property-based examples with no time limit (None: as
-    given)."""
+    """The reference's options: `cases` property-based examples, with no time limit.
+
+    None keeps them as given.
+    """
     if cases is None:
         return opts
     return opts.with_(max_examples=cases, time_budget=7 * 24 * 3600.0)
@@ -355,8 +356,10 @@ def run_selftest(
     false_alarm_cases: int | None = None,
     on_done: Callable[[MutantRun], None] | None = None,
 ) -> list[MutantRun]:
-    """Every named implementation through `run_one`, in order (the reference with its false-alarm
-    budget); `on_done` sees each as it finishes."""
+    """Every named implementation through `run_one`, in order. `on_done` sees each as it finishes.
+
+    The reference gets its false-alarm budget.
+    """
     from harness.search.battery import default_battery
 
     # warm-up: no mutant pays the pool's start
@@ -374,10 +377,12 @@ def run_selftest(
 def selftest(
     opts: SelftestOptions | None = None, reporter: Reporter | None = None
 ) -> SelftestOutcome:
-    """`ring-harness selftest` as a library call: every named mutant, then the reference, through
-    the default check on one pool; prints the kill matrix and the false-alarm figures (writes
-    opts.json). `outcome.passed`: every mutant killed, the reference passed, no worker process left
-    behind."""
+    """`ring-harness selftest` as a library call.
+
+    Every named mutant, then the reference, runs through the default check on one pool. It prints
+    the kill matrix and the false-alarm figures, and writes opts.json. `outcome.passed` means every
+    mutant was killed, the reference passed, and no worker process was left behind.
+    """
     from harness.checks import kill_matrix as km
     from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, parse_kinds
     from harness.ranks.leftovers import leftover_workers

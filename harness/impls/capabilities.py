@@ -1,15 +1,10 @@
-"""The capability rule, written once: which features a run asks for that an implementation does not
-declare. The case side (`unsupported`, before a run: check, fault battery) and the rank side (the
-adapters' `require_supported`, inside a run) both call `missing_features`.
+"""The capability rule, written once: which features of a run an implementation does not declare.
 
-Also here: the nearest supported variant of a case (`adapt`) and the capability matrix (feature x
-declared / passed / failed, plus what an undeclared feature really does when probed).
-
-Feature keys are `kind:value` strings or bare flags: "layout:zigzag", "mask:window", "dtype:fp32",
-"world:9", "gqa" / "mqa", "heads" (a head count W does not divide), "uneven", "idle" (a rank with no
-token), "zigzag-odd" (an odd local length in the zigzag layout), "head_dim:13", "subgroup",
-"device:cuda", "backward" (a call with a backward: train or checkpoint), "inputs:fused-qkv" (an
-input form, harness.calls).
+Both sides call `missing_features`: the case side before a run (`unsupported`, for the check and the
+fault battery), and the rank side inside a run (the adapters' `require_supported`). Also here are
+the nearest supported variant of a case (`adapt`) and the capability matrix. The matrix shows, per
+feature, declared, passed and failed, and what an undeclared feature does when probed. docs/api.md
+lists the feature keys.
 """
 
 from __future__ import annotations
@@ -21,7 +16,8 @@ from harness.calls import needs_backward, useful_form
 from harness.context import Capabilities
 from ring_impl.masks import MASK_FEATURES, MaskSpec, fit
 
-if TYPE_CHECKING:  # annotations only: the adapters import this module inside the ranks
+# Annotations only: the adapters import this module inside the ranks.
+if TYPE_CHECKING:
     from harness.case import Case
 
 
@@ -41,12 +37,14 @@ def missing_features(
     call: str | None = None,
     inputs: str | None = None,
 ) -> list[str]:
-    """The feature keys of a run that `caps` does not declare, in a fixed order (empty: supported).
+    """The feature keys of a run that `caps` does not declare, in a fixed order.
 
-    `subgroup` (the ring is not global ranks 0..W-1) and `device` (the tensors') may be None: not
-    known at this point, so not checked. So may `call` and `inputs` (harness.calls). `mask_kind`: a
-    mask (every capability name it needs: `MaskSpec.needs`, e.g. an expression needs "expr", its
-    primitives and its combinators) or one name.
+    An empty list means the run is supported. A key is a `kind:value` string such as
+    "layout:zigzag", or a bare flag such as "uneven" (docs/api.md lists them). `subgroup`, `device`,
+    `call` and `inputs` may be None when they are not known yet. They are then not checked.
+    `subgroup` means the ring is not global ranks 0..W-1, and `device` is the tensors' device.
+    `mask_kind` is one name, or a mask. A mask needs every capability name in `MaskSpec.needs`: an
+    expression needs "expr", its primitives and its combinators.
     """
     missing = []
     if layout not in caps.layouts:
@@ -123,22 +121,27 @@ def feature_words(
 
 
 def odd_lengths(lengths: Sequence[int]) -> bool:
-    """Whether some local length is odd (in the zigzag layout: a rank's two chunks differ in
-    size)."""
+    """Whether some local length is odd. In the zigzag layout, a rank's two chunks then differ in
+    size.
+    """
     return any(int(n) % 2 for n in lengths)
 
 
 def even_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
-    """Every odd local length rounded up to the next even one (an even split of N -> one of N
-    rounded up to a multiple of 2W)."""
+    """Every odd local length rounded up to the next even one.
+
+    An even split of N becomes one of N rounded up to a multiple of 2W.
+    """
     return tuple(int(n) + int(n) % 2 for n in lengths)
 
 
 def divisible_heads(heads_q: int, heads_kv: int, world_size: int) -> tuple[int, int]:
-    """The nearest (heads_q, heads_kv), rounded up, that `world_size` divides both of: kv heads
-    up to a multiple of W, query heads up to a multiple of those; GQA/MQA stays grouped (at least
-    2 query heads per kv head), MHA stays MHA. E.g. (4, 1) at W=3 -> (6, 3); (2, 2) at W=4 -> (4,
-    4)."""
+    """The nearest (heads_q, heads_kv), rounded up, that `world_size` divides both of.
+
+    The kv heads go up to a multiple of W, and the query heads up to a multiple of those. GQA and
+    MQA stay grouped, with at least 2 query heads per kv head. MHA stays MHA. For example, (4, 1) at
+    W=3 becomes (6, 3), and (2, 2) at W=4 becomes (4, 4).
+    """
     kv = -(-heads_kv // world_size) * world_size
     q = -(-heads_q // kv) * kv
     if heads_q > heads_kv and q == kv:
@@ -147,7 +150,7 @@ def divisible_heads(heads_q: int, heads_kv: int, world_size: int) -> tuple[int, 
 
 
 def case_features(c: Case) -> list[str]:
-    """The features a case exercises, as `kind:value` strings (the capability matrix's rows)."""
+    """The features a case exercises, as `kind:value` strings: the capability matrix's rows."""
     feats = [
         f"layout:{c.layout}",
         *(f"mask:{n}" for n in MASK_FEATURES if n in c.mask.needs()),
@@ -176,9 +179,9 @@ def case_features(c: Case) -> list[str]:
 
 
 def unsupported(caps: Capabilities, c: Case, device: str | None = None) -> list[str]:
-    """Features of the case that the implementation does not declare (empty: fully supported).
+    """The features of the case that the implementation does not declare. Empty: fully supported.
 
-    The tensors' device is checked only when given (a case does not name one; the pool decides it).
+    The tensors' device is checked only when given. A case does not name one: the pool decides it.
     """
     return missing_features(
         caps,
@@ -198,8 +201,10 @@ def unsupported(caps: Capabilities, c: Case, device: str | None = None) -> list[
 
 
 def declare(caps: Capabilities, feature: str) -> Capabilities:
-    """`caps` with one more feature declared (a key of `missing_features`): what a probe of that
-    feature adapts the rest of its case to."""
+    """`caps` with one more feature declared, a key of `missing_features`.
+
+    A probe of that feature adapts the rest of its case to these capabilities.
+    """
     import dataclasses
 
     kind, _, value = feature.partition(":")
@@ -258,9 +263,11 @@ def dimension(feature: str) -> str:
 
 
 def isolated_probe(caps: Capabilities, c: Case, feature: str) -> Case | None:
-    """`c` with every undeclared feature outside `feature`'s dimension adapted away, so that a run
-    of it probes that one dimension (e.g. an undeclared mask expression, or an idle rank) on an
-    otherwise declared case; None when no such case exists."""
+    """`c` with every undeclared feature outside `feature`'s dimension adapted away.
+
+    A run of it then probes that one dimension on an otherwise declared case, e.g. an undeclared
+    mask expression, or an idle rank. None when no such case exists.
+    """
     dim = dimension(feature)
     wider = caps
     for f in unsupported(caps, c):
@@ -284,8 +291,14 @@ DTYPE_FALLBACK = {"fp16": ("bf16", "fp32"), "bf16": ("fp16", "fp32"), "fp32": ("
 
 
 def _mask_fallbacks(mask: MaskSpec) -> tuple[MaskSpec, ...]:
-    """window -> causal; causal document -> causal, none; bidirectional document -> none, causal; an
-    expression -> causal, none when it is causal, else none, causal."""
+    """The masks to try instead of an undeclared one, best first.
+
+    - window -> causal
+    - a causal document mask -> causal, then none
+    - a bidirectional document mask -> none, then causal
+    - a causal expression -> causal, then none
+    - any other expression -> none, then causal
+    """
     causal, none = MaskSpec("causal"), MaskSpec("none")
     if mask.kind == "window" or (mask.kind in ("document", "expr") and mask.is_causal):
         return causal, none
@@ -295,17 +308,25 @@ def _mask_fallbacks(mask: MaskSpec) -> tuple[MaskSpec, ...]:
 
 
 def adapt(caps: Capabilities, c: Case) -> Case | None:
-    """The nearest case the implementation declares support for: `c` itself when it does; else the
-    undeclared features replaced by the nearest declared ones (zigzag -> contiguous, window ->
-    causal, document -> causal or none, an undeclared dtype -> a declared one, GQA -> as many kv
-    heads as query heads, a subgroup -> global ranks 0..W-1, an uneven split -> the nearest even
-    one, a world size outside the range -> the nearest inside it, with the same total length; a call
-    with a backward -> the same call under no_grad (a forward-only ring), an undeclared input form
-    -> contiguous; odd zigzag local lengths -> rounded up to even ones, head counts W does not
-    divide -> rounded up to multiples of W, an idle rank -> one token; an undeclared mask expression
-    -> causal or none); None when none exists (e.g. an undeclared device). So an implementation that
-    declares fewer features gets the same world sizes, splits and values as every other, not fewer
-    cases (issue #17)."""
+    """The nearest case the implementation declares support for, or None when none exists.
+
+    It is `c` itself when `c` is supported. Otherwise each undeclared feature gives way to the
+    nearest declared one:
+    - layout: zigzag -> contiguous
+    - mask: window -> causal, document -> causal or none, an expression -> causal or none
+    - dtype: an undeclared dtype -> a declared one
+    - heads: GQA -> as many kv heads as query heads, counts W does not divide -> multiples of W
+    - a subgroup -> global ranks 0..W-1
+    - split: uneven -> the nearest even one, odd zigzag local lengths -> even ones, an idle rank ->
+      one token
+    - a world size outside the range -> the nearest inside it, with the same total length
+    - a call with a backward -> the same call under no_grad, for a forward-only ring
+    - an undeclared input form -> contiguous
+
+    An undeclared device has no substitute, so the answer is None. An implementation that declares
+    fewer features thus gets the same world sizes, splits and values as every other, not fewer
+    cases.
+    """
     from ring_impl.layouts import split_lengths
 
     if not unsupported(caps, c):
@@ -351,7 +372,8 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         total = max(unit, (sum(lens) + unit - 1) // unit * unit)
         changes["seq_lens"] = tuple(split_lengths(total, world_size))
     lens = changes.get("seq_lens", tuple(c.seq_lens))
-    if 0 in lens and not caps.idle_ranks:  # an idle rank gets one token (the others keep theirs)
+    # An idle rank gets one token, and the others keep theirs.
+    if 0 in lens and not caps.idle_ranks:
         changes["seq_lens"] = tuple(max(1, int(n)) for n in lens)
     lens = changes.get("seq_lens", tuple(c.seq_lens))
     if changes.get("layout", c.layout) == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
@@ -365,6 +387,7 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         changes["mask"] = fit(changes.get("mask", c.mask), sum(changes["seq_lens"]))
     try:
         out = c.replace(**changes)
-    except Exception:  # an adaptation that makes no valid case (e.g. too few tokens for the ranks)
+    # An adaptation that makes no valid case, e.g. too few tokens for the ranks.
+    except Exception:
         return None
     return out if not unsupported(caps, out) else None

@@ -1,15 +1,15 @@
-"""Resolve an implementation name to an `Impl`: built-ins, entry points, or `package.module:attr`.
+"""Resolve an implementation name to an `Impl`: a built-in, an entry point, or
+`package.module:attr`.
 
-Built-ins come from the adapter modules in ADAPTER_MODULES (listing order): each declares its names
-once, in `VARIANTS` (name -> `Variant`: capabilities and a per-variant option), and one factory
-`make(name)`. An adapter module imports torch and the harness only (never this registry); its
-third-party library is imported inside `make`, so listing the built-ins or reading their
-capabilities imports no third-party library. Installed packages add names through the entry-point
-group `ring_harness.impls`. An explicit `package.module:attr` imports arbitrary code, so it is
-accepted only with `allow_import=True` (the command line); a case file may only *name* an
-implementation. `mutant:NAME` names a bug variant of the reference ring (ring_impl.mutants, for
-`ring-harness selftest` and the regression corpus): ours, so no import permission is needed, but
-never a default and never listed among the built-ins.
+Built-ins come from the adapter modules in ADAPTER_MODULES, in listing order. Listing them or
+reading their capabilities imports no third-party library (docs/architecture.md, "an adapter").
+Installed packages add names through the entry-point group `ring_harness.impls`.
+
+A `package.module:attr` name imports arbitrary code. So it is accepted only with
+`allow_import=True`, as from the command line: a case file may only name an implementation.
+`mutant:NAME` names a bug variant of the reference ring (ring_impl.mutants), for selftest and the
+regression corpus. It is ours, so it needs no import permission. It is never a default, and never
+listed among the built-ins.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def _builtin_modules() -> dict[str, ModuleType]:
 
 
 class _BuiltinTargets(Mapping[str, str]):
-    """Read-only view: built-in name -> "module:make", derived from ADAPTER_MODULES on each
-    access."""
+    """A read-only view, built-in name -> "module:make", derived from ADAPTER_MODULES on each
+    access.
+    """
 
     def __getitem__(self, name: str) -> str:
         return f"{_builtin_modules()[name].__name__}:make"
@@ -110,20 +111,24 @@ BUILTINS: Mapping[str, str] = _BuiltinTargets()
 
 
 def builtin_names() -> list[str]:
-    """Names of the built-in implementations, in listing order (mutants are never among them)."""
+    """Names of the built-in implementations, in listing order. Mutants are never among them."""
     return list(_builtin_modules())
 
 
 def declared_capabilities(name: str) -> Capabilities | None:
-    """A built-in's declared capabilities, read without its third-party library (None: not a
-    built-in)."""
+    """A built-in's declared capabilities, read without its third-party library.
+
+    None when the name is not a built-in.
+    """
     module = _builtin_modules().get(name)
     return None if module is None else module.VARIANTS[name].capabilities
 
 
 def extra_of(name: str) -> str | None:
-    """The optional extra that installs a built-in's library (`ring-harness[EXTRA]`); None when it
-    needs none or is not a built-in. Imports no third-party library."""
+    """The optional extra that installs a built-in's library (`ring-harness[EXTRA]`).
+
+    None when it needs none, or is not a built-in. It imports no third-party library.
+    """
     module = _builtin_modules().get(name)
     return None if module is None else getattr(module, "EXTRA", None)
 
@@ -136,14 +141,15 @@ def mutant_names() -> list[str]:
 
 
 def entry_point_names() -> list[str]:
-    """Names installed packages register under `ring_harness.impls` (built-ins excluded)."""
+    """Names that installed packages register under `ring_harness.impls`, built-ins excluded."""
     return sorted({ep.name for ep in _entry_points()} - set(_builtin_modules()))
 
 
 def _entry_points() -> list[md.EntryPoint]:
     try:
         return list(md.entry_points(group=ENTRY_POINT_GROUP))
-    except Exception:  # a broken installed distribution must not break resolving built-ins
+    # A broken installed distribution must not break resolving built-ins.
+    except Exception:
         return []
 
 
@@ -153,7 +159,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _did_you_mean(e: BaseException) -> str:
-    """For a misspelled keyword of Capabilities or Impl: ' (did you mean 'layouts'?)'; else ''."""
+    """' (did you mean 'layouts'?)' for a misspelled keyword of Capabilities or Impl, else ''."""
     import dataclasses
     import difflib
     import re
@@ -171,7 +177,9 @@ def _did_you_mean(e: BaseException) -> str:
 
 
 def _import_target(target: str) -> Any:
-    """Import `module:attr` (attr may be dotted) and return the object; ImportError propagates."""
+    """Import `module:attr` and return the object. attr may be dotted, and
+    ImportError propagates.
+    """
     mod_name, _, attr = target.partition(":")
     obj: Any = importlib.import_module(mod_name)
     for part in attr.split("."):
@@ -180,7 +188,9 @@ def _import_target(target: str) -> Any:
 
 
 def _as_impl(obj: Any, name: str) -> Impl:
-    """An Impl as is; a zero-argument factory is called; a run(q, k, v, ctx) callable is wrapped."""
+    """An Impl as it is. A zero-argument factory is called, and a run(q, k, v, ctx) callable
+    wrapped.
+    """
     if isinstance(obj, Impl):
         return obj
     if callable(obj):
@@ -262,7 +272,8 @@ def _resolve_entry_point(name: str) -> Impl:
 def _resolve_module_attr(name: str) -> Impl:
     mod_name, _, attr = name.partition(":")
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:  # as `python -m` does: modules beside you import
+    # As `python -m` does: the modules beside you import.
+    if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
     try:
         obj = _import_target(name)
@@ -274,7 +285,8 @@ def _resolve_module_attr(name: str) -> Impl:
         raise ImplError(
             f"module {mod_name!r} has no attribute {attr!r} (implementation {name!r})"
         ) from None
-    except ImplError as e:  # a declaration mistake (Capabilities, Impl) made at import time
+    # A declaration mistake in Capabilities or Impl, made at import time.
+    except ImplError as e:
         raise ImplError(f"implementation {name!r}: {e}") from None
     # the user's module raised while it was imported: their code, not a ring's run
     except Exception as e:
@@ -287,10 +299,12 @@ def _resolve_module_attr(name: str) -> Impl:
 
 
 def module_path_of(obj: Any) -> str:
-    """`package.module:attr` of an Impl or a run(q, k, v, ctx) function defined at the top level of
-    an importable module, so that the rank processes (other interpreters) can import it; the
-    module's import root is put on PYTHONPATH for the ranks started from now on. One HarnessError
-    line when it has no such name."""
+    """The `package.module:attr` name of an Impl or of a run(q, k, v, ctx) function.
+
+    It must be defined at the top level of an importable module, because the ranks are other
+    interpreters and import it by that name. The module's import root is put on PYTHONPATH for the
+    ranks started from now on. An object without such a name raises one HarnessError line.
+    """
     if isinstance(obj, str):
         return obj
     fn = obj.run if isinstance(obj, Impl) else obj
@@ -320,19 +334,20 @@ def module_path_of(obj: Any) -> str:
 
 
 def is_module_path(name: str) -> bool:
-    """True for `package.module:attr` names, whose resolution imports arbitrary code (only allowed
-    from the caller, never from a case file); `mutant:NAME` and built-in or entry-point names are
-    not."""
+    """Whether `name` is a `package.module:attr` name, whose resolution imports arbitrary code.
+
+    Only the caller may allow that, never a case file. `mutant:NAME`, built-in and entry-point names
+    are not module paths.
+    """
     name = name.strip() if isinstance(name, str) else ""
     return ":" in name and not name.startswith(MUTANT_PREFIX) and name not in BUILTINS
 
 
 def resolve(name: str, allow_import: bool = True) -> Impl:
-    """The Impl for `name`: a built-in, an entry point, or (with allow_import)
-    `package.module:attr`.
+    """The Impl for `name`: a built-in, an entry point, or `package.module:attr` with allow_import.
 
-    Raises ImplError with a one-line message for unknown names, refused imports and missing
-    optional dependencies.
+    It raises ImplError with one line for an unknown name, a refused import or a missing optional
+    dependency.
     """
     if not isinstance(name, str) or not name.strip():
         raise ImplError(f"implementation name must be a non-empty string, got {name!r}")
@@ -378,9 +393,11 @@ def _runnable_devices() -> set[str]:
 
 
 def _kernel(name: str, devices: set[str], here: set[str]) -> str | None:
-    """The flash-attn kernel a built-in whose adapter declares `KERNEL` gets on this machine's ranks
-    ("cpu-standin" on gloo without a real flash-attn, "flash-attn 2.8.3", "none"); None for the
-    others."""
+    """The flash-attn kernel that a built-in declaring `KERNEL` gets on this machine's ranks.
+
+    It is "cpu-standin" on gloo without a real flash-attn, a version such as "flash-attn 2.8.3", or
+    "none". None for the other built-ins.
+    """
     module = _builtin_modules().get(name)
     if module is None or getattr(module, "KERNEL", None) is None:
         return None
@@ -390,8 +407,11 @@ def _kernel(name: str, devices: set[str], here: set[str]) -> str | None:
 
 
 def describe() -> list[dict]:
-    """Rows for `ring-harness impls`: name, source, available (and why not), version, capabilities,
-    and for adapters of flash-attn libraries the kernel their ranks use here (`kernel`)."""
+    """The rows of `ring-harness impls`.
+
+    Each row has the name, source, availability (and why not), version and capabilities. Adapters of
+    flash-attn libraries add the kernel their ranks use here (`kernel`).
+    """
     here = _runnable_devices()
     rows = []
     names = [(n, "built-in") for n in builtin_names()] + [
@@ -412,7 +432,8 @@ def describe() -> list[dict]:
             row["kernel"] = kernel
         try:
             impl = resolve(name, allow_import=False)
-        except Exception as e:  # describe lists every problem instead of stopping at the first
+        # describe lists every problem instead of stopping at the first.
+        except Exception as e:
             caps = declared_capabilities(name)
             row.update(why=_one_line(e), capabilities=caps.to_dict() if caps else None)
             rows.append(row)

@@ -1,20 +1,12 @@
 """Every rule that decides or reads a verdict, in one module.
 
-- `judge`: the ranks' replies of one case -> a `CaseResult` with exactly one `Verdict`: hang (a rank
-  passed the deadline), fail-stop (a rank raised or died), diverged (wrong shape), silent-corruption
-  (a tensor over its tolerance, or a causality leak), else pass; then, for a faulted case,
-  `apply_faults` accounts for its faults.
-- Faults: a case whose faults did not all fire is `invalid` (never `pass`: it tested nothing). A
-  send buffer overwritten while its send was in flight makes a completed run `silent-corruption` (a
-  transport that reads the buffer late delivers the new data). Under delay / straggler / early-read
-  / send-reuse a deterministic implementation must reproduce the fault-free hashes bit for bit, else
-  `diverged`. `expected_verdict` says what a correct implementation must end in under given faults.
-- How the checks read verdicts: `fault_ok` (a fault-stage case), `PROBE_OUTCOMES` (a probe of an
-  undeclared feature), `killed_by` (which checks a failing result failed: selftest's kill matrix).
+`judge` turns the ranks' replies of one case into a `CaseResult` with exactly one `Verdict`.
+`apply_faults` then accounts for a faulted case's faults. The checks read verdicts through
+`fault_ok`, `PROBE_OUTCOMES` and `killed_by`.
 
-The fault-free baseline a benign-fault case is compared with is run by the caller
-(`harness.runner.baseline_for`) and passed in: judging never runs a case. So are the oracle's
-outputs (`needs_oracle` says when they are needed): judging never computes them.
+Judging never runs a case and never computes the oracle. The caller runs the fault-free baseline
+(`harness.runner.baseline_for`) and passes it in. It passes in the oracle's outputs too, and
+`needs_oracle` says when they are needed.
 """
 
 from __future__ import annotations
@@ -29,7 +21,8 @@ from harness.judging.tensor_checks import check_leak, check_tensors
 from harness.oracle.assemble import Pair
 from harness.result import TENSORS, CaseResult, Verdict
 
-MAP_LIMIT = 1 << 22  # error maps are kept when batch * tokens * heads is at most this
+# Error maps are kept when batch * tokens * heads is at most this.
+MAP_LIMIT = 1 << 22
 DEATH_OF = {"exit0": "exit 0", "exit1": "exit 1", "sigkill": "killed by signal 9"}
 
 PROBE_OUTCOMES = {
@@ -42,8 +35,11 @@ PROBE_OUTCOMES = {
 
 
 def expected_verdict(specs: tuple[FaultSpec, ...]) -> Verdict | None:
-    """What a correct implementation must end in: fail-stop under drop/crash, pass under benign
-    faults, anything (None) when a corrupt fault is involved."""
+    """What a correct implementation must end in under these faults.
+
+    Under drop or crash it is fail-stop, and under benign faults pass. None means anything goes: a
+    corrupt fault is involved.
+    """
     kinds = {s.kind for s in specs}
     if kinds & FATAL:
         return Verdict.FAIL_STOP
@@ -53,7 +49,7 @@ def expected_verdict(specs: tuple[FaultSpec, ...]) -> Verdict | None:
 
 
 def case_expected(case: Case) -> Verdict | None:
-    """`expected_verdict` of a case's faults; pass for a fault-free case."""
+    """`expected_verdict` of a case's faults, and pass for a fault-free case."""
     return (
         expected_verdict(parse_faults(case.faults, case.world_size))
         if case.faults
@@ -62,20 +58,27 @@ def case_expected(case: Case) -> Verdict | None:
 
 
 def probe_acceptable(r: CaseResult) -> bool:
-    """A probe of an undeclared feature ended well: it worked, or it was refused with an error."""
+    """Whether a probe of an undeclared feature ended well: it worked, or it was refused with an
+    error.
+    """
     return r.verdict in (Verdict.PASS, Verdict.FAIL_STOP)
 
 
 def fault_ok(r: CaseResult) -> bool:
-    """A fault-stage case ended the way its faults require (benign faults: pass, bit-identical), or
-    tested nothing (`invalid`: the implementation makes no op the fault applies to, e.g. send-reuse
-    on an all-gather ring; reported as not applicable, not as the implementation's failure)."""
+    """Whether a fault-stage case ended the way its faults require, or tested nothing.
+
+    Under benign faults the case must pass, bit-identical. An `invalid` case tested nothing: the
+    implementation makes no op the fault applies to, e.g. send-reuse on an all-gather ring. That is
+    reported as not applicable, not as the implementation's failure.
+    """
     return r.verdict == Verdict.INVALID or bool(r.extra.get("as_expected", False))
 
 
 def killed_by(r: CaseResult) -> list[str]:
-    """Which checks a failing result failed: tensors, leak check, send-buffer check, fault verdict,
-    verdict."""
+    """Which checks a failing result failed.
+
+    They are the tensors, the leak check, the send-buffer check, the fault verdict and the verdict.
+    """
     out = []
     if r.case.faults:
         out.append(f"fault verdict ({'+'.join(sorted({f['kind'] for f in r.case.faults}))})")
@@ -96,10 +99,14 @@ def killed_by(r: CaseResult) -> list[str]:
 
 
 def failure_signature(r: CaseResult) -> tuple[str, ...]:
-    """What makes two failures the same bug, for grouping (one saved file per distinct failure) and
-    for shrinking (a candidate that fails differently is a different failure): the verdict, then the
-    failing tensors and the leak check for a wrong result, the root cause's exception type for a
-    fail-stop or diverged run, the fault kinds for a faulted case."""
+    """What makes two failures the same bug.
+
+    The check groups failures by it, one saved file per distinct failure. The shrinker uses it too:
+    a candidate that fails differently is a different failure. The signature is the verdict, then:
+    - for a wrong result, the failing tensors and the leak check;
+    - for a fail-stop or diverged run, the root cause's exception type;
+    - for a faulted case, the fault kinds.
+    """
     sig: list[str] = [str(r.verdict)]
     if r.verdict == Verdict.SILENT_CORRUPTION:
         sig += sorted({c.tensor for c in r.failed_checks()})
@@ -132,10 +139,12 @@ def judge(
     keep_shards: bool = False,
     baseline: dict | None = None,
 ) -> CaseResult:
-    """Turn the ranks' replies (a `harness.ranks.protocol.PoolReply`) into a CaseResult with exactly
-    one verdict; a faulted case's verdict then accounts for its faults (unfired: invalid; benign:
-    bit-identical to the `baseline` run). `outputs` is the oracle's (exact, base) pair; it may be
-    None only when `needs_oracle` says False."""
+    """Turn the ranks' replies into a CaseResult with exactly one verdict.
+
+    `reply` is a `harness.ranks.protocol.PoolReply`. `outputs` is the oracle's (exact, base) pair.
+    It may be None only when `needs_oracle` says False. A faulted case's verdict then accounts for
+    its faults (`apply_faults`).
+    """
     res = _judge(case, impl, reply, outputs, oracle_s, keep_shards)
     if case.faults:
         apply_faults(res, case, reply, baseline)
@@ -143,8 +152,10 @@ def judge(
 
 
 def needs_oracle(case: Case, reply: Any) -> bool:
-    """Whether judging these replies compares tensors with the oracle: no ring rank hung, died,
-    raised or diverged, and no rank outside the ring failed."""
+    """Whether judging these replies compares tensors with the oracle.
+
+    It does when no ring rank hung, died, raised or diverged, and no rank outside the ring failed.
+    """
     got = _gather(case, "-", reply, 0.0)
     return not _stopped(got, case)
 
@@ -162,8 +173,10 @@ class _Replies:
 
 
 def _gather(case: Case, impl: str, reply: Any, oracle_s: float) -> _Replies:
-    """A CaseResult (verdict pass so far) with the replies' hangs, deaths, errors, hashes and
-    timings, and the ring ranks' tensors."""
+    """A CaseResult, pass so far, with the replies' hangs, deaths, errors, hashes and timings.
+
+    It also holds the ring ranks' tensors.
+    """
     off = case.group_offset
     in_group = range(off, off + case.world_size)
     res = CaseResult(case=case, impl=impl, verdict=Verdict.PASS)
@@ -226,7 +239,12 @@ def _stopped(got: _Replies, case: Case) -> bool:
 def _judge(
     case: Case, impl: str, reply: Any, outputs: Pair | None, oracle_s: float, keep_shards: bool
 ) -> CaseResult:
-    """The fault-unaware verdict: hang, fail-stop, diverged, silent-corruption or pass."""
+    """The verdict before faults are counted.
+
+    The first that applies wins: hang (a rank passed the deadline), fail-stop (a rank raised or
+    died), diverged (a wrong shape), silent-corruption (a tensor over its tolerance, or a causality
+    leak). Otherwise the case passes.
+    """
     got = _gather(case, impl, reply, oracle_s)
     res = got.res
     if _stopped(got, case):
@@ -263,10 +281,12 @@ def _judge(
 
 
 def adapter_error(r: CaseResult) -> str | None:
-    """One line when a run failed in the implementation's adapter rather than in its ring: every
-    ring rank raised before any communication op, or every rank returned an output or gradient of
-    the wrong shape or type. None otherwise (a ring that raises, dies or hangs mid-ring is a
-    fail-stop or a hang: a finding)."""
+    """One line when a run failed in the implementation's adapter rather than in its ring.
+
+    That is when every ring rank raised before any communication op, or every rank returned an
+    output or gradient of the wrong shape or type. Otherwise it is None. A ring that raises, dies or
+    hangs mid-ring is a fail-stop or a hang: a finding.
+    """
     w = r.case.world_size
     if r.dead or r.hung or len(r.errors) < w:
         return None
@@ -284,12 +304,15 @@ def adapter_error(r: CaseResult) -> str | None:
 
 
 def _fail_stop_story(res: CaseResult, when: dict[int, float]) -> tuple[str, list[int]]:
-    """The fail-stop detail, root cause first: the earliest error a rank raised (a rank that
-    raises closes its connections, so the errors it causes on the others come after it), or the
-    ranks that died; the other ranks' errors follow as consequences. Returns (detail, ranks of
-    the root cause)."""
+    """The fail-stop detail, root cause first, and the ranks of the root cause.
+
+    The root cause is the earliest error a rank raised, or the ranks that died. A rank that raises
+    closes its connections, so the errors it causes on the others come after it. The other ranks'
+    errors follow as consequences.
+    """
     raised = sorted(res.errors, key=lambda g: (when.get(g, float("inf")), g))
-    if res.dead:  # a death is the cause of the errors it provokes
+    # A death is the cause of the errors it provokes.
+    if res.dead:
         root = sorted(res.dead)
         parts = [f"rank {g} died ({d.split(';')[0]})" for g, d in sorted(res.dead.items())]
         later = raised
@@ -320,8 +343,10 @@ def _pending_ops(hung: dict[int, str]) -> list[str]:
 
 
 def fired_counts(res: CaseResult, notes: dict[int, dict]) -> Counter[int]:
-    """Fault id -> times fired over every rank: the survivors' reports plus dead ranks' crash
-    notes."""
+    """Fault id -> times fired over every rank.
+
+    It counts the survivors' reports and the dead ranks' crash notes.
+    """
     total: Counter[int] = Counter()
     for rep in res.extra.get("faults", {}).values():
         for fid, n in rep.get("fired", {}).items():
@@ -348,8 +373,16 @@ def _crash_checks(
 
 
 def apply_faults(res: CaseResult, case: Case, reply: Any, baseline: dict | None = None) -> None:
-    """Adjust a judged faulted run in place: invalid / violations / bit identity / expected
-    verdict."""
+    """Adjust a judged faulted run in place, by the fault rules.
+
+    - A case whose faults did not all fire is `invalid`, never `pass`: it tested nothing.
+    - A send buffer overwritten while its send was in flight makes a completed run
+      `silent-corruption`. A transport that reads the buffer late delivers the new data.
+    - Under delay, straggler, early-read or send-reuse, a deterministic implementation must
+      reproduce the fault-free hashes bit for bit. Otherwise the run is `diverged`.
+
+    Last, it records whether the verdict is the one `expected_verdict` requires.
+    """
     specs = parse_faults(case.faults, case.world_size)
     if not specs:
         return
@@ -360,7 +393,8 @@ def apply_faults(res: CaseResult, case: Case, reply: Any, baseline: dict | None 
     res.extra["fired"] = {s.fid: fired[s.fid] for s in specs}
     res.extra["expected"] = expected
     outcome, detail = res.verdict, res.detail
-    silent = set(res.dead) | set(res.hung)  # ranks that could not report what fired on them
+    # The ranks that could not report what fired on them.
+    silent = set(res.dead) | set(res.hung)
     unfired = [s for s in specs if fired[s.fid] == 0]
     unknown = [s for s in unfired if (s.rank in silent if s.rank is not None else bool(silent))]
     missing = [s for s in unfired if s not in unknown]
@@ -375,7 +409,8 @@ def apply_faults(res: CaseResult, case: Case, reply: Any, baseline: dict | None 
             + [f"unverified (its rank died or hung): {s.describe()}" for s in unknown]
         )
     why = [f"fault never fired: {s.describe()}" for s in missing] + crash_bad
-    if why and outcome == Verdict.HANG:  # a hang is the finding whatever else happened
+    # A hang is the finding, whatever else happened.
+    if why and outcome == Verdict.HANG:
         res.detail = "; ".join([res.detail, *why])
     elif why:
         res.extra["outcome"] = outcome
@@ -409,7 +444,7 @@ def _deterministic(reply: Any) -> bool:
 
 
 def _compare_baseline(res: CaseResult, baseline: dict, deterministic: bool) -> None:
-    """Benign faults must not change a deterministic implementation's bits (else: diverged)."""
+    """Benign faults must not change a deterministic ring's bits. If they do, it diverged."""
     res.extra["baseline_verdict"] = baseline.get("verdict")
     if baseline.get("verdict") != Verdict.PASS or not deterministic:
         return
@@ -428,7 +463,8 @@ def _compare_baseline(res: CaseResult, baseline: dict, deterministic: bool) -> N
 
 def _fail_stop_detail(res: CaseResult) -> None:
     """Record which surviving ranks raised an error naming a peer and operation, and which
-    completed."""
+    completed.
+    """
     alive = set(range(res.case.world_size)) - set(res.dead)
     clear = sorted(g for g, e in res.errors.items() if "peer rank" in e or "died" in e)
     completed = sorted(alive - set(res.errors))

@@ -1,10 +1,10 @@
 """One case on this rank: its shards, the implementation's call, the reply.
 
 The shards of q, k, v and dout are rebuilt from the case's seed. The implementation is called the
-case's way (harness.calls), forward and then backward, inside the fault interposer. A leak run
-follows when the mask hides keys. An implementation's error is a result, not a crash: it goes back
-in the reply. The pool worker (harness.ranks.worker) and the torchrun driver
-(harness.ranks.torchrun) both run cases through `handle_case` and `handle_oracle`.
+case's way (harness.calls), forward then backward, inside the fault interposer. A leak run follows
+when the mask hides keys. An implementation's error is a result, not a crash: it goes back in the
+reply. The pool worker and the torchrun driver both run cases through `handle_case` and
+`handle_oracle`.
 """
 
 from __future__ import annotations
@@ -59,8 +59,11 @@ def _error_text(e: BaseException) -> str:
 
 
 def _callers_frame(e: BaseException) -> str:
-    """'file:line in function' of the innermost frame outside the harness, torch and the standard
-    library: the implementation's own call that raised ('' when every frame is the harness's)."""
+    """'file:line in function' of the implementation's own call that raised.
+
+    It is the innermost frame outside the harness, torch and the standard library. It is '' when
+    every frame is the harness's.
+    """
     skip = (
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         os.path.dirname(torch.__file__),
@@ -77,8 +80,10 @@ def _callers_frame(e: BaseException) -> str:
 
 
 class Groups:
-    """Process groups for ring subsets, cached by (offset, size, timeout) and created identically on
-    every rank (new_group is collective over the whole pool)."""
+    """Process groups for ring subsets, cached by (offset, size, timeout).
+
+    Every rank creates them the same way, because new_group is collective over the whole pool.
+    """
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
@@ -87,9 +92,11 @@ class Groups:
         self.retired: list[object] = []
 
     def reset(self) -> None:
-        """Use fresh groups from now on (after a case whose ranks raised mid-ring); the old ones
-        are kept alive rather than destroyed, because destroying a group with ops in flight can
-        block."""
+        """Use fresh groups from now on, after a case whose ranks raised mid-ring.
+
+        The old groups are kept alive, not destroyed: destroying a group with ops in flight can
+        block.
+        """
         self.retired.extend(self.cache.values())
         self.cache = {}
 
@@ -115,8 +122,10 @@ class Groups:
 
 
 def pg_timeout(case: case_mod.Case) -> float:
-    """The process-group timeout for a case: well inside its deadline, so ranks fail before the
-    parent's watchdog has to step in."""
+    """The process-group timeout for a case.
+
+    It is well inside the case's deadline, so the ranks fail before the parent's watchdog steps in.
+    """
     return max(1.0, min(case.deadline_s * 0.5, case.deadline_s - 2.0))
 
 
@@ -135,16 +144,19 @@ def _no_phase(phase: str) -> None:
 
 
 def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict):
-    """The forward as `call` makes it, on inputs in `form` (harness.calls); then the backward when
-    the call has one. Returns (out, lse, (dq, dk, dv) or None); `times` gets forward_s and
-    backward_s."""
+    """The forward as `call` makes it, on inputs in `form` (harness.calls), then the backward if
+    any.
+
+    It returns (out, lse, (dq, dk, dv) or None). `times` gets forward_s and backward_s.
+    """
 
     def fn(q, k, v):
         return _split(impl.run(q, k, v, ctx))
 
     grad = calls.needs_backward(call)
     mode = torch.inference_mode() if call == "inference-mode" else contextlib.nullcontext()
-    with mode:  # a serving model makes its q, k, v under inference_mode too
+    # A serving model makes its q, k, v under inference_mode too.
+    with mode:
         x = calls.present(form, q, k, v, dout, grad)
         phase("forward")
         t0 = time.perf_counter()
@@ -178,9 +190,12 @@ def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict
 def _forward_backward(
     impl, q, k, v, dout, ctx, phase=_no_phase, call: str = "train", form: str = "contiguous"
 ):
-    """One call of the implementation (harness.calls: train, no-grad, checkpoint, ...) on inputs in
-    `form`. Returns (out, lse, grads or None, times); `phase` is told forward / backward / done, so
-    the comm log and fault schedule know which."""
+    """One call of the implementation, on inputs in `form`.
+
+    The call is one of harness.calls: train, no-grad, checkpoint... It returns (out, lse, grads or
+    None, times). `phase` is told forward, backward or done, so the comm log and the fault schedule
+    know which.
+    """
     times: dict = {}
     out, lse, grads = _run_call(impl, q, k, v, dout, ctx, call, form, phase, times)
     phase("done")
@@ -190,8 +205,11 @@ def _forward_backward(
 def run_on_rank(
     case: case_mod.Case, impl, group, device: torch.device, leak: bool, phase=_no_phase
 ) -> dict:
-    """Run one case on this rank: build shards from the seed, forward + backward, leak run (not
-    under faults: the fault schedule counts the ops of one forward + backward)."""
+    """Run one case on this rank: shards from the seed, forward and backward, then the leak run.
+
+    The leak run is skipped under faults: the fault schedule counts the ops of one forward and
+    backward.
+    """
     import torch.distributed as dist
 
     grank = dist.get_rank(group) if group is not None else 0
@@ -258,15 +276,17 @@ def run_on_rank(
 
 
 def comm_budget(case: case_mod.Case) -> float:
-    """Seconds from a case's start by which every communication op must have completed or failed,
-    leaving the rest of the deadline for the error to reach the parent."""
+    """Seconds from a case's start by which every communication op must have completed or failed.
+
+    The rest of the deadline is left for the error to reach the parent.
+    """
     return max(0.5, case.deadline_s - max(0.5, min(2.0, 0.1 * case.deadline_s)))
 
 
 def _interposer(
     case: case_mod.Case, rank: int, msg: RunMessage, workdir: str | None, stage: bool = False
 ):
-    """This rank's torch.distributed interposer for the case: op log, faults, short timeouts."""
+    """This rank's torch.distributed interposer for the case: op log, faults and short timeouts."""
 
     def path(name: str) -> str | None:
         return os.path.join(workdir, f"{name}-{rank}") if workdir else None
@@ -284,17 +304,21 @@ def _interposer(
     )
 
 
-PEERS_TAG = 0x5EED  # the tag of the receives `_close_peers` times out on purpose (never sent to)
+# The tag of the receives that `_close_peers` times out on purpose. Nothing is sent to it.
+PEERS_TAG = 0x5EED
 
 
 def _close_peers(case: case_mod.Case, rank: int, groups: Groups) -> None:
-    """After this rank raised mid-case: end the case on the other ranks at once instead of letting
-    them wait out the backend's timeout. For each peer, a receive on the case's group is posted and
-    timed out after 1 ms; gloo then closes the connection to that peer ("Application timeout caused
-    pair closure"), so whatever the peer waits for from this rank fails immediately ("Connection
-    closed by peer"), and its own error closes its connections in turn. The group is retired either
-    way (the pool builds a fresh one for the next case). NCCL has no such pairs: its ranks end by
-    the group's timeout, which follows the case deadline."""
+    """After this rank raised mid-case, end the case on the other ranks at once.
+
+    Otherwise they would wait out the backend's timeout. docs/check.md ("Fail-stop in seconds") says
+    what the user sees. Under gloo, for each peer, a receive on the case's group is posted and timed
+    out after 1 ms. Gloo then closes the connection to that peer ("Application timeout caused pair
+    closure"). Whatever the peer waits for from this rank fails at once ("Connection closed by
+    peer"), and its own error closes its connections in turn. The group is retired either way: the
+    pool builds a fresh one for the next case. NCCL has no such pairs. Its ranks end by the group's
+    timeout, which follows the case deadline.
+    """
     import torch.distributed as dist
 
     if case.world_size < 2 or not (case.group_offset <= rank < case.group_offset + case.world_size):
@@ -314,8 +338,10 @@ def _close_peers(case: case_mod.Case, rank: int, groups: Groups) -> None:
                     datetime.timedelta(milliseconds=1)
                 )
             except RuntimeError:
-                pass  # the timeout we asked for: the pair to `peer` is closed
-    except Exception:  # best effort: the peers still end by the group's timeout
+                # The timeout we asked for: the pair to `peer` is closed.
+                pass
+    # Best effort: the peers still end by the group's timeout.
+    except Exception:
         pass
 
 
@@ -328,9 +354,12 @@ def handle_case(
     workdir: str | None = None,
     stage: bool = False,
 ) -> ResultMessage:
-    """Run one 'run' message on this (global) rank and build the reply; never raises for an
-    implementation's error (that is a result). Shared by the pool worker and the torchrun driver.
-    The case runs inside the fault interposer; the reply carries its op log and fired faults."""
+    """Run one 'run' message on this global rank and build the reply.
+
+    It never raises for an implementation's error, which is a result. The pool worker and the
+    torchrun driver share it. The case runs inside the fault interposer, and the reply carries its
+    op log and the faults that fired.
+    """
     case = case_mod.from_dict(msg["case"])
     reply = ResultMessage(op=RESULT, rank=rank, case_id=msg["case_id"], status=OK)
     ip = _interposer(case, rank, msg, workdir, stage)
@@ -357,7 +386,8 @@ def handle_case(
     except ShapeError as e:
         reply.update(status=DIVERGED, error=_error_text(e), error_time=time.time())
         _close_peers(case, rank, groups)
-    except Exception as e:  # the implementation's error is a result, not a worker crash
+    # The implementation's error is a result, not a worker crash.
+    except Exception as e:
         reply.update(
             status=ERROR,
             error=_error_text(e),
@@ -371,9 +401,12 @@ def handle_case(
 
 
 def handle_oracle(msg: OracleMessage, rank: int, device: torch.device) -> OracleResultMessage:
-    """One pass of this rank's share of a case's oracle (float64 and base: its own query rows
-    against every key, or its own keys against every query given every row's statistics) on its own
-    device. Runs outside the fault interposer and uses no process group: faults cannot touch it."""
+    """One pass of this rank's share of a case's oracle, float64 and base, on its own device.
+
+    The first pass is its own query rows against every key. The second is its own keys against every
+    query, given every row's statistics. It runs outside the fault interposer and uses no process
+    group, so faults cannot touch it.
+    """
     case = case_mod.from_dict(msg["case"])
     reply = OracleResultMessage(op=ORACLE_RESULT, rank=rank, case_id=msg["case_id"], status=OK)
     g = rank - case.group_offset

@@ -1,21 +1,10 @@
 """Why a rank process died, in words: its exit code or signal, and for SIGKILL the likely cause.
 
-A rank the kernel's OOM killer ends gets SIGKILL like one killed by hand, and once it is dead its
-memory figures are gone from /proc (the parent's `wait4` rusage is no help: Linux carries the
-parent's own high-water mark into a child's `ru_maxrss` across fork/vfork + exec). So while the
-ranks live, one daemon thread of the parent samples every watched rank's VmRSS/VmHWM from
-/proc/<pid>/status and the machine's MemAvailable every `SAMPLE_S`; when a rank is found dead by
-SIGKILL, `describe` weighs the evidence, strongest first:
-
-1. the kernel log (/dev/kmsg or `dmesg`, where readable) names the pid in an OOM kill: out of
-   memory, at the anon-rss the kernel reports;
-2. the memory cgroup's oom_kill counter rose since the rank started: likely out of memory;
-3. the machine had little memory left just before the death (MemAvailable under
-   `LOW_MEMORY_FRACTION` of the limit), or the rank alone held over half the limit: likely out of
-   memory;
-otherwise the SIGKILL came from elsewhere (a user, a fault injector, a job scheduler) and the words
-say so, with the rank's last peak RSS. The wording keeps the pool's form "killed by signal 9 ..."
-(the verdict shows what comes before the first ';').
+An OOM kill and a kill by hand both arrive as SIGKILL, and a dead rank's memory figures are gone
+from /proc. So while the ranks live, a thread of the parent samples their memory and the machine's.
+`describe` then weighs that evidence with the kernel log and the memory cgroup.
+docs/long-sequences.md says why, and in which order. `estimate` says before a run whether a case
+fits.
 """
 
 from __future__ import annotations
@@ -30,8 +19,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-SAMPLE_S = 0.25  # how often the watcher reads the ranks' RSS and the machine's free memory
-RECENT_S = 5.0  # free-memory samples this close to a death count as "just before" it
+# how often the watcher reads the ranks' RSS and the machine's free memory
+SAMPLE_S = 0.25
+# free-memory samples this close to a death count as "just before" it
+RECENT_S = 5.0
 # MemAvailable under this share of the limit (or under LOW_MEMORY_BYTES): near it
 LOW_MEMORY_FRACTION = 0.08
 LOW_MEMORY_BYTES = 512 << 20
@@ -48,9 +39,12 @@ class _Rank:
     started: float  # time.monotonic() at watch
     oom_kills: int | None  # the cgroup's oom_kill counter at watch
     rss: int = 0  # bytes, last sample
-    peak: int = 0  # bytes, VmHWM at the last sample (the process's own high-water mark)
-    seen: float = 0.0  # time.monotonic() of the last sample that found it alive (0: never)
-    done: bool = False  # gone for a while (or never seen): no longer sampled, its figures kept
+    # bytes, VmHWM at the last sample (the process's own high-water mark)
+    peak: int = 0
+    # time.monotonic() of the last sample that found it alive (0: never)
+    seen: float = 0.0
+    # gone for a while (or never seen): no longer sampled, its figures kept
+    done: bool = False
 
 
 @dataclass
@@ -69,8 +63,10 @@ _STATE = _State()
 
 
 def proc_memory(pid: int) -> tuple[int, int] | None:
-    """(VmRSS, VmHWM) of a live process in bytes; None when it is gone (or a zombie: no Vm
-    lines)."""
+    """(VmRSS, VmHWM) of a live process in bytes, or None when it is gone.
+
+    A zombie has no Vm lines, so it counts as gone.
+    """
     rss = hwm = None
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -85,7 +81,7 @@ def proc_memory(pid: int) -> tuple[int, int] | None:
 
 
 def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes (MemTotal, MemAvailable, ...); empty where unreadable."""
+    """/proc/meminfo in bytes (MemTotal, MemAvailable...). Empty where unreadable."""
     out = {}
     try:
         with open("/proc/meminfo") as f:
@@ -100,7 +96,7 @@ def meminfo() -> dict[str, int]:
 
 
 def _cgroup_dirs() -> list[str]:
-    """This process's memory cgroup directories (v2 unified, then v1 memory), where mounted."""
+    """This process's memory cgroup directories, v2 unified then v1 memory, where mounted."""
     dirs = []
     try:
         with open("/proc/self/cgroup") as f:
@@ -142,8 +138,10 @@ def memory_limit() -> int:
 
 
 def cgroup_oom_kills() -> int | None:
-    """The memory cgroup's count of OOM kills (v2 memory.events, v1 memory.oom_control); None if
-    unknown."""
+    """The memory cgroup's count of OOM kills, or None if unknown.
+
+    It reads v2 memory.events, or v1 memory.oom_control.
+    """
     for d in _cgroup_dirs():
         for name in ("memory.events", "memory.oom_control"):
             try:
@@ -162,7 +160,7 @@ _DMESG_TS = re.compile(r"^\[\s*(\d+)\.(\d+)\]\s?(.*)$")
 
 
 def kernel_log(max_bytes: int = 4 << 20) -> list[tuple[float, str]] | None:
-    """(seconds since boot, message) of the kernel log's records; None when it cannot be read."""
+    """(seconds since boot, message) of the kernel log's records. None when it cannot be read."""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -176,7 +174,8 @@ def kernel_log(max_bytes: int = 4 << 20) -> list[tuple[float, str]] | None:
                 except BlockingIOError:
                     break
                 except OSError as e:
-                    if e.errno == errno.EPIPE:  # a record overwritten while reading: go on
+                    # a record overwritten while reading: go on
+                    if e.errno == errno.EPIPE:
                         continue
                     raise
                 if not rec:
@@ -207,8 +206,10 @@ def kernel_log(max_bytes: int = 4 << 20) -> list[tuple[float, str]] | None:
 def oom_record(
     pid: int, records: list[tuple[float, str]] | None, since: float | None = None
 ) -> str | None:
-    """The kernel's OOM-kill message naming `pid` (logged at or after `since`, seconds since boot),
-    if any."""
+    """The kernel's OOM-kill message naming `pid`, if any.
+
+    Only messages logged at or after `since`, in seconds since boot, count.
+    """
     for ts, msg in reversed(records or []):
         if since is not None and ts < since:
             break
@@ -228,8 +229,10 @@ def _boot_seconds() -> float:
 
 
 def watch(proc: subprocess.Popen) -> subprocess.Popen:
-    """Sample `proc`'s memory until it dies (the sampler thread starts on the first call); returns
-    it."""
+    """Sample `proc`'s memory until it dies, and return `proc`.
+
+    The sampler thread starts on the first call.
+    """
     st = _STATE
     with st.lock:
         st.ranks[proc.pid] = _Rank(proc.pid, time.monotonic(), cgroup_oom_kills())
@@ -246,8 +249,9 @@ def watch(proc: subprocess.Popen) -> subprocess.Popen:
 
 
 def sample_once() -> None:
-    """One round: every watched live rank's RSS and high-water mark, and the machine's free
-    memory."""
+    """One round: every watched live rank's RSS and high-water mark, and the
+    machine's free memory.
+    """
     st = _STATE
     now = time.monotonic()
     with st.lock:
@@ -272,7 +276,8 @@ def _sample_forever() -> None:
     while True:
         try:
             sample_once()
-        except Exception:  # the watcher must never take the parent down
+        # the watcher must never take the parent down
+        except Exception:
             pass
         time.sleep(SAMPLE_S)
 
@@ -293,7 +298,7 @@ def _gib(n: float) -> str:
 
 @dataclass
 class Evidence:
-    """What is known about a SIGKILLed rank (every field optional: tests build one by hand)."""
+    """What is known about a SIGKILLed rank. Every field is optional: tests build one by hand."""
 
     rank: int
     peak: int | None = None  # bytes: the rank's own high-water mark, last sampled
@@ -329,8 +334,13 @@ def evidence(rank: int, pid: int, *, limit: int | None = None) -> Evidence:
 
 
 def sigkill_cause(ev: Evidence) -> str:
-    """The likely cause of a SIGKILL, one phrase without ';' (the verdict shows what precedes
-    it)."""
+    """The likely cause of a SIGKILL, as one phrase without ';'. The verdict shows what precedes it.
+
+    The evidence counts strongest first: 1. The kernel log names the pid in an OOM kill: out of
+    memory. 2. The memory cgroup counted an OOM kill since the rank started: likely out of memory.
+    3. Little memory was left just before the death, or the rank held over half the limit: likely
+    out of memory. Otherwise the words say the evidence shows no OOM kill.
+    """
     at = f"rank {ev.rank} at {_gib(ev.peak)} peak RSS" if ev.peak else f"rank {ev.rank}"
     lim = f"of the {_gib(ev.limit)} limit" if ev.limit and ev.limit < 1 << 61 else ""
     if ev.kernel:
@@ -360,7 +370,9 @@ def sigkill_cause(ev: Evidence) -> str:
 def how_it_died(
     rank: int, proc: subprocess.Popen, *, wait_s: float = REAP_WAIT_S, limit: int | None = None
 ) -> str:
-    """'still running', 'exit N', 'killed by signal N (NAME)' and, for SIGKILL, its likely cause."""
+    """'still running', 'exit N', or 'killed by signal N (NAME)', with the likely
+    cause for SIGKILL.
+    """
     try:
         code = proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
@@ -378,7 +390,7 @@ def how_it_died(
 
 
 def describe(rank: int, proc: subprocess.Popen, log_tail: str) -> str:
-    """The pool's words for a dead rank: how it died (and why, for SIGKILL), then its log's tail."""
+    """The pool's words for a dead rank: how it died, and why for SIGKILL; then its log's tail."""
     return f"{how_it_died(rank, proc)}; log: {log_tail}"
 
 
@@ -420,8 +432,9 @@ PARENT_BYTES_PER_PART_HD = 32
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a case is expected to need at its peak: each rank, the parent, all together, and what
-    is free."""
+    """The bytes a case is expected to need at its peak: each rank, the parent, all together, and
+    what is free.
+    """
 
     per_rank: int
     ranks: int
@@ -450,8 +463,7 @@ class MemoryEstimate:
 
 
 def oracle_share_bytes(case) -> int:
-    """Peak bytes of computing one share of the case's oracle (harness.oracle.shares), the largest
-    share."""
+    """Peak bytes of computing the largest share of the case's oracle (harness.oracle.shares)."""
     from harness.oracle.tiles import block
 
     hd = case.heads_q * case.head_dim * case.batch
@@ -468,10 +480,12 @@ def oracle_share_bytes(case) -> int:
 def estimate(
     case, available: int | None = None, tile_budget: int | None = None, oracle: str = "ranks"
 ) -> MemoryEstimate:
-    """Peak memory of running `case`: ranks running a reference-like ring with tiled blocks, and the
-    oracle computed by the ranks (`oracle="ranks"`: each rank's peak is the larger of its run and
-    its share, run one after the other) or by the parent (`"local"`: one share at a time, all of
-    them in the parent)."""
+    """Peak memory of running `case`.
+
+    The ranks run a reference-like ring with tiled blocks. With `oracle="ranks"`, each rank then
+    computes its oracle share: its peak is the larger of its run and its share. With `"local"`, the
+    parent computes every share, one at a time.
+    """
     from ring_impl.kernel import tile_scores
 
     hd = case.heads_q * case.head_dim * case.batch

@@ -1,15 +1,10 @@
 """A persistent pool of rank processes: start once, run many cases, watch every deadline.
 
-Rendezvous is a FileStore in a private temp dir (no TCP ports, so parallel pytest-xdist workers
-never collide); control messages go over per-rank Unix sockets with an auth key. Each worker runs
-in its own session and is killed as a group (SIGTERM, then SIGKILL). A case that passes its
-deadline gets each pending rank's faulthandler stack, then the pool is torn down and restarted
-on the next case. Workers also die with the parent (PDEATHSIG), so nothing is left running.
-Reading what a dead or hung rank left, and ending its process group: harness.ranks.postmortem.
-
-`history` lists what the ranks ran since their last start (case, implementation, leak run), oldest
-first, bounded (HISTORY_MAX): a failure that depends on what ran before (a buffer cached across
-calls and not zeroed) is reproduced from it (harness.search.history). A start (a restart) clears it.
+A case that passes its deadline gets each pending rank's stack. The pool is then torn down, and it
+restarts on the next case. Workers die with the parent, so nothing is left running.
+docs/long-sequences.md says how the ranks meet and how they are stopped. harness.ranks.postmortem
+reads what a dead or hung rank left. `RankPool.history` keeps what the ranks ran since their last
+start, for failures that depend on what ran before.
 """
 
 from __future__ import annotations
@@ -50,11 +45,14 @@ from harness.ranks.protocol import (
 __all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
 
 START_TIMEOUT_S = 120.0
-MAX_HEALS = 24  # fresh process groups built after errors before the pool is restarted instead
+# Fresh process groups built after errors, before the pool is restarted instead.
+MAX_HEALS = 24
 # where the pool's ring-harness-* dir goes (default: tempfile.gettempdir())
 TMPDIR_ENV = "RING_HARNESS_TMPDIR"
-_SOCKET_PATH_MAX = 107  # AF_UNIX paths: 108 bytes with the terminating NUL; rank<N>.sock must fit
-HISTORY_MAX = 256  # runs kept in RankPool.history (the oldest dropped first)
+# AF_UNIX paths are 108 bytes with the terminating NUL, and rank<N>.sock must fit.
+_SOCKET_PATH_MAX = 107
+# Runs kept in RankPool.history. The oldest is dropped first.
+HISTORY_MAX = 256
 
 
 def _project_root() -> str:
@@ -62,9 +60,12 @@ def _project_root() -> str:
 
 
 def temp_root() -> str:
-    """Where a pool makes its private dir: $RING_HARNESS_TMPDIR (created if missing; tests point it
-    at pytest's tmp_path), else tempfile.gettempdir(). A root too deep for the ranks' Unix socket
-    paths falls back to tempfile.gettempdir()."""
+    """Where a pool makes its private dir.
+
+    It is $RING_HARNESS_TMPDIR, created if missing, else tempfile.gettempdir(). Tests point the
+    variable at pytest's tmp_path. A root too deep for the ranks' Unix socket paths falls back to
+    tempfile.gettempdir().
+    """
     root = os.environ.get(TMPDIR_ENV) or tempfile.gettempdir()
     if (
         len(os.path.join(os.path.abspath(root), "ring-harness-xxxxxxxx", "rank9999.sock"))
@@ -77,9 +78,11 @@ def temp_root() -> str:
 
 @dataclass(frozen=True)
 class Ran:
-    """One run the ranks made since their last start: the case, the implementation it ran under,
-    whether the leak run (a second forward + backward in the same case) was asked for, and its
-    import permission."""
+    """One run the ranks made since their last start.
+
+    It holds the case, the implementation it ran under, and its import permission. `leak` says
+    whether the leak run was asked for: a second forward and backward in the same case.
+    """
 
     case: case_mod.Case
     impl: str
@@ -90,8 +93,10 @@ class Ran:
 
 @dataclass
 class _Standby:
-    """Workers started ahead (see RankPool.spare): their dir, processes, auth key, size; the
-    finalizer kills them and removes the dir."""
+    """Workers started ahead (see RankPool.spare): their dir, processes, auth key and size.
+
+    The finalizer kills them and removes the dir.
+    """
 
     dir: str
     procs: list[subprocess.Popen]
@@ -101,7 +106,12 @@ class _Standby:
 
 
 class RankPool:
-    """`size` worker ranks on `backend`; use as a context manager or call close()."""
+    """`size` worker ranks on `backend`. Use it as a context manager, or call close().
+
+    `history` holds the runs since the last start, at most HISTORY_MAX. A start or a restart clears
+    it. A failure that depends on what ran before, such as a buffer cached across calls and never
+    zeroed, is reproduced from it.
+    """
 
     def __init__(
         self,
@@ -134,8 +144,11 @@ class RankPool:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the workers (or adopt the standby set) and wait, with a deadline, until every one
-        is ready; with `spare`, on a restart, launch the next standby set in the background."""
+        """Start the workers, or adopt the standby set, and wait until every one is ready.
+
+        The wait has a deadline. With `spare`, a restart launches the next standby set in the
+        background.
+        """
         self._release()
         sb = self._standby
         self._standby = None
@@ -181,8 +194,10 @@ class RankPool:
             self._standby = self._launch(self.size)
 
     def _launch(self, size: int) -> _Standby:
-        """Start `size` worker processes in a new private dir without waiting for them: each imports
-        torch, then waits for the pool to connect (harness.ranks.worker.serve)."""
+        """Start `size` worker processes in a new private dir, without waiting for them.
+
+        Each imports torch, then waits for the pool to connect (harness.ranks.worker.serve).
+        """
         workdir = tempfile.mkdtemp(prefix="ring-harness-", dir=temp_root())
         procs: list[subprocess.Popen] = []
         finalizer = weakref.finalize(self, postmortem.kill_all, procs, workdir)
@@ -227,7 +242,8 @@ class RankPool:
             try:
                 return oom.watch(zygote.zygote_for(env).fork(cmd[3:], env, log))
             except OSError:
-                if zygote.enabled():  # the zygote is there but could not fork: a real failure
+                # The zygote is there but could not fork: a real failure.
+                if zygote.enabled():
                     raise
         # spawned afresh: RING_HARNESS_FORK=0, or this process's zygote could not start
         with open(log, "wb") as f:
@@ -262,8 +278,10 @@ class RankPool:
             time.sleep(0.02)
 
     def close(self) -> None:
-        """Stop every worker, the standby set's too (politely, then SIGTERM, then SIGKILL), and
-        remove the temp dirs."""
+        """Stop every worker and remove the temp dirs. The standby set stops too.
+
+        Each worker is asked politely first, then gets SIGTERM, then SIGKILL.
+        """
         # its exit starts now, beside the current set's: both end together
         if self._standby is not None:
             postmortem.signal_groups(self._standby.procs, signal.SIGTERM)
@@ -273,7 +291,7 @@ class RankPool:
             self._standby = None
 
     def _release(self) -> None:
-        """Stop the current workers and remove their dir (the standby set stays)."""
+        """Stop the current workers and remove their dir. The standby set stays."""
         for c in self.conns:
             try:
                 wire.send(c, StopMessage(op=STOP))
@@ -298,12 +316,16 @@ class RankPool:
         self.close()
 
     def pids(self) -> list[int]:
-        """The worker processes' pids (each leads its own session and process group)."""
+        """The worker processes' pids. Each leads its own session and process group."""
         return [p.pid for p in self.procs]
 
     def ensure(self, size: int, exact: bool = False) -> bool:
-        """Make sure a healthy pool of at least `size` ranks (exactly `size` when `exact`: for an
-        implementation that needs the ring to be the whole world) runs; True when it (re)started."""
+        """Make sure a healthy pool of at least `size` ranks runs. True when it started or
+        restarted.
+
+        With `exact`, the pool has exactly `size` ranks: for an implementation whose ring must be
+        the whole world.
+        """
         fits = self.size == size if exact else self.size >= size
         if not self.broken and fits and all(p.poll() is None for p in self.procs):
             return False
@@ -332,8 +354,10 @@ class RankPool:
         leak: bool = True,
         whole_world: bool = False,
     ) -> LocalTicket:
-        """Send a case to every rank (restarting the pool if needed); the deadline starts now. A
-        stop request (harness.interrupt) raises Interrupted here, between cases."""
+        """Send a case to every rank, restarting the pool if needed. The deadline starts now.
+
+        A stop request (harness.interrupt) raises Interrupted here, between cases.
+        """
         interrupt.check("before the next case")
         restarted = self.ensure(case.pool_size, exact=whole_world)
         self.history.append(Ran(case, impl or case.impl, leak, allow_import, whole_world))
@@ -367,8 +391,9 @@ class RankPool:
         return ticket
 
     def collect(self, ticket: LocalTicket) -> PoolReply:
-        """Wait for every rank's reply until the deadline; report hung ranks' stacks and dead
-        ranks."""
+        """Wait for every rank's reply until the deadline. Report the hung ranks' stacks and the
+        dead ranks.
+        """
         out = PoolReply(restarted=ticket["restarted"], dead=dict(ticket["dead"]))
         pending: dict[Connection, int] = ticket["pending"]
         deadline = ticket["start"] + ticket["deadline_s"]
@@ -405,7 +430,8 @@ class RankPool:
             out.hung = postmortem.stacks(
                 self.dir, self.procs, sorted(pending.values()), ticket["stacks"]
             )
-            self._release()  # the standby set (if any) stays: the next case adopts it
+            # The standby set, if any, stays: the next case adopts it.
+            self._release()
         return out
 
     def oracle(
@@ -415,10 +441,12 @@ class RankPool:
         oracle_pass: OraclePass = "rows",
         stats: tuple | None = None,
     ) -> dict[int, tuple]:
-        """One pass of every ring rank's share of the case's oracle (harness.oracle.shares), sent
-        back over the ranks' own sockets (never a process group): group rank -> (float64 part, base
-        part). A rank that fails, dies or passes `timeout_s` raises PoolError, and the pool restarts
-        on the next case."""
+        """One pass of every ring rank's share of the case's oracle (harness.oracle.shares).
+
+        The shares come back over the ranks' own sockets, never a process group. The result maps
+        group rank -> (float64 part, base part). A rank that fails, dies or passes `timeout_s`
+        raises PoolError, and the pool restarts on the next case.
+        """
         msg = OracleMessage(
             op=ORACLE, case=case_mod.to_dict(case), case_id=self._case_id, oracle_pass=oracle_pass
         )

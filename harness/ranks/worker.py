@@ -1,11 +1,11 @@
-"""One rank of the persistent pool: receives cases from the parent, runs them, sends back shards.
+"""One rank of the persistent pool: it receives cases from the parent, runs them, sends back shards.
 
-How one case runs on a rank is `harness.ranks.execute`; this module serves the messages.
+harness.ranks.execute runs one case on a rank, and this module serves the messages. `HANDLERS` has
+one handler per op. harness.ranks.protocol declares the messages.
 
-Started by `harness.ranks.pool` as `python -m harness.ranks.worker`; dies with its parent (PDEATHSIG
-plus a watchdog thread), dumps its Python stack on SIGUSR1 (faulthandler) so a hang names where it
-waits. Runs inside a rank process: see `harness.ranks` for what it may import. The messages it
-answers (`HANDLERS`, one handler per op) are declared in `harness.ranks.protocol`.
+harness.ranks.pool starts it as `python -m harness.ranks.worker`. It dies with its parent (PDEATHSIG
+plus a watchdog thread). On SIGUSR1 it dumps its Python stack (faulthandler), so a hang names where
+it waits. It runs inside a rank process: docs/architecture.md says what it may import.
 """
 
 from __future__ import annotations
@@ -62,9 +62,12 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _warm_up() -> None:
-    """Do once at start what the first backward would otherwise do mid-ring: torch imports sympy on
-    the first backward with a given gradient (seconds on a loaded machine), which made the other
-    ranks' short-timeout waits fail on the first case after every pool (re)start."""
+    """Do once at start what the first backward would otherwise do mid-ring.
+
+    Torch imports sympy on the first backward with a given gradient, which takes seconds on a loaded
+    machine. The other ranks' short-timeout waits then failed on the first case after every pool
+    start or restart.
+    """
     x = torch.ones(1, requires_grad=True)
     torch.autograd.backward(x * 2, torch.ones(1))
 
@@ -103,7 +106,7 @@ def on_ping(st: Serving, msg: Message) -> bool:
 
 
 def on_stop(st: Serving, msg: Message) -> bool:
-    """Leave the loop (the caller tears the process group down and exits)."""
+    """Leave the loop. The caller tears the process group down and exits."""
     return False
 
 
@@ -119,8 +122,10 @@ HANDLERS: dict[str, Callable[[Serving, Message], bool]] = {
 def serve(
     rank: int, size: int, workdir: str, backend: str, placement: Placement | None = None
 ) -> None:
-    """Rendezvous, then loop: receive a message, hand it to its handler. Exits on 'stop' or parent
-    death."""
+    """Rendezvous, then loop: receive a message and hand it to its handler.
+
+    It exits on 'stop' or on the parent's death.
+    """
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -137,7 +142,8 @@ def serve(
     placement = placement or Placement()
     backend = choose_backend(backend)
     device = device_for(backend) if backend == "nccl" else rank_device(placement, rank)
-    if device.type == "cuda":  # the CUDA context now, not in the first case's ring (short timeouts)
+    # Make the CUDA context now, not in the first case's ring with its short timeouts.
+    if device.type == "cuda":
         torch.ones(1, device=device).sum().item()
         if backend == "gloo":
             from harness.faults.staging import stage_functional_collectives
@@ -174,16 +180,21 @@ def serve(
 
 
 def _preload() -> None:
-    """What the zygote does once for all its children (harness.ranks.zygote): one intra-op thread,
-    and, with a CPU-only torch (where it cannot touch a device), the autograd warm-up's imports."""
+    """What the zygote does once for all its children (harness.ranks.zygote).
+
+    It sets one intra-op thread. With a CPU-only torch, which cannot touch a device, it also does
+    the autograd warm-up's imports.
+    """
     torch.set_num_threads(1)
     if torch.version.cuda is None and torch.version.hip is None:
         _warm_up()
 
 
 def main(argv: list[str] | None = None, zygote_pid: int | None = None) -> None:
-    """Entry point of a worker process (arguments given by RankPool); `--zygote --parent PID` runs
-    the zygote that forks them (harness.ranks.zygote)."""
+    """The entry point of a worker process. RankPool gives the arguments.
+
+    `--zygote --parent PID` runs the zygote that forks the workers (harness.ranks.zygote).
+    """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--zygote"]:
         from harness.ranks import zygote

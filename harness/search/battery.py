@@ -1,9 +1,9 @@
-"""The default fixed battery: a few dozen small cases that together cover every feature (each mask,
-layout, dtype, uneven and even splits, odd zigzag chunks, GQA/MQA, value distribution, world sizes
-1-4 and 8, a ring inside a subgroup that overlaps ranks 0..W-1 and one disjoint from them; every
-primitive of the mask language, idle ranks). An implementation that declares fewer features gets
-every case adapted to the nearest declared feature (`harness.impls.capabilities.adapt`), not fewer
-cases."""
+"""The default fixed battery: a few dozen small cases that together cover every feature.
+
+An implementation that declares fewer features gets every case adapted to the nearest declared
+feature (`harness.impls.capabilities.adapt`), not fewer cases. docs/check.md lists what the cases
+cover.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +27,14 @@ def _docs(total: int) -> MaskSpec:
 def default_battery(
     world_size: int = 4, dtype: str | None = None, impl: str = "reference", model_calls: bool = True
 ) -> list[Case]:
-    """The fixed battery around `world_size`; `dtype` restricts it to one dtype. `model_calls`: the
-    cases of how models call a ring (`model_call_cases`) run last."""
+    """The fixed battery around `world_size`.
+
+    `dtype` restricts it to one dtype. With `model_calls`, the cases of how models call a ring
+    (`model_call_cases`) run last.
+    """
     w = world_size
-    total = 6 * w + 3  # not divisible by W or 2W: every layout gets uneven shards
+    # Not divisible by W or 2W: every layout gets uneven shards.
+    total = 6 * w + 3
     cases: list[Case] = []
 
     def add(**kw) -> None:
@@ -146,12 +150,17 @@ def default_battery(
 
 
 def model_call_cases(w: int) -> list[dict]:
-    """How models call a ring (harness.calls, harness.inputs), one case each, seeded after the rest:
-    evaluation (no_grad), serving (inference_mode), activation checkpointing both ways; q, k, v as
-    views of a fused projection (GQA: split; MHA: unbind) and transposed from (b, h, s, d), a
-    transposed dout; the magnitudes of trained models (outlier channels, raw q.k past fp16's range,
-    an attention sink). Causal zigzag and striped where a layout matters: a forward-only path that
-    skips blocks by rank order is right on contiguous only."""
+    """How models call a ring (harness.calls, harness.inputs): one case each, seeded after the rest.
+
+    - The calls: evaluation (no_grad), serving (inference_mode), activation checkpointing both ways.
+    - The input forms: q, k, v as views of a fused projection (split for GQA, unbind for MHA), or
+      transposed from (b, h, s, d). A transposed dout.
+    - The magnitudes of trained models: outlier channels, raw q.k past fp16's range, an attention
+      sink.
+
+    The cases are causal zigzag and striped where a layout matters. A forward-only path that skips
+    blocks by rank order is right on contiguous only.
+    """
     total = 6 * w + 3
     causal, window = MASKS["causal"], MASKS["window"]
     gqa = {"heads_q": 4, "heads_kv": 2}
@@ -202,14 +211,18 @@ def model_call_cases(w: int) -> list[dict]:
 
 
 def language_cases(w: int, total: int) -> list[tuple[str, tuple[int, ...], MaskSpec]]:
-    """(layout, seq_lens, mask) of the battery's mask-language cases at world size `w`: Llama 4
-    chunked attention and prefix-LM with an idle rank, a bidirectional window, LongNet dilation, a
-    block table with inverse-causal, documents without their prefix, a mask that leaves whole ranks
-    seeing nothing, and block-causal attention inside each packed document (per-document)."""
+    """(layout, seq_lens, mask) of the battery's mask-language cases at world size `w`.
+
+    They are Llama 4 chunked attention and prefix-LM with an idle rank, a bidirectional window,
+    LongNet dilation, a block table with inverse-causal, documents without their prefix, a mask that
+    leaves whole ranks seeing nothing, and block-causal attention inside each packed document
+    (per-document).
+    """
     idle = tuple([7, 0, 11, 9][i % 4] + i // 4 for i in range(w)) if w >= 2 else (total,)
     even = tuple(split_lengths(total, w))
     n_idle = sum(idle)
-    first = idle[0]  # the first shard's end: chunk, prefix and segment edges on it or next to it
+    # The first shard's end: chunk, prefix and segment edges fall on it or next to it.
+    first = idle[0]
     docs = tuple(sorted({0, max(1, first - 2), min(n_idle - 1, first + 5)}))
     return [
         ("contiguous", idle, MaskSpec.of(and_(prim("causal"), prim("chunked", first + 1)))),

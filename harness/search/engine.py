@@ -1,10 +1,10 @@
 """The property-based search as an object: a `Search` holds one run's state, one method per step.
 
-Hypothesis draws a case and calls `test_case`. The case runs, and its result is recorded: a pass
-updates the worst ratios; a failure is a new bug (confirmed, saved at once) or a smaller one of a
+Hypothesis draws a case and calls `test_case`. The case runs, and its result is recorded. A pass
+updates the worst ratios. A failure is a new bug, confirmed and saved at once, or a smaller one of a
 known bug. When hypothesis stops, the run's `ExitReason` is recorded and each bug is finished:
-confirmed, localised, cross-checked and saved. harness.search.fuzz builds a Search from a profile
-and says why the steps come in this order. Hypothesis's `ConjectureRunner` is the model.
+confirmed, localised, cross-checked and saved. docs/check.md says why the steps come in this order.
+Hypothesis's `ConjectureRunner` is the model.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from harness.search.signature import CaseFailed, Signature, raise_failure
 
 try:
     ExceptionGroupType = BaseExceptionGroup  # noqa: F821 - a builtin from Python 3.11
-except NameError:  # Python 3.10: the backport hypothesis itself depends on
+# Python 3.10: the backport that hypothesis itself depends on.
+except NameError:
     from exceptiongroup import BaseExceptionGroup as ExceptionGroupType
 
-MAX_SHRUNK_CONFIRMATIONS = 6  # fresh-rank confirmations of shrunk candidates, newest first
+# Fresh-rank confirmations of shrunk candidates, newest first.
+MAX_SHRUNK_CONFIRMATIONS = 6
 TENSORS = ("out", "lse", "dq", "dk", "dv")
 
 
@@ -50,7 +52,9 @@ class Budget:
 
 
 class _Stop(BaseException):  # noqa: N818 - a control-flow signal, not an error
-    """Ends the hypothesis run (budget spent, or the harness itself broke); not a case failure."""
+    """Ends the hypothesis run, when the budget is spent or the harness itself broke. Not a case
+    failure.
+    """
 
     def __init__(
         self,
@@ -148,8 +152,10 @@ class Search:
         return hypothesis_seed(self.outcome.seed)(hyp(given(self.strategy)(test)))
 
     def _run_hypothesis(self, test: Callable[[], None]) -> None:
-        """Run the hypothesis test and record its ExitReason. Its minimal failing example per
-        signature goes into `self.minimal`."""
+        """Run the hypothesis test and record its ExitReason.
+
+        Its minimal failing example per signature goes into `self.minimal`.
+        """
         out = self.outcome
         try:
             test()
@@ -157,12 +163,15 @@ class Search:
                 out.end(ExitReason.MAX_EXAMPLES)
             else:
                 out.end(ExitReason.EXHAUSTED)
-        except Flaky:  # before the group: hypothesis's FlakyFailure is an exception group too
+        # Before the group: hypothesis's FlakyFailure is an exception group too.
+        except Flaky:
             out.end(ExitReason.FLAKY)
-        except CaseFailed as e:  # hypothesis re-raises the minimal example's failure last
+        # Hypothesis re-raises the minimal example's failure last.
+        except CaseFailed as e:
             self.minimal[Signature.of(e.result)] = e.result
             out.end(ExitReason.SHRUNK)
-        except ExceptionGroupType as group:  # one minimal example per distinct failure
+        # One minimal example per distinct failure.
+        except ExceptionGroupType as group:
             _, rest = group.split(CaseFailed)
             if rest is not None:
                 raise rest from None
@@ -175,15 +184,18 @@ class Search:
             out.end(e.reason, **e.budget)
 
     def test_case(self, c: Case) -> None:
-        """One example: check the budget, run the case, record it, report progress, and raise its
-        failure for hypothesis to shrink."""
+        """One example: check the budget, run the case, record it and report progress.
+
+        A failure is raised for hypothesis to shrink.
+        """
         self._check_budget(time.monotonic())
         # a re-run (hypothesis replays its examples): the same answer, not a new run
         if c.key() in self.raised:
             raise_failure(self.raised[c.key()])
         try:
             r = self.execute(c)
-        except Exception as e:  # the harness broke, not the implementation: do not shrink it
+        # The harness broke, not the implementation: do not shrink it.
+        except Exception as e:
             raise _Stop(None, e) from e
         self._record(c, r)
         if self.progress is not None:
@@ -225,8 +237,11 @@ class Search:
                 per[t] = max(per.get(t, 0.0), r.worst(t))
 
     def _note_failure(self, c: Case, r: CaseResult) -> None:
-        """A failure is a new bug, or of a known one. A history-dependent bug is shrunk as a
-        sequence on fresh ranks when the run ends, not by hypothesis on the warm ranks."""
+        """Note a failure: a new bug, or one of a known bug.
+
+        A history-dependent bug is shrunk as a sequence on fresh ranks when the run ends, not by
+        hypothesis on the warm ranks.
+        """
         self.outcome.failures += 1
         sig = Signature.of(r)
         # a confirmed failure is recorded as its fresh run (replays bit for bit)
@@ -290,7 +305,8 @@ class Search:
         if bug.history_dependent:
             if bug is self.outcome.bugs[0]:
                 raise _Stop(ExitReason.HISTORY_DEPENDENT)
-            return  # another bug's shrinking goes on; this one is shrunk as a sequence
+            # Another bug's shrinking goes on. This one is shrunk as a sequence.
+            return
         # One exception type per signature: hypothesis shrinks each on its own. A case raises what
         # it raised the first time, its fresh run's failure when confirmed. A warm re-run may fail
         # differently, by what ran before it, and hypothesis needs one answer per example.
@@ -312,10 +328,12 @@ class Search:
         return found
 
     def _confirmed_minimal(self, bug: Bug, minimal: CaseResult | None) -> CaseResult:
-        """The smallest of the bug's failures that fails the same way alone on fresh ranks, as
-        recorded there. Hypothesis's minimal example comes first, then the smaller-so-far ones back
-        from the newest. Each refused counts in `outcome.refused`. The found failure was confirmed
-        before shrinking."""
+        """The smallest of the bug's failures that fails the same way alone on fresh ranks.
+
+        It is returned as recorded there. Hypothesis's minimal example is tried first, then the
+        smaller-so-far ones, back from the newest. Each refused one counts in `outcome.refused`. The
+        found failure was confirmed before shrinking.
+        """
         cands: dict[str, CaseResult] = {}
         for x in [minimal, *reversed(bug.chain)]:
             if x is not None:

@@ -1,34 +1,9 @@
-"""The property-based run: hypothesis (in the parent only) draws Cases, each example is one
-`run_case` on the persistent rank pool, and a failure is saved, shrunk and saved again.
+"""The property-based run's entry: the profiles, and `fuzz`.
 
-Saving order is what makes a failure impossible to lose: the first failing case is written
-atomically (`...-found.yaml`) the moment it is seen, before shrinking starts; every smaller
-failure hypothesis finds while shrinking overwrites `...-shrunk.yaml` (atomic rename), and the
-final minimal case is written there with its localisation. Hypothesis's example database is not
-used: the YAML file is the record.
-
-Shrinking keeps the failure's signature (harness.search.signature: verdict, failing tensors or the
-leak, error class; one implementation): each signature is raised as an exception type of its own and
-hypothesis runs with report_multiple_bugs, so it shrinks every signature separately and never slips
-from one to another. A failure with a new signature is a different bug: it gets its own
-`-found.yaml` and `-shrunk.yaml` (FuzzOutcome.bugs); the first one found is the outcome's
-`found`/`shrunk`. A shrunk case is run on the reference and on the second independent implementation
-(SECOND_IMPL); if either fails it too, it is reported as a harness disagreement (suspect the oracle
-or the tolerance) rather than a bug of the implementation.
-
-Fresh-rank confirmations (issue #19, harness.search.history) are interleaved with the search: a new
-failure is re-run alone on fresh ranks before its `-found.yaml` is written. One that does not
-reproduce there is history-dependent: the run stops, the sequence of earlier cases that makes it
-reproduce on fresh ranks is minimised and saved (`-found-sequence.yaml`), then shrunk as a sequence
-(`-shrunk-sequence.yaml`). A failure that did reproduce fresh is shrunk by hypothesis on the warm
-ranks, and its minimal case is confirmed the same way; one that fails only on the warm ranks is
-refused and the shrinker steps back through the smaller-so-far failures to the newest that fails
-alone on fresh ranks (at most MAX_SHRUNK_CONFIRMATIONS tries, else the found case), so shrinking
-never swaps a bug for a history effect. Every saved single case records its fresh run.
-
-This module is the entry: the profiles and `fuzz`. The run itself is a `Search`, in
-harness.search.engine with MAX_SHRUNK_CONFIRMATIONS. The outcome and its `ExitReason` are in
-harness.search.outcome. The failure files and SECOND_IMPL are in harness.search.failures.
+Hypothesis draws cases in the parent only. Each example is one `run_case` on the persistent rank
+pool. A failure is saved at once, then shrunk and saved again. docs/check.md says in which order,
+and why. The run itself is a `Search` (harness.search.engine). Its outcome and `ExitReason` are in
+harness.search.outcome, and its failure files in harness.search.failures.
 """
 
 from __future__ import annotations
@@ -55,10 +30,12 @@ from harness.search.outcome import ExitReason, FuzzOutcome
 
 @dataclass(frozen=True)
 class Profile:
-    """A hypothesis budget: examples, seconds of search, runs and seconds of shrinking, fixed or
-    random seed, and how large the drawn cases may be (strategies.SIZES). A profile whose bounds are
-    counts (examples, shrink_runs) runs the same cases on any machine; its seconds are a safety
-    stop, reported when hit."""
+    """A hypothesis budget, and how large the drawn cases may be (strategies.SIZES).
+
+    The budget holds examples, seconds of search, runs and seconds of shrinking, and a fixed or
+    random seed. A profile whose bounds are counts (examples, shrink_runs) runs the same cases on
+    any machine. Its seconds are then a safety stop, reported when hit.
+    """
 
     name: str
     max_examples: int
@@ -100,8 +77,11 @@ PROFILES = {
 
 
 def impl_info(impl: str, allow_import: bool) -> tuple[Capabilities, str]:
-    """The implementation's declared capabilities and version (defaults when it cannot be resolved
-    here: its cases then fail-stop in the ranks, which report why)."""
+    """The implementation's declared capabilities and version.
+
+    When the name cannot be resolved here, they are the defaults. Its cases then fail-stop in the
+    ranks, which report why.
+    """
     try:
         from harness.impls import registry
 
@@ -131,11 +111,11 @@ def fuzz(
     backend: str = "gloo",
     confirm: bool = True,
 ) -> FuzzOutcome:
-    """Search for a failing case of `impl`, shrink it, save it; see the module docstring.
+    """Search for a failing case of `impl`, shrink it and save it.
 
-    `run` replaces `run_case` on `pool` (tests); `progress(outcome, phase)` is called after every
-    run. `confirm`: confirm failures on fresh ranks (needs a pool that records its history; not with
-    `run`).
+    `run` replaces `run_case` on `pool`, for tests. `progress(outcome, phase)` is called after every
+    run. With `confirm`, failures are confirmed on fresh ranks. That needs a pool that records its
+    history, and does not work with `run`. docs/check.md has the order of saving and shrinking.
     """
     prof = PROFILES[profile]
     budget = _budget(prof, max_examples, time_budget_s, shrink_budget_s)
@@ -183,7 +163,7 @@ def _budget(
 ) -> Budget:
     """The profile's budget with the caller's overrides.
 
-    Given seconds of shrinking, the seconds rule applies: no count of runs.
+    When the caller gives seconds of shrinking, the seconds rule applies, with no count of runs.
     """
     shrink_s = prof.shrink_budget_s if shrink_budget_s is None else shrink_budget_s
     shrink_runs = prof.shrink_runs if shrink_budget_s is None else None

@@ -1,28 +1,10 @@
-"""Failures that depend on what ran before (issue #19): confirm a failure on fresh ranks, and when
-it does not reproduce there, find the shortest sequence of earlier runs that makes it reproduce.
+"""Failures that depend on what ran before: confirm a failure on fresh ranks, or find its sequence.
 
-Some bugs show only on a later call in the same process: a gradient buffer cached across calls and
-not zeroed (ring-flash-attn 22f0e1d), a stale value a previous step left in a buffer, a communicator
-reused with leftover state. The persistent rank pool finds them, and exactly there a single case
-stops being a reproducer: replayed on fresh ranks it passes.
-
-So every failure the harness saves is first confirmed (`confirm`): its case runs alone on fresh
-ranks (a pool of its own, started for the purpose) and must fail the same way (the same failure
-signature: verdict, failing tensors or leak, error class). The saved file then records that fresh
-run, so it replays bit for bit (a warm run's numbers may carry state from earlier cases even when
-its failure does not depend on it). One that does not fail that way is *history-dependent*. The pool
-records what its ranks ran since their last start (`RankPool.history`); the history up to the
-failing run, replayed in order on fresh ranks, must reproduce the failure (same signature), and is
-minimised by delta debugging (the immediately preceding run first, then the nearest run of the same
-case, then longer and longer suffixes, then ddmin within the one that reproduces), under a trial and
-time budget. The result is a `CaseSequence` (harness.case_sequence: a list of cases, pure data) that
-`replay` runs in order on fresh ranks. `shrink_sequence` then shrinks the failing case (and every
-earlier run of the same case, changed the same way) as single cases are shrunk, judging each
-candidate as a whole sequence on fresh ranks, so shrinking never swaps a history bug for another
-case.
-
-Costs: nothing for a passing case; for a saved failure one fresh start (a pool of the case's size)
-and one run, plus the minimisation's trials when it is history-dependent.
+Some bugs show only on a later call in the same process, such as a gradient buffer cached across
+calls and never zeroed. The persistent rank pool finds them, but there a single case stops being a
+reproducer. So `confirm` re-runs every failure the harness saves alone on fresh ranks. When it does
+not reproduce there, the shortest sequence of earlier runs that makes it reproduce is found and
+minimised. docs/check.md has the steps and what they cost.
 """
 
 from __future__ import annotations
@@ -45,21 +27,23 @@ if TYPE_CHECKING:
     from harness.ranks.backend import Placement
     from harness.ranks.protocol import Pool
 
-MAX_TRIALS = 16  # sequence runs on fresh ranks while looking for the shortest reproducing sequence
+# Sequence runs on fresh ranks while looking for the shortest reproducing sequence.
+MAX_TRIALS = 16
 BUDGET_S = 60.0
 COMPLETED = (Verdict.PASS, Verdict.SILENT_CORRUPTION, Verdict.DIVERGED)
 
 
 def same_run(a: CaseResult, b: CaseResult) -> bool:
-    """The same outcome: verdict and failure signature, and for a completed run identical output
-    hashes."""
+    """The same outcome: verdict and failure signature, and identical output hashes for a completed
+    run.
+    """
     if failure_signature(a) != failure_signature(b):
         return False
     return str(a.verdict) not in COMPLETED or a.hashes == b.hashes
 
 
 def same_failure(got: CaseResult | None, want: CaseResult) -> bool:
-    """`got` fails the way `want` does (the same failure signature: the same bug)."""
+    """Whether `got` fails the way `want` does: the same failure signature, so the same bug."""
     return got is not None and not got.passed and failure_signature(got) == failure_signature(want)
 
 
@@ -71,16 +55,20 @@ def outcome(r: CaseResult) -> str:
 
 
 def recorded_history(pool: Pool) -> list | None:
-    """What the pool's ranks ran since their last start (`harness.ranks.pool.Ran`), or None when the
-    pool keeps no history (torchrun's ranks cannot be restarted either)."""
+    """What the pool's ranks ran since their last start (`harness.ranks.pool.Ran`).
+
+    None when the pool keeps no history. torchrun's ranks keep none, and cannot be restarted either.
+    """
     h = getattr(pool, "history", None)
     return None if h is None else list(h)
 
 
 def forget_baseline(case: Case, impl: str) -> None:
-    """Drop the cached fault-free run of a faulted case (harness.runner), so its next run computes
-    it on the ranks at hand, as a fresh `ring-harness replay` process does (a cached one may come
-    from ranks with another history)."""
+    """Drop the cached fault-free run of a faulted case (harness.runner).
+
+    Its next run then computes the baseline on the ranks at hand, as a fresh `ring-harness replay`
+    process does. A cached baseline may come from ranks with another history.
+    """
     from harness.runner import _BASELINES
 
     if case.faults:
@@ -88,8 +76,11 @@ def forget_baseline(case: Case, impl: str) -> None:
 
 
 class FreshRanks:
-    """Runs sequences, each on ranks started afresh: a pool of its own (`pool=None`, closed with
-    this object) or a given pool that is restarted before every sequence."""
+    """Runs sequences, each on ranks started afresh.
+
+    With `pool=None` it uses a pool of its own, closed with this object. A given pool is restarted
+    before every sequence.
+    """
 
     def __init__(
         self, pool: Pool | None = None, backend: str = "gloo", placement: Placement | None = None
@@ -97,7 +88,8 @@ class FreshRanks:
         self._own = pool is None
         self.pool = pool
         self.backend = backend
-        self.placement = placement  # an own pool's device and staging (None: the environment's)
+        # An own pool's device and staging. None: the environment's.
+        self.placement = placement
         self.runs = 0
 
     def __enter__(self) -> FreshRanks:
@@ -136,10 +128,13 @@ class FreshRanks:
         impls: Callable[[Step], str] | None = None,
         allow_import: Callable[[str], bool] | None = None,
     ) -> CaseResult | None:
-        """Run every member in order on fresh ranks; the judged result of the last one (None when an
-        earlier member hung or killed a rank: the ranks restarted, the sequence is broken).
-        `impls(step)` names the implementation of a member (default: the member's own);
-        `allow_import(name)` says whether a module path may be imported (default: never)."""
+        """Run every member in order on fresh ranks, and return the last one's judged result.
+
+        The result is None when an earlier member hung or killed a rank: the ranks restarted, and
+        the sequence is broken. `impls(step)` names a member's implementation, by default the
+        member's own. `allow_import(name)` says whether a module path may be imported, by default
+        never.
+        """
         from harness.runner import _BASELINES, baseline_for, needs_whole_world, run_case
 
         pool = self._restart(seq.pool_size)
@@ -185,14 +180,17 @@ class HistoryFinding:
 
     result: CaseResult  # the failure, on warm ranks
     leak: bool = True  # whether its run included the leak run
-    fresh: CaseResult | None = None  # the same case alone on fresh ranks (None: not confirmed)
-    earlier: int = 0  # runs the ranks had made since their last start before the failing one
+    # the same case alone on fresh ranks (None: not confirmed)
+    fresh: CaseResult | None = None
+    # runs the ranks had made since their last start, before the failing one
+    earlier: int = 0
     # the shortest sequence found that reproduces it on fresh ranks
     sequence: CaseSequence | None = None
     seq_result: CaseResult | None = None  # its last case's result there
     trials: int = 0  # sequence runs on fresh ranks
     seconds: float = 0.0
-    note: str = ""  # why it could not be confirmed or no sequence was found
+    # why it could not be confirmed, or why no sequence was found
+    note: str = ""
     shrink_tries: int = 0
 
     @property
@@ -206,16 +204,19 @@ class HistoryFinding:
 
     @property
     def reproducer(self) -> CaseResult:
-        """The result a saved file must record (a run on fresh ranks where there is one): the
-        sequence's last run, else the case's fresh run when it confirmed the failure, else the
-        failure itself."""
+        """The result a saved file must record, a run on fresh ranks where there is one.
+
+        It is the sequence's last run, else the case's fresh run when that confirmed the failure,
+        else the failure itself.
+        """
         if self.sequence is not None and self.seq_result is not None:
             return self.seq_result
         return self.fresh if self.confirmed else self.result
 
     def evidence(self) -> str:
-        """The evidence in words: 'fresh ranks: pass; after 44 earlier cases on the same ranks:
-        ...'."""
+        """The evidence in words, e.g. 'fresh ranks: pass; after 44 earlier cases on the same ranks:
+        ...'.
+        """
         if self.fresh is None:
             return f"not confirmed on fresh ranks ({self.note})"
         if self.confirmed:
@@ -235,7 +236,7 @@ class HistoryFinding:
         )
 
     def lines(self) -> list[str]:
-        """What the check prints about it (indented like the report's details)."""
+        """What the check prints about it, indented like the report's details."""
         out = [f"        {self.evidence()}"]
         if not self.history_dependent:
             return out
@@ -269,8 +270,10 @@ class HistoryFinding:
 
 
 def _locate(history: list, r: CaseResult, impl: str, leak: bool) -> int | None:
-    """Index of the failing run in the history (the last run of its case, implementation and leak
-    flag)."""
+    """The index of the failing run in the history.
+
+    It is the last run of its case, implementation and leak flag.
+    """
     for i in range(len(history) - 1, -1, -1):
         ran = history[i]
         if ran.case == r.case and ran.impl == impl and ran.leak == leak:
@@ -298,10 +301,12 @@ def confirm(
     budget_s: float = BUDGET_S,
     fresh: FreshRanks | None = None,
 ) -> HistoryFinding:
-    """Confirm the failing result `r` (just run on `pool`, with the leak run when `leak`) on fresh
-    ranks; when it does not reproduce there, find and minimise the sequence of the pool's earlier
-    runs that makes it reproduce (see the module docstring). `fresh`: where to run (default: a pool
-    of its own)."""
+    """Confirm the failing result `r` on fresh ranks, or find the sequence that reproduces it.
+
+    `r` was just run on `pool`, with the leak run when `leak`. When it does not reproduce alone on
+    fresh ranks, the pool's earlier runs that make it reproduce are found and minimised.
+    docs/check.md has the steps. `fresh` says where to run, by default in a pool of its own.
+    """
     impl = impl or r.impl
     t0 = time.monotonic()
     found = HistoryFinding(result=r, leak=leak)
@@ -362,8 +367,11 @@ def confirm(
 def _first_reproducing(
     prefix: list[Step], last: Step, reproduces: Callable[[list[Step]], CaseResult | None]
 ) -> tuple[list[Step] | None, CaseResult | None]:
-    """The first candidate prefix that reproduces: the immediately preceding run, the nearest
-    earlier run of the same case, then suffixes of 2, 4, 8, ... runs, then all of them."""
+    """The first candidate prefix that reproduces.
+
+    The candidates are the run just before, the nearest earlier run of the same case, then suffixes
+    of 2, 4, 8... runs, then all of them.
+    """
     tried: set[tuple[int, int]] = set()
     # (start, stop) ranges of the prefix; (-1, j): the single run j
     cands: list[tuple[int, int]] = []
@@ -392,8 +400,11 @@ def _first_reproducing(
 def _ddmin(
     items: list[Step], result: CaseResult, reproduces: Callable[[list[Step]], CaseResult | None]
 ) -> tuple[list[Step], CaseResult]:
-    """Delta debugging (Zeller's ddmin) of the earlier runs: a 1-minimal list (within the budget)
-    that still reproduces; the empty list is known not to (the case alone passed on fresh ranks)."""
+    """Delta debugging (Zeller's ddmin) of the earlier runs.
+
+    It returns a list, 1-minimal within the budget, that still reproduces. The empty list is known
+    not to reproduce: the case alone passed on fresh ranks.
+    """
     n = 2
     while len(items) >= 2:
         size = math.ceil(len(items) / n)
@@ -427,9 +438,12 @@ def shrink_sequence(
     max_tries: int = 60,
     allow_import: bool = False,
 ) -> HistoryFinding:
-    """Shrink a history-dependent failure's sequence: the failing case is shrunk as a single case is
-    (harness.search.shrink), every earlier run of the same case changed with it, and each candidate
-    is judged as the whole sequence on fresh ranks (same failure signature). Updates `found`."""
+    """Shrink a history-dependent failure's sequence, and update `found`.
+
+    The failing case is shrunk as a single case is (harness.search.shrink). Every earlier run of the
+    same case changes with it. Each candidate is judged as the whole sequence on fresh ranks, by its
+    failure signature.
+    """
     from harness.search.shrink import shrink
 
     if found.sequence is None or found.seq_result is None:
@@ -477,8 +491,10 @@ def save_sequence(
     note: str = "",
     expect: str | None = None,
 ):
-    """Write a history-dependent failure's sequence, its last case's result recorded, with a note
-    that says why it is a sequence."""
+    """Write a history-dependent failure's sequence, with its last case's result recorded.
+
+    A note says why it is a sequence.
+    """
     from harness.result import result_record
 
     assert found.sequence is not None and found.seq_result is not None
@@ -508,10 +524,12 @@ def run_file_sequence(
     allow_import: bool = False,
     swap: str | None = None,
 ) -> CaseResult | None:
-    """Run a loaded sequence on `pool`, restarted first (fresh ranks). `impl` replaces the
-    implementation of every member that names `swap` (default: the last member's), e.g. the
-    reference on a mutant's sequence; other members run under their own (built-in)
-    implementations."""
+    """Run a loaded sequence on `pool`, restarted first, so on fresh ranks.
+
+    `impl` replaces the implementation of every member that names `swap`, by default the last
+    member's. An example is the reference on a mutant's sequence. The other members run under their
+    own built-in implementations.
+    """
     target = swap or seq.last.impl
 
     def name(step: Step) -> str:

@@ -1,15 +1,9 @@
-"""The scale stage's cases: seven shapes that cross what breaks at training sizes and that the
-battery's toy cases never reach. The stage that runs them: harness.checks.stages.scale.
+"""The scale stage's cases: seven shapes that cross what breaks at training sizes.
 
-- local lengths just past 1, 2 and 4 kernel tiles of each declared tile size (`Capabilities.tiles`,
-  default 64 and 128), none a multiple of a tile: a rank's last tile is partly full;
-- global positions past 256 in bf16 and past 2048 in fp16 (the dtypes' exact integers), under
-  causal, window and document masks, with document starts and window edges beyond those limits;
-- head_dim 64, 80, 96 and 128; 16 and 32 query heads with GQA 4:1 and 8:1; batch 3 and 4;
-- every layout, uneven splits, W = 3, 4 and 8.
-
-An implementation that declares fewer features gets each case adapted to the nearest declared one
-(`harness.impls.capabilities.adapt`), as the battery's are. Costs: docs/benchmarks.md.
+The battery's toy cases never reach them. They cross kernel tile edges, the dtypes' exact integers,
+the flash head dims and large head counts. docs/check.md lists them, and docs/benchmarks.md has
+their cost. Each case is adapted to what an implementation declares, as the battery's are.
+harness.checks.stages.scale runs them.
 """
 
 from __future__ import annotations
@@ -24,8 +18,10 @@ SEED = 2900  # the stage's seeds: SEED + case index
 
 
 def edge_lengths(tiles: tuple[int, ...]) -> list[int]:
-    """Local lengths one token past 1, 2 and 4 tiles of each size, moved up by 2 until no tile
-    divides them: (64, 128) -> 65, 129, 257, 513."""
+    """Local lengths one token past 1, 2 and 4 tiles of each size.
+
+    Each moves up by 2 until no tile divides it: (64, 128) -> 65, 129, 257, 513.
+    """
     out = set()
     for t in tiles:
         for k in TILE_MULTIPLES:
@@ -43,7 +39,7 @@ def _docs(total: int, *starts: int) -> MaskSpec:
 
 
 def base_cases(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> list[Case]:
-    """The stage's cases before adaptation (the reference runs them as they are)."""
+    """The stage's cases before adaptation. The reference runs them as they are."""
     edges = edge_lengths(tiles)
     plan = [
         # every tile edge on one ring, bf16 positions up to ~1k under causal, MQA, batch 3, head_dim
@@ -136,8 +132,10 @@ def scale_cases(
     dtype: str | None = None,
     deadline_s: float | None = None,
 ) -> list[Case]:
-    """The stage's cases adapted to `caps` (aimed at `caps.tiles`), one of each after adaptation;
-    `dtype` runs every case in that dtype."""
+    """The stage's cases adapted to `caps`, aimed at `caps.tiles`: one of each after adaptation.
+
+    `dtype` runs every case in that dtype.
+    """
     out: dict[str, Case] = {}
     for c in base_cases(caps.tiles, impl):
         if dtype is not None:

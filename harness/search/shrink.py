@@ -1,23 +1,9 @@
-"""Greedy shrinking of a fixed failing case (a battery or fault-stage failure has no generator for
-hypothesis to shrink): try simpler variants of the Case, most aggressive first, keep the first that
-still fails, repeat until none does or the budget is spent.
+"""Greedy shrinking of a fixed failing case, from the battery or the fault stage.
 
-"Simpler" follows the property-based strategies' shrink order: fewer ranks, no subgroup offset,
-fewer tokens, an even split, batch 1, fewer heads, a smaller head_dim, a simpler mask (none < causal
-< window < document < an expression, smaller windows, fewer documents; an expression: one operand
-alone, fewer operands, smaller parameters), contiguous layout, fp32, normal values, the default
-scale. Faults are kept: for a fault-stage failure the fault is the trigger.
-
-Shrinking keeps the failure's signature (harness.search.signature: verdict, failing tensors or the
-leak, error class, implementation): a candidate that fails with another signature is a different
-failure, never the shrink target; it is recorded (the smallest per signature) in `others` for the
-caller to report and save on its own.
-
-Fresh ranks (issue #19): the candidates run on a persistent pool, where a failure can depend on what
-ran before. With `fresh` (does this result's failure reproduce alone on fresh ranks?), the minimal
-case is confirmed there; if it does not, the shrinker steps back through its accepted candidates to
-the newest one that does, so it never swaps the failure for a case that fails only on warm ranks. (A
-failure that is itself history-dependent is shrunk as a sequence: harness.search.history.)
+Such a case has no generator for hypothesis to shrink. So the shrinker tries simpler variants of the
+case, most aggressive first, and keeps the first that still fails. It repeats until none does or the
+budget is spent. It keeps the failure's signature and, with `fresh`, a failure that reproduces on
+fresh ranks. docs/check.md has the order of "simpler" and the rules.
 """
 
 from __future__ import annotations
@@ -44,7 +30,7 @@ def _variant(c: Case, **changes: Any) -> Case | None:
 
 
 def _fit_mask(mask: MaskSpec, total: int) -> MaskSpec:
-    """The mask for a sequence cut to `total` tokens (document starts beyond it dropped)."""
+    """The mask for a sequence cut to `total` tokens. Document starts beyond it are dropped."""
     return fit(mask, total)
 
 
@@ -96,8 +82,10 @@ def _smaller_shape(c: Case) -> Iterator[Case | None]:
 
 
 def _simpler_params(e: Expr) -> Iterator[Expr]:
-    """The primitive with one parameter made smaller (halved, or one less), then with fewer
-    blocks/documents."""
+    """The primitive with one parameter made smaller, then with fewer blocks or documents.
+
+    A parameter is halved, or made one less.
+    """
     for i, v in enumerate(e.params):
         if isinstance(v, int):
             for smaller in sorted({0, 1, v // 2, v - 1}):
@@ -115,8 +103,10 @@ def _simpler_params(e: Expr) -> Iterator[Expr]:
 
 
 def simpler_expressions(e: Expr) -> Iterator[Expr]:
-    """Strictly simpler expressions, most aggressive first: an operand alone, an operand dropped, a
-    simpler operand, then smaller parameters."""
+    """Strictly simpler expressions, most aggressive first.
+
+    They are an operand alone, an operand dropped, a simpler operand, then smaller parameters.
+    """
     if e.op in COMBINATORS:
         yield from e.args
         if e.op in ("and", "or") and len(e.args) > 2:
@@ -166,7 +156,8 @@ def _plainer(c: Case) -> Iterator[Case | None]:
         yield _variant(c, dtype=dtype)
     for values in VALUE_KINDS[: VALUE_KINDS.index(c.values)]:
         yield _variant(c, values=values)
-    if c.call != "train":  # the plain training call, then contiguous inputs (harness.calls)
+    # The plain training call, then contiguous inputs (harness.calls).
+    if c.call != "train":
         yield _variant(c, call="train")
     if c.inputs != "contiguous":
         yield _variant(c, inputs="contiguous")
@@ -183,8 +174,9 @@ def candidates(c: Case) -> Iterator[Case]:
 
 
 def case_size(c: Case) -> tuple:
-    """An order on cases towards the shrink target (fewer ranks, tokens, heads, ...; simpler
-    mask)."""
+    """An order on cases towards the shrink target: fewer ranks, tokens and heads,
+    a simpler mask...
+    """
     mask = (SPEC_KINDS.index(c.mask.kind), c.mask.expr.size() if c.mask.expr is not None else 0)
     return (
         c.world_size,
@@ -209,11 +201,13 @@ def shrink(
     signature: Callable[[CaseResult], Signature] = Signature.of,
     fresh: Callable[[CaseResult], bool] | None = None,
 ) -> tuple[CaseResult, int]:
-    """(the smallest failing result found with `first`'s signature, candidates tried).
-    `still_fails(case)` returns the failing result of a candidate, or None when it passes (or does
-    not fail the way that counts). A candidate failing with another signature goes to `others`
-    (signature -> smallest result). `fresh(result)`: whether a result's failure reproduces alone on
-    fresh ranks (see the module docstring)."""
+    """Shrink `first`: (the smallest failing result with its signature, candidates tried).
+
+    `still_fails(case)` returns the failing result of a candidate. It returns None when the
+    candidate passes, or does not fail the way that counts. A candidate failing with another
+    signature goes to `others`, signature -> smallest result. `fresh(result)` says whether a
+    result's failure reproduces alone on fresh ranks (docs/check.md).
+    """
     target = signature(first)
     chain, tried, start = [first], set(), time.monotonic()
     improved = True
@@ -230,7 +224,8 @@ def shrink(
             if r is None:
                 continue
             sig = signature(r)
-            if sig != target:  # a different failure: recorded, not shrunk into
+            # A different failure: recorded, not shrunk into.
+            if sig != target:
                 if others is not None and (
                     sig not in others or case_size(r.case) < case_size(others[sig].case)
                 ):
@@ -243,8 +238,10 @@ def shrink(
 
 
 def _confirmed(chain: list[CaseResult], fresh: Callable[[CaseResult], bool] | None) -> CaseResult:
-    """The newest accepted result whose failure reproduces on fresh ranks (the first one is taken as
-    given)."""
+    """The newest accepted result whose failure reproduces on fresh ranks.
+
+    The first one is taken as given.
+    """
     if fresh is None:
         return chain[-1]
     for r in reversed(chain[1:]):

@@ -1,12 +1,10 @@
-"""A failure's signature: what makes two failing runs the same bug, so that shrinking never swaps
-one failure for another (a candidate that fails differently is a *different* failure, saved and
-reported on its own, as hypothesis does with distinct errors).
+"""A failure's signature: what makes two failing runs the same bug.
 
-The signature is the implementation plus `judging.verdicts.failure_signature`: the verdict; for a
-wrong result the set of failing tensors and "leak" (the causality-leak check) or "send-buffer"; for
-a fail-stop or diverged run the root cause's exception type (its error class); the fault kinds of a
-faulted case. `failure_type` turns a signature into an exception class of its own, so hypothesis
-(which tells bugs apart by exception type and raise site) shrinks each signature separately.
+Shrinking keeps the signature, so it never swaps one failure for another. A candidate that fails
+differently is a different failure, saved and reported on its own, as hypothesis does with distinct
+errors. The signature is the implementation plus `judging.verdicts.failure_signature`.
+`failure_type` turns a signature into an exception class of its own. Hypothesis tells bugs apart by
+exception type and raise site, so it shrinks each signature separately.
 """
 
 from __future__ import annotations
@@ -20,8 +18,9 @@ from harness.result import CaseResult
 
 @dataclass(frozen=True)
 class Signature:
-    """One failure class of one implementation: verdict, then what failed (tensors, leak, error
-    type)."""
+    """One failure class of one implementation: the verdict, then what failed (tensors, leak, error
+    type).
+    """
 
     impl: str
     # failure_signature: (verdict, failing tensors / leak / error class, faults)
@@ -37,8 +36,9 @@ class Signature:
 
     @property
     def what(self) -> tuple[str, ...]:
-        """The failing tensors (and/or "leak", "send-buffer"), or the error class; then the fault
-        kinds."""
+        """The failing tensors, "leak" and "send-buffer", or the error class; then
+        the fault kinds.
+        """
         return self.parts[1:]
 
     def label(self) -> str:
@@ -52,8 +52,9 @@ class Signature:
 
 
 class CaseFailed(Exception):
-    """A failing case inside the hypothesis test; `failure_type` makes one subclass per
-    signature."""
+    """A failing case inside the hypothesis test. `failure_type` makes one subclass
+    per signature.
+    """
 
     signature: Signature | None = None
 
@@ -66,7 +67,7 @@ _TYPES: dict[Signature, type[CaseFailed]] = {}
 
 
 def failure_type(sig: Signature) -> type[CaseFailed]:
-    """The exception class of a signature (the same class every time it is asked for)."""
+    """The exception class of a signature: the same class every time it is asked for."""
     if sig not in _TYPES:
         name = "CaseFailed_" + re.sub(r"\W", "_", sig.slug())
         _TYPES[sig] = type(name, (CaseFailed,), {"signature": sig, "__module__": __name__})
@@ -74,6 +75,8 @@ def failure_type(sig: Signature) -> type[CaseFailed]:
 
 
 def raise_failure(r: CaseResult) -> None:
-    """Raise the failing result as its signature's exception (one raise site: hypothesis tells the
-    failures apart by type)."""
+    """Raise the failing result as its signature's exception.
+
+    It is the one raise site: hypothesis tells the failures apart by type.
+    """
     raise failure_type(Signature.of(r))(r)

@@ -1,11 +1,8 @@
 """Public hypothesis strategies that draw whole ring-attention Cases.
 
-Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Draws are ordered so
-that hypothesis shrinks a failure towards the smallest world size, then the shortest sequence, the
-fewest heads and the simplest mask (none < causal < window < document < an expression of the mask
-language, itself shrinking towards one primitive), then fp32, normal values and the default softmax
-scale; last the plain training call on contiguous inputs. Only structure and a seed are drawn;
-tensors are built from the seed inside the ranks.
+Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Only structure and a
+seed are drawn, and the ranks build the tensors from the seed. The draws are ordered so that a
+failure shrinks towards the simplest case: docs/api.md gives the order.
 """
 
 from __future__ import annotations
@@ -23,10 +20,10 @@ from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chun
 from ring_impl.masks import COMBINATORS, EXPR, MASK_KINDS, WINDOW_RIGHT, Expr, MaskSpec, prim
 
 DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
-FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)  # the head dims flash kernels are compiled for
-# bf16's and fp16's: beyond
+# the head dims flash kernels are compiled for
+FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+# bf16's and fp16's: beyond them, a position computed in the input dtype rounds
 EXACT_LIMITS = tuple(sorted(n for n in EXACT_INTEGERS.values() if n < 1 << 16))
-#                             them a position computed in the input dtype rounds
 # drawn first; the values of trained models by `model_call`
 MERGE_VALUES = ("normal", "large", "near-tie")
 MAX_DOCS = 6
@@ -34,7 +31,7 @@ SMALL_WINDOW = 3
 
 
 def _ordered(allowed: frozenset[str] | set[str], order: tuple[str, ...], what: str) -> list[str]:
-    """The allowed choices in shrink order; refuse an implementation that supports none."""
+    """The allowed choices in shrink order. An implementation that supports none is refused."""
     out = [x for x in order if x in allowed]
     if not out:
         raise ValueError(f"capabilities allow no {what} (got {sorted(allowed)})")
@@ -45,8 +42,11 @@ def _ordered(allowed: frozenset[str] | set[str], order: tuple[str, ...], what: s
 def seq_lens(
     draw, world_size: int, max_tokens: int = 64, uneven: bool = True, idle: bool = False
 ) -> tuple[int, ...]:
-    """Per-rank lengths: an even split, an uneven one (incl. length-1 shards, and with `idle` ranks
-    that hold no token: never all of them), or the largest that fits."""
+    """Per-rank lengths: an even split, an uneven one, or the largest that fits.
+
+    An uneven split may hold length-1 shards. With `idle`, some ranks hold no token, never all of
+    them.
+    """
     w = world_size
     # The total is drawn first on every branch and independently of W, so shrinking the world size
     # keeps the sequence length (and a branch that drew less cannot win the shrink by being
@@ -72,12 +72,14 @@ def seq_lens(
 
 @dataclass(frozen=True)
 class Sizes:
-    """How large a drawn case may be (`cases(sizes=...)`; the profiles' are `SIZES`). Local lengths
-    are drawn log-uniformly up to `max_local` (and `max_total` in all), or on a kernel tile edge (k
-    * tile +- 1), or so that the last positions pass a dtype's exact integers (EXACT_LIMITS) where
-    `max_total` reaches them; head dims from 1-32 or the flash set; `max_work` caps batch x heads_q
-    x max(head_dim, WORK_DIM) x total^2 (what a case costs the ring and the oracle): batch, then
-    heads, then head_dim give way, never the lengths."""
+    """How large a drawn case may be: `cases(sizes=...)`. The profiles' sizes are `SIZES`.
+
+    Local lengths are drawn log-uniformly up to `max_local`, and `max_total` in all. They may also
+    sit on a kernel tile edge (k * tile +- 1). Or the last positions pass a dtype's exact integers
+    (EXACT_LIMITS), where `max_total` reaches them. Head dims come from 1-32 or the flash set.
+    `max_work` caps batch x heads_q x max(head_dim, WORK_DIM) x total^2, what a case costs the ring
+    and the oracle. Batch, then heads, then head_dim give way, never the lengths.
+    """
 
     max_local: int
     max_total: int
@@ -98,8 +100,10 @@ SIZES = {
 
 
 def _log_int(draw, cap: int) -> int:
-    """1..cap, log-uniform; shrinks towards 1 through every integer on the way (steps < 1 token
-    below ~150)."""
+    """1..cap, log-uniform. It shrinks towards 1 through every integer on the way.
+
+    Below ~150, its steps are under 1 token.
+    """
     e = draw(st.integers(0, 1000))
     return max(1, min(cap, round(cap ** (e / 1000))))
 
@@ -113,12 +117,12 @@ def scaled_lens(
     uneven: bool = True,
     idle: bool = False,
 ) -> tuple[int, ...]:
-    """Per-rank lengths at scale: a local length drawn log-uniformly (up to sizes.max_local), on a
-    tile edge (k * tile +- 1: a rank's last tile holds one token, or is one short of full) or so
-    that the sequence ends just past a dtype's exact integers; then an even split of W x that length
-    or an uneven one around it (idle ranks where declared). The local length is drawn independently
-    of W, so shrinking the world size keeps it, and it shrinks to the smallest failing one:
-    log-uniform draws reach every integer."""
+    """Per-rank lengths at scale.
+
+    A local length is drawn log-uniformly up to sizes.max_local, or on a tile edge, or so that the
+    sequence ends just past a dtype's exact integers. Then W x that length is split evenly, or
+    unevenly around it, with idle ranks where declared. docs/api.md says why it shrinks well.
+    """
     w = world_size
     cap = max(1, min(sizes.max_local, sizes.max_total // w))
     mode = draw(st.sampled_from(("log", "tile-edge", "exact-limit")))
@@ -151,9 +155,12 @@ def scaled_lens(
 def within_work(
     sizes: Sizes, total: int, batch: int, heads_q: int, heads_kv: int, head_dim: int
 ) -> tuple[int, int, int, int]:
-    """(batch, heads_q, heads_kv, head_dim) cut down until batch x heads_q x max(head_dim, WORK_DIM)
-    x total^2 <= sizes.max_work: batch to 1, then the heads halved (the GQA ratio kept while it can
-    be), then head_dim halved (to WORK_DIM at least: below it a case costs no less)."""
+    """(batch, heads_q, heads_kv, head_dim), cut down until the case's cost fits sizes.max_work.
+
+    The cost is batch x heads_q x max(head_dim, WORK_DIM) x total^2. Batch goes to 1 first. Then the
+    heads are halved, keeping the GQA ratio while it can. Then head_dim is halved, to WORK_DIM at
+    least: below it a case costs no less.
+    """
 
     def work() -> int:
         return batch * heads_q * max(head_dim, WORK_DIM) * total * total
@@ -170,14 +177,17 @@ def within_work(
 
 
 def _even_within_budget(lens: tuple[int, ...]) -> tuple[int, ...]:
-    """Every odd length made even within the token budget: one token less, a length-1 shard one more
-    (an even split stays even)."""
+    """Every odd length made even within the token budget.
+
+    It takes one token less, or gives a length-1 shard one more. An even split stays even.
+    """
     return tuple(n - 1 if n % 2 and n > 1 else n + n % 2 for n in map(int, lens))
 
 
 def boundary_positions(layout: str, lens: tuple[int, ...]) -> list[int]:
-    """Global positions that start a new rank's tokens or a new zigzag chunk (the token after an
-    edge)."""
+    """Global positions that start a new rank's tokens or a new zigzag chunk: the token after an
+    edge.
+    """
     total = sum(lens)
     owner = [0] * total
     for r, pos in enumerate(all_positions(layout, lens)):
@@ -210,9 +220,11 @@ MAX_DEPTH = 2
 
 
 def _near(boundaries: tuple[int, ...], lo: int, hi: int) -> st.SearchStrategy[int]:
-    """An integer in [lo, hi], half the time on or next to one of `boundaries` (a rank or
-    zigzag-chunk start), so that a window, chunk, segment or prefix edge falls exactly on a block
-    edge."""
+    """An integer in [lo, hi], half the time on or next to one of `boundaries`.
+
+    A boundary is a rank or zigzag-chunk start. A window, chunk, segment or prefix edge then falls
+    exactly on a block edge.
+    """
     near = sorted({b + d for b in boundaries for d in (-1, 0, 1) if lo <= b + d <= hi})
     return st.one_of(st.integers(lo, hi), st.sampled_from(near)) if near else st.integers(lo, hi)
 
@@ -220,8 +232,11 @@ def _near(boundaries: tuple[int, ...], lo: int, hi: int) -> st.SearchStrategy[in
 @st.composite
 def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = ()) -> Expr:
     """One primitive of the declared `kinds`, its parameters drawn towards rank and chunk
-    boundaries: a window reaching exactly to the previous rank, a chunk or dilation segment ending
-    where a shard ends, a prefix ending at a shard start, document starts on shard starts."""
+    boundaries.
+
+    Examples are a window reaching exactly to the previous rank, a chunk or dilation segment ending
+    where a shard ends, a prefix ending at a shard start, and document starts on shard starts.
+    """
     op = draw(st.sampled_from(_ordered(kinds, PRIMITIVE_ORDER, "mask primitive")))
     n = max(1, total)
     gaps = tuple(b2 - b1 for b1, b2 in zip(boundaries, boundaries[1:], strict=False))
@@ -258,8 +273,10 @@ def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, .
 def expressions(
     draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = (), depth: int = 0
 ) -> Expr:
-    """A mask expression of the declared primitives and combinators, at most MAX_DEPTH deep; shrinks
-    towards a single primitive."""
+    """A mask expression of the declared primitives and combinators, at most MAX_DEPTH deep.
+
+    It shrinks towards a single primitive.
+    """
     ops = ["leaf"] + [c for c in COMBINATORS if c in kinds and depth < MAX_DEPTH]
     op = draw(st.sampled_from(ops))
     if op == "leaf":
@@ -287,10 +304,12 @@ def expressions(
 def masks(
     draw, total: int, kinds: tuple[str, ...] = MASK_KINDS, boundaries: tuple[int, ...] = ()
 ) -> MaskSpec:
-    """none, causal, a window (often a small one), packed documents whose starts are drawn at random
-    or on/next to rank and chunk `boundaries` (so documents straddle ranks), or, where the
-    implementation declares "expr" (ring_impl.masks), an expression of its declared primitives drawn
-    towards those boundaries (`expressions`)."""
+    """A mask: none, causal, a window (often a small one), packed documents, or an expression.
+
+    Document starts are drawn at random, or on or next to rank and chunk `boundaries`, so documents
+    straddle ranks. Where the implementation declares "expr" (ring_impl.masks), an expression of its
+    declared primitives is drawn towards those boundaries (`expressions`).
+    """
     declared = set(kinds)
     kinds_ordered = _ordered(declared, (*MASK_KINDS, EXPR), "mask kind")
     # about a third of the draws: the language's share of what users train with
@@ -342,7 +361,7 @@ def heads(draw, gqa: bool = True, max_heads: int = 6) -> tuple[int, int]:
 def _head_dims(
     caps: Capabilities, max_head_dim: int, flash: bool = False
 ) -> st.SearchStrategy[int]:
-    """A declared head dim, else 1..32 and (with `flash`) the flash set up to `max_head_dim`."""
+    """A declared head dim, else 1..32, and with `flash` the flash set up to `max_head_dim`."""
     if caps.head_dims:
         dims = sorted(d for d in caps.head_dims if d <= max_head_dim) or [min(caps.head_dims)]
         return st.sampled_from(dims)
@@ -371,17 +390,21 @@ def cases(
     sizes: Sizes | None = None,
     model_calls: bool = True,
 ) -> Case:
-    """A whole Case the implementation declares it supports. Without `sizes`: small enough to run in
-    ~0.1 s (`max_tokens` in all, `max_head_dim`, `max_batch`, `max_heads`); with `sizes` (e.g.
-    SIZES["ci"], what the default check draws): at scale, aimed at the implementation's kernel tiles
-    (`Capabilities.tiles`) and the dtypes' exact integers.
+    """A whole Case the implementation declares it supports.
 
-    `pool_size` bounds world_size + group_offset (a ring inside a subgroup of the pool). Where the
-    capabilities say so, zigzag cases get even local lengths (`zigzag_odd=False`: an odd length is
-    made even, one token less, a length-1 shard two tokens) and head counts W divides
-    (`heads_divisible_by_world`: rounded up as `adapt` does, so they may exceed `max_heads`); the
-    draws stay the same, so shrinking does. `model_calls`: also draw how a model calls the ring
-    (`model_call`); drawn last, so every other draw keeps its place in the choice sequence.
+    Without `sizes`, a case is small enough to run in ~0.1 s: `max_tokens` in all, `max_head_dim`,
+    `max_batch`, `max_heads`. With `sizes`, e.g. SIZES["ci"] as the default check draws, it is at
+    scale. It then aims at the implementation's kernel tiles (`Capabilities.tiles`) and the dtypes'
+    exact integers.
+
+    `pool_size` bounds world_size + group_offset, for a ring inside a subgroup of the pool. The
+    capabilities may restrict the zigzag lengths and the head counts:
+    - `zigzag_odd=False`: an odd length is made even, one token less. A length-1 shard gets two.
+    - `heads_divisible_by_world`: the head counts are rounded up as `adapt` does, and may exceed
+      `max_heads`.
+    The draws stay the same, so shrinking does. With `model_calls`, how a model calls the ring is
+    drawn too (`model_call`). It is drawn last, so every other draw keeps its place in the choice
+    sequence.
     """
     caps = caps or Capabilities()
     lo, hi = caps.world_sizes
@@ -415,7 +438,8 @@ def cases(
         lens = _even_within_budget(lens)
     total = sum(lens)
     edges = boundary_positions(layout, lens)
-    if sizes is not None:  # mask edges also just past the dtypes' exact integers
+    # Mask edges also just past the dtypes' exact integers.
+    if sizes is not None:
         edges = sorted({*edges, *(x + 1 for x in EXACT_LIMITS if x + 1 < total)})
     mask = draw(masks(total, tuple(sorted(caps.masks)), tuple(edges)))
     dtype = draw(st.sampled_from(_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))
@@ -453,9 +477,11 @@ TRAINED_DRAWS = (None,) * 3 + ("outliers", "qk-overflow", "sink")
 
 @st.composite
 def model_call(draw, caps: Capabilities | None = None) -> dict:
-    """{call, inputs, values} of a case, drawn within what `caps` declares (a forward-only ring:
-    forward-only calls only; only its input forms); a key is left out when its draw is the plain
-    one."""
+    """{call, inputs, values} of a case, drawn within what `caps` declares.
+
+    A forward-only ring gets forward-only calls only, and only its input forms. A key is left out
+    when its draw is the plain one.
+    """
     caps = caps or Capabilities()
     call = draw(st.sampled_from(CALL_DRAWS))
     form = draw(st.sampled_from([f for f in FORM_DRAWS if f in caps.input_forms] or ["contiguous"]))

@@ -231,7 +231,7 @@ def test_fpdt_equals_the_float64_oracle(pool, shape):
 
 
 @pytest.mark.parametrize(
-    ("total", "world", "chunks"), [(24, 2, 3), (32, 4, 4), (12, 3, 1), (16, 1, 4)]
+    ("total", "world_size", "chunks"), [(24, 2, 3), (32, 4, 4), (12, 3, 1), (16, 1, 4)]
 )
 def test_fpdt_rows_are_deepspeeds_own_input_layout(total, world_size, chunks):
     """The adapter's reshard targets the rows `FPDT_InputConstruct.generate` gives each rank

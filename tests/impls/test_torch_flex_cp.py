@@ -108,7 +108,7 @@ def _run_ranks(world_size: int, tmp_path) -> list[list[tuple[torch.Tensor, torch
 
 
 # ~25 s each in the suite
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_torch_flex_cp_forward_equals_the_float64_oracle(world_size, tmp_path):
     """Every layout and mask family of `flex_ranks.cases`, GQA, rows that see nothing: each rank's
     out and lse from torch's CP (K/V all-gathered by its pre-hook, our BlockMask) equal the oracle's

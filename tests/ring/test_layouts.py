@@ -65,7 +65,7 @@ def test_contiguous_is_consecutive_ranges():
     assert pos[3].tolist() == [23, 24, 25]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 def test_zigzag_rank_r_holds_chunks_r_and_2w_minus_1_minus_r(world_size):
     chunk = 3
     total = 2 * world_size * chunk
@@ -84,7 +84,7 @@ def test_zigzag_uneven_chunks():
     assert pos[2].tolist() == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("total", [16, 21])
 def test_striped_token_i_on_rank_i_mod_w(world_size, total):
     lengths = layouts.split_lengths(total, world_size)

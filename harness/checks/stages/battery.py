@@ -33,7 +33,7 @@ def _battery(opts: CheckOptions) -> list[Case]:
 
 
 def plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], list[Case]]:
-    """(battery cases adapted to the capabilities, probe cases of undeclared features)."""
+    """(the battery's cases adapted to the capabilities, the probe cases of undeclared features)."""
     cases = _battery(opts)
     if opts.deadline is not None:
         cases = [c.replace(deadline_s=opts.deadline) for c in cases]
@@ -69,7 +69,7 @@ def unprobed(caps: Capabilities, opts: CheckOptions) -> list[str]:
 
 
 def fitting(check: Check) -> tuple[list[Case], int]:
-    """(the battery's cases that fit the pool, how many do not). The check's header counts them."""
+    """(the battery's cases that fit the pool, how many do not). The check's header counts both."""
     cases, _ = plan(check.opts, check.caps)
     fit = [c for c in cases if c.pool_size <= check.pool.size]
     return fit, len(cases) - len(fit)
@@ -82,12 +82,11 @@ def ranks(opts: CheckOptions, caps: Capabilities) -> int:
 
 
 def repeat_check(first: CaseResult, again: CaseResult) -> None:
-    """The "repeat" check (issue #19): the same case run twice in a row on the same ranks.
+    """The "repeat" check: the same case run twice in a row on the same ranks.
 
-    A deterministic implementation must give bit-identical outputs. State carried over between
-    calls shows on the second call only: a gradient buffer cached and not zeroed, a stale receive
-    buffer, a reused communicator. The first result then becomes `diverged`, with which shards
-    differed.
+    A deterministic implementation must give bit-identical outputs. State carried over between calls
+    shows on the second call only: a gradient buffer cached and not zeroed, a stale receive buffer,
+    a reused communicator. The first result then becomes `diverged`, with the shards that differed.
     """
     if first.verdict not in (Verdict.PASS, Verdict.SILENT_CORRUPTION):
         return

@@ -1,32 +1,15 @@
-"""The growth check: a metamorphic check on ring size. The same global case (seed, total length,
-mask, dtype, shape) runs at W = 1 and at W = 2, 4, 8 on the same implementation; a correct ring's
-error does not grow with W beyond the float32 merge roundings, one that rounds a running result
-(out/lse merge, dq, the dk/dv that travel) to the input dtype once per ring step does.
+"""The growth check: a metamorphic check on ring size.
 
-Statistic, per tensor t (out, dq, dk, dv) and ring size W:
+The same global case (seed, total length, mask, dtype, shape) runs at W = 1 and at W = 2, 4, 8 on
+the same implementation. A correct ring's error does not grow with W beyond the float32 merge
+roundings. A ring that rounds a running result to the input dtype once per ring step does: the
+out/lse merge, dq, or the dk/dv that travel. Per tensor, the RMS error at W = 4 and 8 is divided by
+the larger of the errors at W = 1 and 2. The case fails above GROWTH_LIMIT. docs/tolerance.md has
+the statistic, why it is sound, and the measurements.
 
-    e_t(W) = RMS over every element of every rank of (impl - exact)
-    g_t(W) = e_t(W) / (max(e_t(1), e_t(2)) + (W - 2) * u32 * T_t)          for W = 4, 8
-
-and the case fails when some g_t(W) > GROWTH_LIMIT (1.4). Why this is sound for correct rings: a
-correct ring makes the same input-dtype roundings whatever W >= 2 (every probability, dS, block
-partial result and output is rounded at most a fixed number of times: the tolerance rule's
-flash-family count), so E[e_t(W)^2] does not depend on W; its float32 merges add at most one float32
-rounding per step at the scale T_t of the summed terms (the rule's float32 term; a per-element
-bound, so also one on the RMS). The baseline is the larger of W = 1 and W = 2: at W = 1 a ring has
-one block and no partial result to round, so a correct ring may err more at W = 2 than at W = 1
-(torch's ring: x1.29, one more rounding of the block output), never more at W = 8 than at W = 2. The
-denominator cannot collapse: every output in the input dtype errs at least by its own rounding, so
-e_t >= RMS(round(exact) - exact) > 0, a mean over N >= 4,096 elements per tensor here whose sampling
-spread is a few per cent. Measured (docs/tolerance.md): correct rings (reference, flash-ring,
-torch-ring) at most x1.12; the per-step-rounding mutants (ring_impl/mutants/precision.py,
-low-precision-accumulator) x1.61 to x2.18 at W = 8 (x1.2 to x1.55 at W = 4). A per-step rounding
-adds one input-dtype unit at the running result's scale per step: e(W)^2 ~ e(2)^2 (1 + c (W - 2)), c
-> 0.
-
-Only fp16/bf16 cases: rounding to the input dtype is exact for fp32 inputs. A run that does not
-complete, returns non-finite values or fails on its own gives no figure and ends the growth check
-(it runs first in `check`: a broken ring costs it one or two runs); the battery reports such runs.
+Only fp16 and bf16 cases run: rounding to the input dtype is exact for fp32 inputs. A run that does
+not complete, returns non-finite values or fails on its own gives no figure. It ends the growth
+check, and the battery reports it.
 """
 
 from __future__ import annotations
@@ -53,10 +36,12 @@ if TYPE_CHECKING:
     from harness.checks.check import Check
 
 name = "growth"  # the stage's name (harness.checks.stages.Stage)
-GROWTH_LIMIT = 1.4  # between correct rings' x1.12 and the per-step mutants' >= x1.61 at W = 8
+# Between the correct rings' x1.12 and the per-step mutants' >= x1.61 at W = 8.
+GROWTH_LIMIT = 1.4
 WORLD_SIZES = (1, 2, 4, 8)
 TENSORS = ("out", "dq", "dk", "dv")
-TOTAL_LEN = 64  # divisible by 2W for every W here: even shards in every layout
+# Divisible by 2W for every W here: even shards in every layout.
+TOTAL_LEN = 64
 SHAPE = {"batch": 1, "heads_q": 2, "heads_kv": 2, "head_dim": 32}
 SEEDS = {"none": 9101, "causal": 9102}
 
@@ -85,8 +70,9 @@ class GrowthCase:
 
     @property
     def detail(self) -> str:
-        """One line: 'out error x2.09 at W8 over W1/W2 (limit x1.4): bf16 contiguous none h2 d32
-        L64'."""
+        """One line, e.g. 'out error x2.09 at W8 over W1/W2 (limit x1.4): bf16 contiguous none h2
+        d32 L64'.
+        """
         w = self.worst
         if w is None:
             return f"{self.note or 'no figure'}: {self.label}"
@@ -95,7 +81,9 @@ class GrowthCase:
 
 @dataclass
 class GrowthOutcome:
-    """What the growth check ran: per case the errors per W and the growth figures; `passed`."""
+    """What the growth check ran: per case, the errors per W and the growth
+    figures; and `passed`.
+    """
 
     impl: str
     cases: list[GrowthCase] = field(default_factory=list)
@@ -138,8 +126,9 @@ class GrowthOutcome:
 def plan(
     caps: Capabilities, pool_size: int, dtype: str | None = None, impl: str = "reference"
 ) -> tuple[tuple[int, ...], list[dict[int, Case]]]:
-    """(ring sizes, [{W: case}]) for an implementation's declared capabilities; empty when none
-    apply."""
+    """(ring sizes, [{W: case}]) for an implementation's declared capabilities. Empty when none
+    apply.
+    """
     lo, hi = caps.world_sizes
     worlds = tuple(w for w in WORLD_SIZES if lo <= w <= min(hi, pool_size))
     dtypes = [d for d in ("bf16", "fp16") if d in caps.dtypes and (dtype is None or d == dtype)]
@@ -183,8 +172,11 @@ def plan(
 
 
 def rms_errors(r: CaseResult) -> dict[str, float] | None:
-    """e_t = RMS of (impl - exact) over every element of every rank, per tensor (None: no usable
-    outputs). The oracle's exact outputs come from the cache: the run just computed them."""
+    """e_t = RMS of (impl - exact) over every element of every rank, per tensor.
+
+    None when the run has no usable outputs. The oracle's exact outputs come from the cache: the run
+    just computed them.
+    """
     if not r.shards or r.verdict not in (Verdict.PASS, Verdict.SILENT_CORRUPTION):
         return None
     exact = cache.outputs(r.case)[0]
@@ -206,8 +198,9 @@ def rms_errors(r: CaseResult) -> dict[str, float] | None:
 
 
 def baseline_sizes(worlds) -> tuple[int, ...]:
-    """The ring sizes whose larger error is the baseline: W = 1 and 2 (W = 1 alone if nothing
-    exceeds 2)."""
+    """The ring sizes whose larger error is the baseline: W = 1 and 2, or W = 1 alone if nothing
+    exceeds 2.
+    """
     worlds = sorted(worlds)
     base = tuple(w for w in worlds if w <= 2) or tuple(worlds[:1])
     return base if any(w > max(base) for w in worlds) else tuple(worlds[:1])
@@ -252,9 +245,11 @@ def growth_check(
     reporter,
     planned: tuple[tuple[int, ...], list[dict[int, Case]]] | None = None,
 ) -> GrowthOutcome:
-    """Run the growth check of `opts.impl` on `pool` (see the module docstring); lines go to
-    `reporter`. `planned`: (ring sizes, [{W: case}]) to run instead of `plan`'s (the user's shape:
-    harness.checks.stages.shape)."""
+    """Run the growth check of `opts.impl` on `pool`. Lines go to `reporter`.
+
+    `planned` is (ring sizes, [{W: case}]) to run instead of `plan`'s: the user's shape, from
+    harness.checks.stages.shape.
+    """
     start = time.perf_counter()
     res = GrowthOutcome(impl=opts.impl)
     worlds, plans = planned if planned is not None else plan(caps, pool.size, opts.dtype, opts.impl)
@@ -303,7 +298,8 @@ def growth_check(
             _figures(gc)
         res.cases.append(gc)
         reporter(_line(gc, worlds))
-        if gc.note:  # a run wrong, hung or raised on its own: the battery says what failed, and how
+        # A run was wrong, hung or raised on its own: the battery says what failed, and how.
+        if gc.note:
             res.skipped = f"stopped after {gc.label}: {gc.note} (the other stages report why)"
             reporter(f"growth check: {res.skipped}")
             break
@@ -332,7 +328,7 @@ def ranks(opts: CheckOptions, caps: Capabilities) -> int:
 
 
 def record_failures(check: Check, g: GrowthOutcome) -> bool:
-    """Record each failing global case on `check`, its worst ring size's run as the result.
+    """Record each failing global case on `check`, with its worst ring size's run as the result.
 
     That run passes on its own. The failure is the figure, kept in `Failure.growth`. True: stop.
     """

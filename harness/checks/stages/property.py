@@ -52,16 +52,19 @@ def run(check: Check) -> bool:
 def run_property(
     opts: CheckOptions, pool, failed: list[CaseResult] = (), reporter: Reporter | None = None
 ) -> fuzz.FuzzOutcome:
-    """The property-based part of `check`, with progress and a report; with opts.plot, heatmaps
-    of the shrunk failure (or of the first failed battery case, `failed`, when the search found
-    none)."""
+    """The property-based part of `check`, with progress and a report.
+
+    With opts.plot, it writes heatmaps of the shrunk failure. When the search found none, it plots
+    the first failed battery case instead (`failed`).
+    """
     out_line = reporter or report.out
     impl, allow_import, backend = opts.impl, opts.allow_import, pool.backend
     prof = fuzz.PROFILES[opts.profile]
     n = prof.max_examples if opts.max_examples is None else opts.max_examples
     budget = prof.time_budget_s if opts.time_budget is None else opts.time_budget
     caps, version = fuzz.impl_info(impl, allow_import)
-    if opts.dtype is not None:  # --dtype shapes every stage: draw only cases of that dtype
+    # --dtype shapes every stage: draw only cases of that dtype.
+    if opts.dtype is not None:
         caps = dataclasses.replace(caps, dtypes=frozenset({opts.dtype}))
     from harness.search import strategies
 
@@ -107,8 +110,9 @@ def run_property(
 
 
 def outcome_lines(out: fuzz.FuzzOutcome) -> list[str]:
-    """What the property-based run did: counts, rate, and the saved/shrunk failure with where it
-    is."""
+    """What the property-based run did: counts, rate, and the saved and shrunk failure with where it
+    is.
+    """
     lines = [
         f"property-based: {out.examples} examples, {out.runs} runs in {out.seconds:.1f} s "
         f"({out.rate_per_min():.0f} cases/min), {out.failures} failing runs; stop: {out.stop}"
@@ -160,7 +164,7 @@ def outcome_lines(out: fuzz.FuzzOutcome) -> list[str]:
 
 
 def property_json(out: fuzz.FuzzOutcome) -> dict:
-    """Machine-readable summary (for --json and selftest)."""
+    """A machine-readable summary, for --json and selftest."""
     return {
         "profile": out.profile,
         "seed": out.seed,
@@ -184,7 +188,7 @@ def property_json(out: fuzz.FuzzOutcome) -> dict:
 
 
 def plot(loc: localise.Localisation, directory: str | Path, stem: str) -> list[Path]:
-    """Heatmaps of a localisation (lazy matplotlib import)."""
+    """Heatmaps of a localisation. matplotlib is imported lazily."""
     from harness.diagnose.plot import heatmaps
 
     return heatmaps(loc, directory, stem)

@@ -1,8 +1,8 @@
 """The shape stage (`check --shape`): the growth check, then the basics, at the user's shape.
 
-Each basic runs once, with the leak run. The estimate comes first, and a plan that cannot fit or
-exceeds --shape-budget is refused in one line. The shape, its plan and the estimate:
-harness.checks.shape.
+Each basic runs once, with the leak run. The estimate comes first. A plan that cannot fit or that
+exceeds --shape-budget is refused in one line. harness.checks.shape holds the shape, its plan and
+the estimate.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def _basics(check: Check, basics: list[Case]) -> bool:
     out(report.header())
     for i, c in enumerate(basics, 1):
         r = run_case(c, check.pool, opts.impl, allow_import=opts.allow_import)
-        cache.forget(c)  # judged: its oracle outputs are not needed again
+        # Judged: its oracle outputs are not needed again.
+        cache.forget(c)
         outcome.shape_results.append(r)
         outcome.cases += 1
         out(report.row(i, len(basics), r))

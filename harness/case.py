@@ -117,9 +117,7 @@ class Case:
 
 
 def make_case(total_len: int | None = None, **fields: Any) -> Case:
-    """A Case, with `seq_lens` from an even split of `total_len` when per-rank lengths are not
-    given.
-    """
+    """A Case, its `seq_lens` split evenly from `total_len` when per-rank lengths are not given."""
     if total_len is not None:
         if "seq_lens" in fields:
             raise HarnessError("give either total_len or seq_lens, not both")

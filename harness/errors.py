@@ -58,9 +58,7 @@ class CommError(RingHarnessError, RuntimeError):
 
 
 class ShapeError(RingHarnessError, RuntimeError):
-    """An implementation returned an output or gradient of the wrong shape. The
-    verdict is diverged.
-    """
+    """An implementation returned an output or gradient of the wrong shape: diverged."""
 
 
 class Interrupted(RingHarnessError):

@@ -1,5 +1,4 @@
-"""Deterministic tensors from a case's seed, built per token so that a rank makes only its own
-shard.
+"""Deterministic tensors from a case's seed, built per token: a rank makes only its own shard.
 
 The values for token block b of tensor `name` come from a generator seeded by (seed, name, b). So
 the parent's global tensors and each rank's shard agree bit for bit. No rank ever materialises the

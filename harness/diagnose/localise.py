@@ -1,12 +1,11 @@
-"""Where a failing case's errors are: per rank/tensor worst error, and whether errors concentrate on
-causal-diagonal blocks, rank or chunk boundaries, document boundaries, masked blocks or one ring
-step.
+"""Where a failing case's errors are: the worst per rank and tensor, and where they concentrate.
 
-Two levels. Token level (free, from the run's error maps): which global tokens exceed the
-tolerance, and whether they sit at rank/chunk/document edges. Block level (2W extra runs of the
-implementation, see harness.probe): the error split exactly by key block for out (and dq), and by
-query block for dk/dv, so a bug on one ring step or in a block the mask hides shows as one hot
-column in the heatmap (harness.plot).
+They may concentrate on causal-diagonal blocks, rank or chunk boundaries, document boundaries,
+masked blocks or one ring step. The token level is free: the run's error maps say which global
+tokens exceed the tolerance, and whether they sit at edges. The block level costs 2W extra runs of
+the implementation (harness.impls.probe). It splits the error exactly by key block for out and dq,
+and by query block for dk and dv. A bug on one ring step, or in a block the mask hides, then shows
+as one hot column in the heatmap (harness.diagnose.plot).
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ from ring_impl.mask_eval import full_mask
 from ring_impl.masks import doc_starts_of
 
 GRADS = ("dq", "dk", "dv")
-QUERY_TENSORS = ("out", "lse", "dq")  # indexed by query token; dk/dv by key token
+# indexed by query token; dk/dv by key token
+QUERY_TENSORS = ("out", "lse", "dq")
 BLOCK_TENSORS = ("out", "dq", "dk", "dv")
 CONCENTRATED = 0.75  # share of the error that makes a finding
 MAX_LISTED = 16
@@ -67,11 +67,14 @@ def row_order(case: Case) -> torch.Tensor:
 
 
 def shard_edges(case: Case) -> torch.Tensor:
-    """(N,) bool: first or last token of a run of tokens one rank holds (rank and zigzag chunk
-    edges)."""
+    """(N,) bool: the first or last token of a run of tokens that one rank holds.
+
+    These are the rank and zigzag chunk edges.
+    """
     n = case.total_len
     own = owners(case)
-    cut = torch.zeros(n + 1, dtype=torch.bool)  # cut[p]: an edge lies between p - 1 and p
+    # cut[p]: an edge lies between p - 1 and p
+    cut = torch.zeros(n + 1, dtype=torch.bool)
     cut[0] = cut[n] = True
     cut[1:n] = own[1:] != own[:-1]
     if case.layout == "zigzag":
@@ -83,8 +86,11 @@ def shard_edges(case: Case) -> torch.Tensor:
 
 
 def doc_edges(case: Case) -> torch.Tensor:
-    """(N,) bool: first or last token of a document (document masks, or expressions with a document
-    primitive or a per-document combinator, with two or more documents)."""
+    """(N,) bool: the first or last token of a document.
+
+    Documents come from document masks, or from expressions with a document primitive or a
+    per-document combinator. It takes two or more documents.
+    """
     n = case.total_len
     edge = torch.zeros(n, dtype=torch.bool)
     for starts in doc_starts_of(case.mask.expression()):
@@ -96,8 +102,10 @@ def doc_edges(case: Case) -> torch.Tensor:
 
 
 def block_visibility(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query x key block, key x query block) bool: the mask lets the token see / be seen by the
-    block."""
+    """(query x key block, key x query block) bool.
+
+    Whether the mask lets the token see the block, or be seen by it.
+    """
     n = case.total_len
     m = full_mask(case.mask, n)
     if m is None:
@@ -109,10 +117,10 @@ def block_visibility(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def step_of(case: Case, tensor: str) -> torch.Tensor:
-    """(N, W) ring step at which each (token, block) cell is computed.
+    """(N, W): the ring step at which each (token, block) cell is computed.
 
-    At step s rank r holds the keys of rank (r - s) mod W: a query on rank r meets key block b at
-    step (r - b) mod W; a key of rank o meets query block a at step (a - o) mod W.
+    At step s, rank r holds the keys of rank (r - s) mod W. A query on rank r meets key block b at
+    step (r - b) mod W. A key of rank o meets query block a at step (a - o) mod W.
     """
     own = owners(case).view(-1, 1)
     blk = torch.arange(case.world_size).view(1, -1)
@@ -132,7 +140,7 @@ def by_step(case: Case, tensor: str, grid: torch.Tensor) -> torch.Tensor:
 
 
 def allowed_by_tensor(result: CaseResult) -> dict[str, float]:
-    """The tolerance of each checked tensor (the same on every rank)."""
+    """The tolerance of each checked tensor. It is the same on every rank."""
     out: dict[str, float] = {}
     for c in result.checks:
         out[c.tensor] = max(out.get(c.tensor, 0.0), c.allowed)
@@ -173,8 +181,8 @@ def probe_blocks(
 ) -> dict[str, torch.Tensor]:
     """tensor -> (N, W) error / allowed of each (token, block) cell, from 2W probe runs.
 
-    out and dq: V kept on key block b (column b); dk and dv: dout kept on query block a (column a).
-    Columns of probe runs that did not complete are NaN.
+    For out and dq, V is kept on key block b (column b). For dk and dv, dout is kept on query block
+    a (column a). The columns of probe runs that did not complete are NaN.
     """
     case = result.case
     name = impl or result.impl
@@ -219,8 +227,9 @@ def _share(mass: torch.Tensor, where: torch.Tensor) -> float:
 
 
 def _excess(ratio: torch.Tensor) -> torch.Tensor:
-    """The part of a ratio grid that counts as error: cells over the tolerance (all cells if none
-    is)."""
+    """The part of a ratio grid that counts as error: the cells over the tolerance, or all if none
+    is.
+    """
     r = ratio.nan_to_num(nan=0.0, posinf=1e30)
     over = torch.where(r > 1, r, torch.zeros_like(r))
     return over if float(over.sum()) > 0 else r
@@ -320,8 +329,10 @@ def worst_checks(result: CaseResult) -> list[dict]:
 def localise(
     result: CaseResult, pool: RankPool | None = None, *, probes: bool = True
 ) -> Localisation:
-    """Where the errors of a result are; with a pool and `probes`, also split them by block (2W
-    runs)."""
+    """Where the errors of a result are.
+
+    With a pool and `probes`, it also splits them by block, in 2W runs.
+    """
     case = result.case
     loc = Localisation(case=case, verdict=result.verdict, worst=worst_checks(result))
     if not result.checks:
@@ -341,8 +352,11 @@ def localise(
 
 
 def summary(loc: Localisation) -> dict:
-    """YAML-friendly record of a localisation (goes into a saved case's `result:` block): the worst
-    error of each tensor (every rank's is in `checks`), the findings, and the shares behind them."""
+    """A YAML-friendly record of a localisation, for a saved case's `result:` block.
+
+    It holds the worst error of each tensor, the findings and the shares behind them. Every rank's
+    worst error is in `checks`.
+    """
     worst: dict[str, dict] = {}
     for w in loc.worst:  # sorted worst first
         if w["tensor"] not in worst:
@@ -359,5 +373,5 @@ def summary(loc: Localisation) -> dict:
 
 
 def lines(loc: Localisation) -> list[str]:
-    """Indented report lines: the findings (the worst errors are printed by report.details)."""
+    """Indented report lines: the findings. report.details prints the worst errors."""
     return [f"        where: {f}" for f in loc.findings]

@@ -1,14 +1,9 @@
-"""Point-to-point through host buffers, so W ranks can share one GPU over gloo.
+"""Point-to-point through host buffers, so that W ranks can share one GPU over gloo.
 
 gloo cannot send or receive CUDA tensors, and NCCL refuses two ranks on one GPU. With staging on,
-every P2P op the interposer posts goes through a host buffer (pinned for CUDA tensors):
-- a send copies its tensor on the current stream, waits for that copy's event only, then sends;
-- a receive lands in a host buffer; `wait` copies it into the user's tensor on the stream current
-  at the wait, without blocking the host or synchronising the device;
-- every message between two ranks of a group uses one tag, so gloo matches them in per-peer FIFO
-  order as NCCL does (NCCL ignores tags);
-- `batch_isend_irecv` returns one Work for the whole batch, as NCCL's coalesced batch does.
-On CPU tensors the same code runs (an option), so CI exercises it. docs/gpu.md says what staging
+every P2P op the interposer posts goes through a host buffer, pinned for CUDA tensors. Messages
+match per peer in posting order, and a batch is one Work, as under NCCL. The same code runs on CPU
+tensors as an option, so CI exercises it. docs/gpu.md says how each op is staged, and what staging
 hides compared with NCCL.
 """
 
@@ -20,7 +15,8 @@ from typing import Any
 
 import torch
 
-STAGED_TAG = 0  # the one tag of staged P2P: per-peer FIFO matching, as NCCL's
+# the one tag of staged P2P: per-peer FIFO matching, as NCCL's
+STAGED_TAG = 0
 
 
 def host_buffer(t: torch.Tensor) -> torch.Tensor:
@@ -29,12 +25,14 @@ def host_buffer(t: torch.Tensor) -> torch.Tensor:
 
 
 class StagedWork:
-    """The transport's Work for a staged op; a receive's `wait` copies the host buffer into the
-    user's tensor."""
+    """The transport's Work for a staged op. A receive's `wait` copies the host buffer into the
+    user's tensor.
+    """
 
     def __init__(self, real: Any, host: torch.Tensor, target: torch.Tensor | None = None) -> None:
         self.real = real
-        self.host = host  # alive until the op completes (and, for a receive, its copy is queued)
+        # alive until the op completes (and, for a receive, its copy is queued)
+        self.host = host
         self.target = target  # a receive's destination; None for a send
         self.landed = False
 
@@ -68,21 +66,23 @@ def post_send(post: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> Stag
     if tensor.is_cuda:
         done = torch.cuda.Event()
         done.record()  # on the current stream, after the copy
-        done.synchronize()  # this copy only: the device goes on with other work
+        # this copy only: the device goes on with other work
+        done.synchronize()
     real = post(host)  # contiguous by construction
     return None if real is None else StagedWork(real, host)
 
 
 def post_recv(post: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> StagedWork | None:
-    """Receive into a host buffer; the Work's wait copies it into `tensor`."""
+    """Receive into a host buffer. The Work's wait copies it into `tensor`."""
     host = host_buffer(tensor)
     real = post(host)
     return None if real is None else StagedWork(real, host, tensor)
 
 
 class BatchWork:
-    """One Work for a whole `batch_isend_irecv`, as NCCL returns: wait() completes every op in
-    it."""
+    """One Work for a whole `batch_isend_irecv`, as NCCL returns. wait() completes
+    every op in it.
+    """
 
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = [w for w in works if w is not None]
@@ -127,7 +127,8 @@ FUNCTIONAL_OPS = (
     "reduce_scatter_tensor",
     "reduce_scatter_tensor_coalesced",
 )
-_LIBRARY: list[Any] = []  # the registration, alive for the process
+# the registration, alive for the process
+_LIBRARY: list[Any] = []
 
 
 def _map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -139,15 +140,17 @@ def _map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def through_host(op: Any, device: torch.device) -> Callable[..., Any]:
-    """`op` run on host copies of its tensor arguments, waited, its results moved back to
-    `device`."""
+    """`op` run on host copies of its tensor arguments and waited; its results moved back to
+    `device`.
+    """
     wait = torch.ops._c10d_functional.wait_tensor
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         out = kwargs.pop("out", None)
         res = op(*_map_tensors(args, lambda t: t.cpu()), **kwargs)
         res = _map_tensors(res, lambda t: wait(t).to(device))
-        if out is not None:  # an _out variant: the result lands in the caller's tensor
+        # an _out variant: the result lands in the caller's tensor
+        if out is not None:
             return out.copy_(res)
         return res
 
@@ -155,9 +158,10 @@ def through_host(op: Any, device: torch.device) -> Callable[..., Any]:
 
 
 def stage_functional_collectives(device: torch.device) -> tuple[str, ...]:
-    """Give torch's functional all-gather and reduce-scatter ops a CUDA kernel that runs them on
-    host copies (process-wide; for a rank on `device` under --device cuda). Returns the ops it
-    covered."""
+    """Give torch's functional all-gather and reduce-scatter a CUDA kernel that runs on host copies.
+
+    It acts process-wide, for a rank on `device` under --device cuda. It returns the ops it covered.
+    """
     if _LIBRARY or device.type != "cuda":
         return ()
     ns = torch.ops._c10d_functional

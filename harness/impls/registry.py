@@ -1,5 +1,4 @@
-"""Resolve an implementation name to an `Impl`: a built-in, an entry point, or
-`package.module:attr`.
+"""Resolve an implementation name: a built-in, an entry point, or `package.module:attr`.
 
 Built-ins come from the adapter modules in ADAPTER_MODULES, in listing order. Listing them or
 reading their capabilities imports no third-party library (docs/architecture.md, "an adapter").
@@ -177,9 +176,7 @@ def _did_you_mean(e: BaseException) -> str:
 
 
 def _import_target(target: str) -> Any:
-    """Import `module:attr` and return the object. attr may be dotted, and
-    ImportError propagates.
-    """
+    """Import `module:attr`, attr maybe dotted, and return the object. ImportError propagates."""
     mod_name, _, attr = target.partition(":")
     obj: Any = importlib.import_module(mod_name)
     for part in attr.split("."):
@@ -188,9 +185,7 @@ def _import_target(target: str) -> Any:
 
 
 def _as_impl(obj: Any, name: str) -> Impl:
-    """An Impl as it is. A zero-argument factory is called, and a run(q, k, v, ctx) callable
-    wrapped.
-    """
+    """An Impl as it is. A zero-argument factory is called, a run(q, k, v, ctx) callable wrapped."""
     if isinstance(obj, Impl):
         return obj
     if callable(obj):

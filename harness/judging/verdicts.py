@@ -58,9 +58,7 @@ def case_expected(case: Case) -> Verdict | None:
 
 
 def probe_acceptable(r: CaseResult) -> bool:
-    """Whether a probe of an undeclared feature ended well: it worked, or it was refused with an
-    error.
-    """
+    """Whether a probe of an undeclared feature worked, or was refused with an error."""
     return r.verdict in (Verdict.PASS, Verdict.FAIL_STOP)
 
 

@@ -370,9 +370,7 @@ def sigkill_cause(ev: Evidence) -> str:
 def how_it_died(
     rank: int, proc: subprocess.Popen, *, wait_s: float = REAP_WAIT_S, limit: int | None = None
 ) -> str:
-    """'still running', 'exit N', or 'killed by signal N (NAME)', with the likely
-    cause for SIGKILL.
-    """
+    """'still running', 'exit N' or 'killed by signal N (NAME)', for SIGKILL with its cause."""
     try:
         code = proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:

@@ -52,9 +52,7 @@ class Budget:
 
 
 class _Stop(BaseException):  # noqa: N818 - a control-flow signal, not an error
-    """Ends the hypothesis run, when the budget is spent or the harness itself broke. Not a case
-    failure.
-    """
+    """Ends the hypothesis run: the budget is spent, or the harness broke. Not a case failure."""
 
     def __init__(
         self,

@@ -6,8 +6,8 @@ SDPA sends fp32 (and head dims flash refuses) to `aten._scaled_dot_product_effic
 whose lse is (B, H, ceil(L/32)*32) on CUDA (its meta function says so; HIP builds excepted), while
 the flash op's lse is (B, H, L). torch's ring merges block results with `_SDPAMerger`, which
 unsqueezes the lse to (B, H, Lpad, 1) and combines it with outputs (B, H, L, D): from the second
-ring step on that raises, or for L == 1 silently grows out to 32 rows. See the docstring of
-harness/impls/adapters/torch_cp.py.
+ring step on that raises, or for L == 1 silently grows out to 32 rows. See docs/third-party.md,
+"torch-cp".
 """
 
 from __future__ import annotations

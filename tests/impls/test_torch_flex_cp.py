@@ -1,7 +1,7 @@
 """The `torch-flex-cp` adapters (torch's flex-attention context parallelism) on CPU: the mask
 mapping position by position, and torch's CP forward on gloo ranks against the float64 oracle.
 flex_attention has no CPU backward, so the gradients (and the compiled variant) run on CUDA only
-(the adapter's docstring)."""
+(docs/third-party.md)."""
 
 from __future__ import annotations
 

@@ -81,9 +81,7 @@ class GrowthCase:
 
 @dataclass
 class GrowthOutcome:
-    """What the growth check ran: per case, the errors per W and the growth
-    figures; and `passed`.
-    """
+    """What the growth check ran: per case the errors per W and the figures; and `passed`."""
 
     impl: str
     cases: list[GrowthCase] = field(default_factory=list)

@@ -1,24 +1,9 @@
-"""DeepSpeed ALST's Ulysses for Hugging Face models
-(`deepspeed.runtime.sequence_parallel.ulysses_sp. UlyssesSPAttentionHF`), around transformers' SDPA
-attention function, on CPU gloo ranks or GPUs. Imported on the ranks only; `make` only checks that
-deepspeed and transformers are importable.
+"""DeepSpeed ALST's Ulysses for Hugging Face models, around transformers' SDPA function.
 
-The model calls the attention function with HF shapes (q [b, h, s/W, d]) and `position_ids`; ALST
-all-to-alls q/k/v into a head shard of the whole sequence, calls `sdpa_attention_forward`, and
-all-to-alls the output [b, s/W, h*d] back. What the adapter reproduces of the HF path:
-
-- one module per (group, batch, heads, kv heads, head_dim), built once on the rank and reused by
-  every later case, as a model reuses its layers: with `seq_length_is_variable=True` (the default of
-  `register_with_transformers`) it keeps the last call's `local_seq_length`, so cases of other
-  lengths and the repeat check run through that state;
-- the model's 4D mask is dropped, as the wrapper `register_with_transformers` installs does
-  (`attention_mask = None`): the mask is the module's `is_causal` alone, over the gathered sequence
-  in rank order. Declared: no mask or causal, the contiguous layout. Sliding windows and packed
-  documents are let through so the probe shows what the HF path computes for them (position_ids
-  reset at document starts, as ALST's assertion asks of packed sequences);
-- kv heads fewer than W are replicated by ALST (W a multiple of them): let through with the head
-  counts W does not divide, which ALST refuses in its constructor otherwise; so are unequal per-rank
-  lengths.
+The module is `deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`. It runs on CPU
+gloo ranks or GPUs, and is imported on the ranks only. The adapter calls it as an HF model does: HF
+shapes, `position_ids`, the 4D mask dropped, one module reused across cases. docs/third-party.md
+says what it reproduces of the HF path, and why.
 """
 
 from __future__ import annotations
@@ -38,8 +23,10 @@ from harness.impls.adapters.deepspeed import init_deepspeed
 EXTRA = "deepspeed"
 
 CAPABILITIES = Capabilities(
-    layouts=frozenset({"contiguous"}),  # the gathered sequence is the ranks' shards in rank order
-    masks=frozenset({"none", "causal"}),  # the module's is_causal; HF's 4D mask is dropped
+    # the gathered sequence is the ranks' shards in rank order
+    layouts=frozenset({"contiguous"}),
+    # the module's is_causal; HF's 4D mask is dropped
+    masks=frozenset({"none", "causal"}),
     dtypes=frozenset({"fp32", "fp16", "bf16"}),
     gqa=True,
     uneven=False,  # one all-to-all split for every rank
@@ -75,8 +62,7 @@ def is_causal(ctx: RunContext) -> bool:
 
 
 def position_ids(ctx: RunContext, batch: int) -> torch.Tensor:
-    """This rank's position_ids (batch, s/W): global positions, restarting at each document's
-    start."""
+    """This rank's position_ids (batch, s/W): global positions, restarting at each document."""
     pos = ctx.positions.to(torch.int64)
     if ctx.mask.kind == "document":
         starts = torch.tensor(ctx.mask.doc_starts, dtype=torch.int64)
@@ -127,8 +113,11 @@ def _run(name: str, caps: Capabilities, lets_run: frozenset[str]) -> RunFn:
 
 
 def make(name: str) -> Impl:
-    """The variant behind our run signature. ImportError when deepspeed or transformers is not
-    importable; the libraries themselves are imported by the run, on the ranks."""
+    """The variant behind our run signature.
+
+    ImportError when deepspeed or transformers is not importable. The run imports the libraries
+    themselves, on the ranks.
+    """
     declared = variant(VARIANTS, name)
     require_importable("deepspeed")
     require_importable("transformers")

@@ -1,27 +1,9 @@
-"""`flash-ring`: a second, independent ring attention that does its arithmetic the way flash kernels
-do.
+"""`flash-ring`: a second, independent ring attention, with the arithmetic of flash kernels.
 
-Written apart from `ring_impl` (no code shared with the reference ring: its own ring loop, online
-softmax, backward, mask predicate and P2P schedule), so that a case on which the reference and this
-ring disagree with the harness points at the harness (oracle, tolerance) rather than at one ring. It
-is the calibration target for the tolerance rule's flash-family floor
-(harness/judging/tolerance.py):
-
-forward   K/V blocks ride the ring (rank r holds owner (r - s) mod W's block at step s); within a
-          block, keys are taken in tiles of KEY_TILE with one running row max m, row sum l and
-          accumulator acc for the whole ring (online softmax, all fp32): P = exp(S - m) in fp32,
-          l += rowsum(P) in fp32, P rounded to the input dtype before P @ V (fp32 accumulation).
-          out = acc / l cast to the input dtype once; lse = m + log(l) in fp32.
-backward  D = rowsum(dO * O) in fp32 from the dtype-rounded O (the output the caller got); P = exp(S
-          - lse) in fp32; dV += round(P)^T @ dO; dP = dO @ V^T (fp32); dS = round(P * (dP - D)) to
-          the input dtype before dQ += dS @ K and dK += dS^T @ Q (fp32 accumulation). dq accumulates
-          locally in fp32; the dk/dv accumulators travel with the ring in fp32 and make one more hop
-          home; each gradient is cast to the input dtype once.
-
-Every received buffer is fresh and read only after its wait; a sent buffer is never written again,
-so the benign faults (early-read, send-reuse) cannot change a bit. Peers are global ranks, so the
-ring runs inside a subgroup; zero-length shards are neither sent nor received (both sides know the
-lengths). GQA/MQA: query head i uses kv head i // (Hq / Hkv).
+It shares no code with the reference ring (`ring_impl`). A case on which both rings disagree with
+the harness thus points at the harness, not at one ring. It is also the calibration target of the
+tolerance rule's flash-family floor (harness/judging/tolerance.py). docs/third-party.md says how its
+buffers and peers are handled.
 """
 
 from __future__ import annotations
@@ -36,7 +18,8 @@ from harness.errors import ImplError
 from harness.impls.adapters._common import Variant, installed_version, require_supported, variant
 
 EXTRA = None  # part of the project itself
-KEY_TILE = 32  # keys per tile of the online softmax (flash-attn uses 64-128; any size is correct)
+# keys per tile of the online softmax (flash-attn uses 64-128; any size is correct)
+KEY_TILE = 32
 KV_TAG, DKV_TAG = 11, 12
 # every layout, the original masks, dtype, uneven split and idle ranks, GQA/MQA, subgroup; gloo
 # ranks (pure torch: tested on CPU only)
@@ -65,8 +48,7 @@ def visible(ctx: RunContext, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.
 
 
 class _Ring:
-    """Send to the next rank of the group and receive from the previous one; fresh receive
-    buffers."""
+    """Send to the next rank of the group and receive from the previous one, into fresh buffers."""
 
     def __init__(self, ctx: RunContext, tag: int) -> None:
         w = ctx.world_size
@@ -92,8 +74,9 @@ class _Ring:
 
 
 def _heads_first(x: torch.Tensor, group: int = 1) -> torch.Tensor:
-    """(B, L, H, D) -> float32 (B, H * group, L, D), each head repeated for its `group` query
-    heads."""
+    """(B, L, H, D) -> float32 (B, H * group, L, D), each head repeated for its
+    `group` query heads.
+    """
     x = x.float().permute(0, 2, 1, 3)
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
@@ -117,8 +100,15 @@ def _tiles(n: int):
 
 
 def flash_forward(q, k, v, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q.dtype (B, L, Hq, D), lse float32 (B, Hq, L)) of the local queries over the whole
-    ring."""
+    """out (B, L, Hq, D) in q.dtype and lse (B, Hq, L) in float32: the local queries over the ring.
+
+    K/V blocks ride the ring: at step s, rank r holds the block of owner (r - s) mod W. Within a
+    block, keys are taken in tiles of KEY_TILE. One running row max m, row sum l and accumulator acc
+    serve the whole ring: an online softmax, all in fp32.
+    - P = exp(S - m) in fp32, and l += rowsum(P) in fp32.
+    - P is rounded to the input dtype before P @ V, which accumulates in fp32.
+    - out = acc / l, cast to the input dtype once. lse = m + log(l) in fp32.
+    """
     dtype, w, r, scale = q.dtype, ctx.world_size, ctx.rank, float(ctx.softmax_scale)
     group = q.shape[2] // k.shape[2]
     qf = _heads_first(q)
@@ -162,7 +152,15 @@ def flash_forward(q, k, v, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def flash_backward(dout, q, k, v, out, lse, ctx: RunContext):
-    """(dq, dk, dv) in the input dtype; `out` is the dtype-rounded output, lse the float32 one."""
+    """(dq, dk, dv) in the input dtype. `out` is the dtype-rounded output, and lse the float32 one.
+
+    - D = rowsum(dO * O) in fp32, from the dtype-rounded O: the output the caller got.
+    - P = exp(S - lse) in fp32, and dV += round(P)^T @ dO.
+    - dP = dO @ V^T in fp32. dS = round(P * (dP - D)) to the input dtype, before dQ += dS @ K and dK
+      += dS^T @ Q, which accumulate in fp32.
+    dq accumulates locally in fp32. The dk/dv accumulators travel with the ring in fp32, and make
+    one more hop home. Each gradient is cast to the input dtype once.
+    """
     dtype, w, r, scale = q.dtype, ctx.world_size, ctx.rank, float(ctx.softmax_scale)
     hkv, group = k.shape[2], q.shape[2] // k.shape[2]
     qf, dof = _heads_first(q), _heads_first(dout)
@@ -174,7 +172,8 @@ def flash_backward(dout, q, k, v, out, lse, ctx: RunContext):
     kv_ring = _Ring(ctx, KV_TAG) if w > 1 else None
     dkv_ring = _Ring(ctx, DKV_TAG) if w > 1 else None
     kv = _flat(k, v)
-    dkv = torch.zeros(2 * k.numel(), dtype=torch.float32)  # the accumulator of this rank's own keys
+    # the accumulator of this rank's own keys
+    dkv = torch.zeros(2 * k.numel(), dtype=torch.float32)
     for step in range(w):
         owner = (r - step) % w
         shape = _kv_shape(k, ctx, owner)
@@ -202,7 +201,8 @@ def flash_backward(dout, q, k, v, out, lse, ctx: RunContext):
         b, _, n, d = dk_h.shape
         dk_acc += dk_h.view(b, hkv, group, n, d).sum(dim=2) * scale
         dv_acc += dv_h.view(b, hkv, group, n, d).sum(dim=2)
-        if w > 1:  # the accumulator goes on to the next rank; the previous rank's comes in
+        # the accumulator goes on to the next rank; the previous rank's comes in
+        if w > 1:
             prev_owner = (owner - 1) % w
             incoming = dkv_ring.post(
                 dkv, 2 * shape[0] * ctx.lengths[prev_owner] * shape[2] * shape[3], torch.float32
@@ -234,7 +234,7 @@ class _FlashRing(torch.autograd.Function):
 
 
 def make(name: str) -> Impl:
-    """The flash-style ring (`name` is "flash-ring", the one entry of VARIANTS)."""
+    """The flash-style ring. `name` is "flash-ring", the one entry of VARIANTS."""
     caps = variant(VARIANTS, name).capabilities
 
     def run(

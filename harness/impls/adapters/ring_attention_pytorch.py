@@ -1,20 +1,8 @@
-"""lucidrains' `ring-attention-pytorch`: its pure-PyTorch `ring_flash_attn` in ring mode.
+"""lucidrains' `ring-attention-pytorch`: its pure-PyTorch `ring_flash_attn`, in ring mode.
 
-How the library is driven (read from its source, version 0.5.x):
-- tensors are (batch, seq, heads, dim) like ours; kv heads are expanded with einops
-  '... h d -> ... (g h) d' (query head i uses kv head i % kv_heads, "tiled"), while the harness uses
-  the grouped convention (query head i uses kv head i // G), so query heads are permuted in and out;
-- the softmax scale is fixed at head_dim ** -0.5, so q is multiplied by scale * sqrt(head_dim)
-  (autograd carries that factor into dq);
-- `ring_reduce_col=True` is ring mode; `striped_ring_attn=True` masks causally for the striped
-  layout (token i on rank i mod W); `ring_size=W`;
-- `bucket_size` = the local length: one bucket per rank, so the causal bucket arithmetic (which
-  compares bucket indices, and for striping assumes one bucket per rank) is exact;
-- peers are global ranks of the default group (`dist.get_rank()`, cached) and every hop ends with
-  a world `dist.barrier()`: it cannot run in a subgroup, so the adapter refuses one;
-- the ring sends equal-shaped buffers: no uneven splits; W=1 sends to itself, which gloo refuses;
-- its row statistics are float32 while o stays in the input dtype, and half inputs fail with a
-  dtype mismatch in einsum: fp32 only.
+The adapter permutes the query heads to the library's GQA convention and folds our softmax scale
+into q. It declares what the library can run: fp32 only, equal shards, no subgroup, W >= 2.
+docs/third-party.md says how each argument is mapped, and why.
 """
 
 from __future__ import annotations
@@ -48,14 +36,15 @@ VARIANTS = {
             backward=True,
             devices=frozenset({"cpu", "cuda"}),
             returns_lse=False,
-            subgroups=False,  # addresses peers by global rank and barriers on the whole world
+            # addresses peers by global rank and barriers on the whole world
+            subgroups=False,
         )
     ),
 }
 
 
 def library_args(ctx: RunContext, local_len: int) -> dict:
-    """Keyword arguments for `ring_flash_attn` that express this run (layout and mask mapping)."""
+    """Keyword arguments for `ring_flash_attn` that express this run's layout and mask."""
     return {
         "causal": ctx.mask.kind == "causal",
         "bucket_size": max(1, local_len),
@@ -66,9 +55,10 @@ def library_args(ctx: RunContext, local_len: int) -> dict:
 
 
 def make(name: str) -> Impl:
-    """The adapter; imports the library (ImportError when it is not installed)."""
+    """The adapter. It imports the library, and raises ImportError when it is not installed."""
     caps = variant(VARIANTS, name).capabilities
-    with warnings.catch_warnings():  # its beartype hints warn on import (PEP 585 deprecations)
+    # its beartype hints warn on import (PEP 585 deprecations)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from ring_attention_pytorch import distributed as lib_dist
         from ring_attention_pytorch import ring_flash_attn

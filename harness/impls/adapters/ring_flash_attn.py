@@ -1,44 +1,9 @@
-"""zhuzilin's `ring-flash-attn` (flash-attn kernels), four variants: on CUDA/NCCL with a real
-flash-attn, and on CPU gloo ranks with ring-harness's flash-attn stand-in (`harness.kernels`), which
-the ranks install where no real flash-attn is importable. Its ring logic (K/V rotation, lse merge,
-zigzag / stripe / llama3 bookkeeping) is plain torch.distributed, so it runs unmodified; `versions:
-kernel` in a saved case says which kernel it ran on. The library is imported inside the run (on the
-ranks, after the stand-in is in place), never in the parent: `make` only checks that it is
-importable.
+"""zhuzilin's `ring-flash-attn`, four variants over flash-attn kernels.
 
-Signatures (ring-flash-attn 0.1.x):
-- `ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-  deterministic, return_attn_probs, group)`: contiguous layout;
-- `zigzag_ring_flash_attn_func(...)`: same arguments; rank r holds chunks r and 2W-1-r of 2W
-  (its tests' `extract_local`), i.e. our "zigzag"; asserts causal;
-- `stripe_flash_attn_func(...)`: token i on rank i mod W (its tests' `extract_local`: split into
-  W-sized groups, take index r), i.e. our "striped"; asserts causal;
-- `llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-  heads_k_stride, local_k_slice, ...)` with `llama3_flash_attn_prepare_cu_seqlens(cu_seqlens,
-  causal, rank, world_size)`: all-gathers K/V; rank r holds tokens [r*N/W, (r+1)*N/W) of the packed
-  stream (contiguous). Packed documents (cu_seqlens) give our document masks; flash-attn aligns a
-  causal window to the bottom right of each (q, k) document piece, and llama3's causal pieces end at
-  the same global token, so window_size=(w, 0) is our window mask exactly: every mask
-  `_common.flash_mask` expresses (conjunctions of documents, causal and windows, per-document ones)
-  but a two-sided window (non-causal pieces take the whole document's keys: the alignment is off).
-  Batches run one element at a time.
-Tensors are (batch, seq, heads, dim) like ours; GQA is native with the grouped convention.
-With return_attn_probs=True they return (out, lse, None), lse (batch, heads, seq) in float32.
-The ring variants pass window_size to every block in block-local coordinates, which is not a
-global sliding window (upstream issue #35), so only llama3 declares the window mask.
-
-What the library supports, as declared: fp16/bf16 only and head_dim a multiple of 8 up to 256
-(flash-attn 2 refuses fp32 and other head dims with its own error); equal per-rank lengths (every
-ring step sends the same K/V buffer shape; llama3 asserts total % W == 0); zigzag and stripe assert
-causal. Zigzag also needs an even per-rank length: its forward splits a rank's tokens at L//2 but
-its backward with chunk(2), which for odd L disagree (zigzag_ring_flash_attn.py:22-23 vs :114-118,
-upstream issue #39), so the zigzag variant declares `zigzag_odd=False`: battery cases are adapted to
-even lengths and property-based runs draw only even ones. Its run does not refuse odd lengths,
-though (`lets_run`): the library accepts them without an error (L = 3: every rank silently wrong; L
->= 5: a size mismatch in backward; L = 1: IndexError), and refusing would turn the check's probe of
-the undeclared feature into "rejected with an error (right)" and a replay of the saved findings
-(cases/ring-flash-attn-zigzag-odd-local-length*.yaml) into a refusal. So the probe runs the library
-on an odd length and reports its wrong answer as a finding (see README, "Third-party rings").
+They run on CUDA/NCCL with a real flash-attn, and on CPU gloo ranks with the flash-attn stand-in
+(`harness.kernels`). The library's ring logic is plain torch.distributed, so it runs unmodified. It
+is imported on the ranks only. docs/third-party.md gives the signatures, the layout mapping, and why
+the zigzag variant declares `zigzag_odd=False` but lets odd lengths run.
 """
 
 from __future__ import annotations
@@ -72,7 +37,7 @@ KERNEL = FLASH_KERNEL
 
 
 def _caps(layout: str, masks: set[str], sends_to_itself: bool = True) -> Capabilities:
-    """What a variant declares; zigzag needs two equal chunks per rank (an even local length)."""
+    """What a variant declares. Zigzag needs two equal chunks per rank: an even local length."""
     return Capabilities(
         layouts=frozenset({layout}),
         masks=frozenset(masks),
@@ -117,7 +82,7 @@ VARIANTS = {
 
 
 def _library(name: str, func: str) -> tuple[Any, Callable[..., Any]]:
-    """(the ring_flash_attn module, its function `func`), imported on first use (on a rank)."""
+    """(the ring_flash_attn module, its function `func`), imported on first use, on a rank."""
     lib = importlib.import_module("ring_flash_attn")
     fn = getattr(lib, func, None)
     if fn is None:
@@ -195,9 +160,12 @@ def _llama3_run(name: str, caps: Capabilities) -> RunFn:
 
 
 def make(name: str) -> Impl:
-    """The variant's library function behind our run signature. ImportError when ring_flash_attn is
-    not importable; the library itself is imported by the run, on the ranks (where flash-attn, or
-    its CPU stand-in, is), and a version without the function is an ImplError there."""
+    """The variant's library function behind our run signature.
+
+    ImportError when ring_flash_attn is not importable. The run imports the library itself, on the
+    ranks, where flash-attn or its CPU stand-in is. A version without the function is an ImplError
+    there.
+    """
     declared = variant(VARIANTS, name)
     require_importable("ring_flash_attn")
     func, caps = declared.option, declared.capabilities
@@ -218,10 +186,11 @@ def make(name: str) -> Impl:
 def extract_local(
     layout: str, x: torch.Tensor, rank: int, world_size: int, dim: int = 1
 ) -> torch.Tensor:
-    """The library's own sharding helpers (from its tests), for checking our layout mapping.
+    """The library's own sharding helpers, from its tests, for checking our layout mapping.
 
-    contiguous: `x.chunk(W)[rank]`; zigzag: chunks r and 2W-1-r of `x.chunk(2W)`; striped:
-    `stack(x.split(W), dim).transpose(dim, dim+1)[rank]`.
+    - contiguous: `x.chunk(W)[rank]`
+    - zigzag: chunks r and 2W-1-r of `x.chunk(2W)`
+    - striped: `stack(x.split(W), dim).transpose(dim, dim+1)[rank]`
     """
     if layout == "contiguous":
         return x.chunk(world_size, dim=dim)[rank]

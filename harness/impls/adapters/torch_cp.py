@@ -1,37 +1,9 @@
-"""PyTorch's public context parallelism: `context_parallel(mesh, buffers=...)` + SDPA (CUDA/NCCL).
+"""PyTorch's public context parallelism, `context_parallel(mesh, buffers=...)` with SDPA.
 
-Inside the context, `F.scaled_dot_product_attention` takes local shards (batch, heads, seq, dim),
-wraps them as DTensors sharded on the sequence and dispatches SDPA's CUDA flash / efficient ops to
-torch's ring. Sharding: with `_cp_options.enable_load_balance` and a sequence divisible by 2W,
-torch's head-tail balancer gives rank r chunks r and 2W-1-r (our "zigzag"); otherwise plain
-`Shard(seq)` (our "contiguous"). Load balancing exists only for causal SDPA. The context also
-shards one buffer we pass (the global positions), which checks torch's sharding against our layout.
-
-The DTensor dispatch is only active inside the context, but the harness calls backward after
-`run` returns; so a custom autograd Function records SDPA's graph inside the context and replays
-its backward inside a fresh context (torchtitan runs forward and backward in one context).
-
-What is declared, and why (read from torch 2.13's `torch/distributed/tensor/experimental/
-_context_parallel/`; GPU-only, not run here):
-- zigzag with no mask. torch balances load only for causal SDPA (`_templated_ring_attention` raises
-  "Load balancing requires `is_causal=True`" otherwise, _attention.py:405), so a non-causal run is
-  sharded plainly and the sharding check used to refuse every zigzag run without a mask. But the
-  adapter hands SDPA our local shards directly, and without a mask every query attends to every key
-  whatever rank holds it: the plain ring is exact for zigzag shards too (as in `torch_ring`). The
-  sharding check is therefore made only for causal runs, where the positions matter.
-- zigzag needs an even per-rank length: torch load-balances only when the sequence divides by 2W
-  (`_create_default_load_balancer`, _load_balancer.py:475); otherwise it shards contiguously and the
-  sharding check would refuse the run. Declared: `zigzag_odd=False` (the case side adapts odd
-  lengths up to even ones; a run is refused with one line before it reaches torch).
-- fp16/bf16 only, head_dim a multiple of 8 up to 256: then SDPA picks the flash kernel, whose lse is
-  (B, H, L). fp32 (and head dims flash refuses) go to the memory-efficient kernel, whose lse is
-  padded to ceil(L/32)*32 (`meta__scaled_dot_product_efficient_attention`,
-  torch/_meta_registrations.py: 6523; CUDA's kAlignLSE = 32). `_SDPAMerger._merge_one`
-  (_attention.py:151-207) unsqueezes that lse to (B, H, Lpad, 1) and merges it with outputs (B, H,
-  L, D): from the second ring step on this raises for 1 < L, L % 32 != 0, broadcasts out to 32 rows
-  for L == 1 (a wrong shape), and with load balancing `lse.chunk(2)` halves the padded lse, not the
-  rows, unless L % 64 == 0. So fp32 is not declared (tests/impls/test_torch_cp_lse_padding.py runs
-  torch's own merger on such shapes on CPU).
+It runs on CUDA/NCCL. Inside the context, SDPA's CUDA ops dispatch to torch's ring. The harness
+calls backward after `run` returns, outside the context. So a custom autograd Function records
+SDPA's graph inside the context and replays its backward inside a fresh one. docs/third-party.md
+says how torch shards, and why only fp16 and bf16 at flash head dims are declared.
 """
 
 from __future__ import annotations
@@ -58,8 +30,10 @@ EXTRA = None  # torch itself (CUDA build)
 _CAPS = Capabilities(
     layouts=frozenset({"contiguous", "zigzag"}),
     masks=frozenset({"none", "causal"}),
-    dtypes=frozenset({"fp16", "bf16"}),  # fp32 goes to the efficient kernel: padded lse (docstring)
-    gqa=False,  # the CP handlers take the flash / efficient ops, which get equal head counts
+    # fp32 goes to the efficient kernel: a padded lse (docs/third-party.md)
+    dtypes=frozenset({"fp16", "bf16"}),
+    # the CP handlers take the flash / efficient ops, which get equal head counts
+    gqa=False,
     uneven=False,
     world_sizes=(1, 8),
     backward=True,
@@ -86,7 +60,7 @@ def _api():
 
 @contextlib.contextmanager
 def cp_context(ctx: RunContext, rotate: str) -> Iterator[None]:
-    """torch's CP context for this run's mesh, rotation and load balancing; checks the sharding."""
+    """The CP context for this run's mesh, rotation and load balancing. It checks the sharding."""
     from torch.distributed.device_mesh import DeviceMesh
 
     context_parallel, opts, set_rotate_method = _api()
@@ -99,7 +73,8 @@ def cp_context(ctx: RunContext, rotate: str) -> Iterator[None]:
         with context_parallel(
             mesh, buffers=[positions], buffer_seq_dims=[1], no_restore_buffers={positions}
         ):
-            # without a mask the result does not depend on which rank holds which token (docstring)
+            # without a mask the result does not depend on which rank holds which token
+            # (docs/third-party.md)
             if ctx.mask.is_causal and not torch.equal(
                 positions.view(-1).cpu(), ctx.positions.cpu()
             ):
@@ -142,7 +117,7 @@ class _TorchCP(torch.autograd.Function):
 
 
 def make(name: str) -> Impl:
-    """torch's public CP with the variant's rotation; ImplError when this torch lacks the API."""
+    """torch's public CP with the variant's rotation. ImplError when this torch lacks the API."""
     declared = variant(VARIANTS, name)
     require_torch_api(name, _api)
     rotate, caps = declared.option, declared.capabilities

@@ -1,37 +1,9 @@
-"""feifeibear's `yunchang` (long-context-attention): ring, Ulysses and USP over flash-attn: on
-CUDA/NCCL with a real flash-attn (>= 2.7: it compares versions as strings,
-kernels/attention.py:176,210), and on CPU gloo ranks with ring-harness's flash-attn stand-in
-(`harness.kernels`), installed by the ranks where no real flash-attn is importable. The library is
-imported inside the run (on the ranks), never in the parent: `make` only checks that it is
-importable.
+"""feifeibear's `yunchang` (long-context-attention): ring, Ulysses and USP over flash-attn.
 
-- ring: `yunchang.hybrid.utils.RING_IMPL_DICT[impl_type](q, k, v, dropout_p, softmax_scale, causal,
-  window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, attn_type)` with
-  impl_type "basic" (contiguous), "zigzag" (rank r: chunks r, 2W-1-r) or "strip" (token i on
-  rank i mod W), as its `EXTRACT_FUNC_DICT` helpers shard with one Ulysses rank;
-- Ulysses: `UlyssesAttention(sequence_process_group, scatter_idx=2, gather_idx=1, attn_type)`:
-  all-to-all from sequence shards to head shards, full attention, and back; contiguous layout, heads
-  divisible by W (declared: `heads_divisible_by_world`), and a sliding window, one- or two-sided, is
-  exact because each rank sees the whole sequence: every conjunction of full, causal and windows
-  (`_common.flash_mask`), no documents (its flash_attn_func takes no cu_seqlens);
-- USP: `LongContextAttention(ring_impl_type="basic")` over `PROCESS_GROUP.ULYSSES_PG` and
-  `RING_PG`. We build the groups the way `set_seq_parallel_pg(..., use_ulysses_low=True)` does,
-  from this ring's global ranks: Ulysses groups are consecutive ranks, so rank g = r*U + u holds
-  contiguous chunk g, which is our "contiguous" layout. U is the largest divisor of W below W that
-  divides both head counts (U > 1 and W/U > 1, else refused).
-
-Declared as the library supports it: fp16/bf16 and head_dim a multiple of 8 up to 256 (flash-attn
-2); equal per-rank lengths; zigzag/strip assert causal. The zigzag ring is ring-flash-attn's code
-(forward splits a rank's tokens at L//2, backward with chunk(2): wrong for an odd local length L,
-upstream zhuzilin/ring-flash-attention#39), so yunchang-ring declares `zigzag_odd=False` and, like
-ring-flash-attn-zigzag, lets such runs through to the library (`lets_run`) so that the check's probe
-reports what it does (cases/yunchang-ring-zigzag-odd-local-length.yaml). Ulysses needs both head
-counts divisible by W, its degree (`heads_divisible_by_world`, refused with one line at run time).
-USP's rule (some Ulysses degree 1 < U < W dividing W and both head counts, `usp_degrees`) is not a
-capability: such runs are refused with one line. Not driven here: the varlen ring
-(ring/ring_flash_attn_varlen.py:56-71 calls flash-attn < 2.6's API: TypeError with 2.8.3), the
-qkvpacked/kvpacked wrappers (ring/ring_flash_attn.py:240,271 pass 13 arguments to a 14-argument
-forward) and the FA3 path (kernels/attention.py:283 hard-codes causal=False).
+They run on CUDA/NCCL with a real flash-attn, and on CPU gloo ranks with the flash-attn stand-in
+(`harness.kernels`). The library is imported on the ranks only. For USP, the adapter builds the
+Ulysses and ring groups itself, from this ring's global ranks. docs/third-party.md says how each
+mode is called, and why it declares what it does.
 """
 
 from __future__ import annotations
@@ -112,8 +84,7 @@ VARIANTS = {
 
 
 def usp_degrees(world_size: int, heads_q: int, heads_kv: int) -> tuple[int, int]:
-    """(ulysses, ring) degrees for USP: the largest Ulysses degree 1 < U < W dividing W and both
-    heads."""
+    """(ulysses, ring) degrees for USP. U is the largest 1 < U < W that divides W and both heads."""
     for u in range(world_size - 1, 1, -1):
         if world_size % u == 0 and heads_q % u == 0 and heads_kv % u == 0:
             return u, world_size // u
@@ -126,8 +97,10 @@ def usp_degrees(world_size: int, heads_q: int, heads_kv: int) -> tuple[int, int]
 def usp_groups(
     global_ranks: tuple[int, ...], ulysses: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """(ulysses groups, ring groups) as global ranks, in `set_seq_parallel_pg`'s ulysses-low
-    order."""
+    """(ulysses groups, ring groups) as global ranks.
+
+    They come in the ulysses-low order of `set_seq_parallel_pg`.
+    """
     w = len(global_ranks)
     ring = w // ulysses
     uly = [[global_ranks[r * ulysses + u] for u in range(ulysses)] for r in range(ring)]
@@ -139,16 +112,16 @@ _GROUPS: dict[tuple, object] = {}
 
 
 def _group(ranks: list[int], ring: object) -> object:
-    """The process group of `ranks` (global), created by its members only and cached per harness
-    ring group.
+    """The process group of the global `ranks`, created by its members only.
 
-    torch names a locally synchronised group by hashing its ranks with the number of groups the
-    calling process knows (`distributed_c10d._hash_ranks_to_str`). That number differs between pool
-    ranks (a rank outside an earlier ring never registered that ring's group), so the members of a
-    new group would rendezvous under different store prefixes and hang (seen: a W=4 USP case after
-    any W=2 case). The name is made from what every member agrees on instead: the harness's ring
-    group (`ring.group_name`, created collectively, and fresh after a failed case, so no stale group
-    is reused) and the ranks.
+    It is cached per harness ring group. torch names a locally synchronised group by hashing its
+    ranks with the number of groups the calling process knows
+    (`distributed_c10d._hash_ranks_to_str`). That number differs between pool ranks: a rank outside
+    an earlier ring never registered that ring's group. The members of a new group would then
+    rendezvous under different store prefixes and hang. This was seen on a W=4 USP case after any
+    W=2 case. So the name is made from what every member agrees on: the harness's ring group and the
+    ranks. The ring group (`ring.group_name`) is created collectively, and fresh after a failed
+    case, so no stale group is reused.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -201,7 +174,8 @@ def _ulysses_run(name: str, caps: Capabilities, lets_run: frozenset[str] = froze
         from yunchang import UlyssesAttention
         from yunchang.kernels import AttnType
 
-        fm = require_flash_mask(name, ctx)  # no documents: undeclared, refused above
+        # no documents: undeclared, refused above
+        fm = require_flash_mask(name, ctx)
         attn = UlyssesAttention(ctx.group, scatter_idx=2, gather_idx=1, attn_type=AttnType.FA)
         return attn(
             q,
@@ -250,9 +224,11 @@ _RUNS = {"ring": _ring_run, "ulysses": _ulysses_run, "usp": _usp_run}
 
 
 def make(name: str) -> Impl:
-    """The variant's mode behind our run signature. ImportError when yunchang is not importable;
-    the library itself is imported by the run, on the ranks (where flash-attn, or its CPU
-    stand-in, is)."""
+    """The variant's mode behind our run signature.
+
+    ImportError when yunchang is not importable. The run imports the library itself, on the ranks,
+    where flash-attn or its CPU stand-in is.
+    """
     declared = variant(VARIANTS, name)
     require_importable("yunchang")
     caps = declared.capabilities
@@ -269,10 +245,12 @@ def make(name: str) -> Impl:
 def extract_local(
     kind: str, x: torch.Tensor, rank: int, world_size: int, ring: int, ulysses: int
 ) -> torch.Tensor:
-    """yunchang's `EXTRACT_FUNC_DICT` sharding, re-stated without process groups (for layout tests).
+    """yunchang's `EXTRACT_FUNC_DICT` sharding, restated without process groups, for layout tests.
 
-    basic: chunk W; zigzag: chunks r, 2R-1-r of 2R over the ring rank r = rank // U, then chunk U
-    by the Ulysses rank u = rank % U; strip: per ring index j tokens j, j+R, ..., then chunk W.
+    - basic: chunk W.
+    - zigzag: chunks r and 2R-1-r of 2R over the ring rank r = rank // U, then chunk U by the
+      Ulysses rank u = rank % U.
+    - strip: per ring index j, tokens j, j+R, ..., then chunk W.
     """
     b, n = x.shape[:2]
     if kind == "basic":

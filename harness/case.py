@@ -3,7 +3,7 @@
 Tensors are never stored: every rank rebuilds its shard of q, k, v and dout from the seed. A case
 file is read with safe_load and checked against a schema. It holds one case, or a sequence of them
 under a top-level `sequence:` list. For a sequence file, `load` gives the last member. The sequence
-as a type lives in `harness.case_sequence`.
+as a type lives in `harness.case_sequence`. What each field may hold is in `harness.case_schema`.
 """
 
 from __future__ import annotations
@@ -21,19 +21,12 @@ from typing import Any
 
 import yaml
 
-from harness.calls import CALLS, INPUT_FORMS
-from harness.dtypes import DTYPES
+from harness.case_schema import MAX_WORLD, is_int, mask_from_dict, validate
 from harness.errors import HarnessError
-from harness.faults.schema import parse_faults
-from ring_impl.layouts import LAYOUTS, split_lengths
-from ring_impl.masks import MASK_KINDS, MaskSpec, doc_starts_of, expr_from_dict
+from ring_impl.layouts import split_lengths
+from ring_impl.masks import MaskSpec
 
 FORMAT = 1
-# normal, large and near-tie stress the merge; the last three are the magnitudes of trained models
-# (harness.inputs)
-VALUE_KINDS = ("normal", "large", "near-tie", "outliers", "qk-overflow", "sink")
-TENSORS = ("out", "dq", "dk", "dv", "lse")
-MAX_WORLD = 64
 
 
 @dataclass(frozen=True)
@@ -123,118 +116,10 @@ def make_case(total_len: int | None = None, **fields: Any) -> Case:
             raise HarnessError("give either total_len or seq_lens, not both")
         fields["seq_lens"] = tuple(split_lengths(int(total_len), int(fields.get("world_size", 4))))
     if isinstance(fields.get("mask"), dict):
-        fields["mask"] = _mask_from_dict(fields["mask"])
+        fields["mask"] = mask_from_dict(fields["mask"])
     if "seq_lens" in fields:
         fields["seq_lens"] = tuple(fields["seq_lens"])
     return Case(**fields)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _need(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise HarnessError(f"case field '{name}': {msg}")
-
-
-def validate(c: Case) -> None:
-    """Check every field, and raise HarnessError naming the first bad one."""
-    for name in ("world_size", "batch", "heads_q", "heads_kv", "head_dim"):
-        v = getattr(c, name)
-        _need(_is_int(v) and v >= 1, name, f"must be a positive integer, got {v!r}")
-    _need(c.world_size <= MAX_WORLD, "world_size", f"must be <= {MAX_WORLD}, got {c.world_size}")
-    _need(
-        _is_int(c.group_offset) and c.group_offset >= 0,
-        "group_offset",
-        f"must be an integer >= 0, got {c.group_offset!r}",
-    )
-    _need(
-        c.heads_q % c.heads_kv == 0,
-        "heads_kv",
-        f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})",
-    )
-    _need(
-        isinstance(c.seq_lens, tuple) and all(_is_int(n) and n >= 0 for n in c.seq_lens),
-        "seq_lens",
-        f"must be a list of integers >= 0, got {c.seq_lens!r}",
-    )
-    _need(
-        len(c.seq_lens) == c.world_size,
-        "seq_lens",
-        f"has {len(c.seq_lens)} entries but world_size is {c.world_size}",
-    )
-    _need(c.total_len >= 1, "seq_lens", "the total sequence length must be at least 1")
-    _need(
-        c.layout in LAYOUTS,
-        "layout",
-        f"unknown layout {c.layout!r}; expected one of {', '.join(LAYOUTS)}",
-    )
-    _need(isinstance(c.mask, MaskSpec), "mask", f"must be a mask mapping, got {c.mask!r}")
-    for starts in doc_starts_of(c.mask.expression()):
-        _need(
-            starts[-1] < c.total_len,
-            "mask",
-            f"document start {starts[-1]} is beyond the sequence (length {c.total_len})",
-        )
-    _need(
-        c.dtype in DTYPES,
-        "dtype",
-        f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}",
-    )
-    _need(
-        c.softmax_scale is None
-        or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale) and c.softmax_scale > 0),
-        "softmax_scale",
-        f"must be a positive number or null, got {c.softmax_scale!r}",
-    )
-    _need(
-        c.values in VALUE_KINDS,
-        "values",
-        f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}",
-    )
-    _need(
-        _is_int(c.seed) and 0 <= c.seed < 2**63,
-        "seed",
-        f"must be an integer in [0, 2**63), got {c.seed!r}",
-    )
-    _need(
-        isinstance(c.impl, str) and c.impl != "",
-        "impl",
-        f"must be a non-empty string, got {c.impl!r}",
-    )
-    _need(
-        isinstance(c.faults, tuple), "faults", f"must be a list of fault mappings, got {c.faults!r}"
-    )
-    # It raises naming the field, e.g. 'faults[1].index'.
-    parse_faults(c.faults, c.world_size)
-    _need(isinstance(c.tolerance, dict), "tolerance", f"must be a mapping, got {c.tolerance!r}")
-    for k, v in c.tolerance.items():
-        _need(
-            k in TENSORS,
-            "tolerance",
-            f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}",
-        )
-        _need(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-            "tolerance",
-            f"factor for {k} must be a positive number, got {v!r}",
-        )
-    _need(c.call in CALLS, "call", f"unknown call {c.call!r}; expected one of {', '.join(CALLS)}")
-    _need(
-        c.inputs in INPUT_FORMS,
-        "inputs",
-        f"unknown input form {c.inputs!r}; expected one of {', '.join(INPUT_FORMS)}",
-    )
-    _need(
-        _is_number(c.deadline_s) and 0 < c.deadline_s <= 3600,
-        "deadline_s",
-        f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}",
-    )
 
 
 # -- dict / YAML -----------------------------------------------------------------------------
@@ -283,50 +168,6 @@ def to_dict(c: Case) -> dict:
     return d
 
 
-LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}
-
-
-def _mask_from_dict(d: Any) -> MaskSpec:
-    """A mask: one of the original kinds, or an expression of primitives (ring_impl.masks).
-
-    The original kinds are `{kind: causal}`, `{kind: window, window: 3}` and `{kind: document,
-    doc_starts: [...], causal: false}`. An expression combines primitives with and, or and not, e.g.
-    `{and: [{kind: causal}, {kind: chunked, size: 8}]}`.
-    """
-    if not isinstance(d, dict):
-        raise HarnessError(f"case field 'mask': must be a mapping like {{kind: causal}}, got {d!r}")
-    if d.get("kind", "none") not in MASK_KINDS or not set(d) <= LEGACY_MASK_KEYS:
-        try:
-            return MaskSpec.of(expr_from_dict(d))
-        except ValueError as e:
-            raise HarnessError(f"case field 'mask': {e}") from None
-    kind = d.get("kind", "none")
-    if kind not in MASK_KINDS:
-        raise HarnessError(
-            f"case field 'mask': unknown kind {kind!r}; expected one of {', '.join(MASK_KINDS)}"
-        )
-    window = d.get("window")
-    if kind == "window" and not (_is_int(window) and window >= 0):
-        raise HarnessError(f"case field 'mask': window must be an integer >= 0, got {window!r}")
-    starts = d.get("doc_starts", [])
-    if kind == "document" and not (isinstance(starts, list) and all(_is_int(s) for s in starts)):
-        raise HarnessError(
-            f"case field 'mask': doc_starts must be a list of integers, got {starts!r}"
-        )
-    causal = d.get("causal", True)
-    if not isinstance(causal, bool):
-        raise HarnessError(f"case field 'mask': causal must be true or false, got {causal!r}")
-    try:
-        return MaskSpec(
-            kind=kind,
-            window=window if kind == "window" else None,
-            doc_starts=tuple(starts) if kind == "document" else (),
-            causal=causal,
-        )
-    except ValueError as e:
-        raise HarnessError(f"case field 'mask': {e}") from None
-
-
 def from_dict(d: Any) -> Case:
     """A validated Case from plain data. It raises HarnessError naming the bad field."""
     if not isinstance(d, dict):
@@ -345,7 +186,7 @@ def from_dict(d: Any) -> Case:
         )
     fields = {k: v for k, v in d.items() if k in CASE_KEYS}
     if "mask" in fields:
-        fields["mask"] = _mask_from_dict(fields["mask"])
+        fields["mask"] = mask_from_dict(fields["mask"])
     if "seq_lens" in fields:
         if not isinstance(fields["seq_lens"], list):
             raise HarnessError(
@@ -363,9 +204,9 @@ def from_dict(d: Any) -> Case:
         if "seq_lens" in d:
             raise HarnessError("case fields 'total_len' and 'seq_lens' are exclusive: give one")
         w = fields.get("world_size", 4)
-        if not (_is_int(total) and total >= 1):
+        if not (is_int(total) and total >= 1):
             raise HarnessError(f"case field 'total_len': must be a positive integer, got {total!r}")
-        if not (_is_int(w) and 1 <= w <= MAX_WORLD):
+        if not (is_int(w) and 1 <= w <= MAX_WORLD):
             raise HarnessError(
                 f"case field 'world_size': must be a positive integer <= {MAX_WORLD}, got {w!r}"
             )

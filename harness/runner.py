@@ -2,7 +2,7 @@
 
 Every check, search and diagnosis goes through this step: case -> ranks -> judging -> `CaseResult`.
 The oracle's outputs come from the cache, or from whoever `harness.oracle.mode` names. They reach
-`harness.judging.verdicts.judge` as arguments. A case with benign faults first runs fault-free, so
+`harness.judging.judge.judge` as arguments. A case with benign faults first runs fault-free, so
 judging can demand that the faults left the results bit-identical.
 """
 
@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from harness.case import Case
-from harness.judging.verdicts import case_expected, judge, needs_oracle
+from harness.errors import HarnessError
+from harness.impls import registry
+from harness.judging.judge import judge, needs_oracle
+from harness.judging.verdicts import case_expected
 from harness.oracle import cache
 from harness.oracle.assemble import Pair
 from harness.oracle.mode import current_mode, oracle_from_ranks, oracle_threads
@@ -47,8 +50,6 @@ def needs_whole_world(impl: str) -> bool:
     Its ring must then be global ranks 0..W-1, so the pool is sized exactly W. A name that does not
     resolve says False, and the worker reports the real error.
     """
-    from harness.impls import registry
-
     try:
         return not registry.resolve(impl, allow_import=False).capabilities.subgroups
     except Exception:
@@ -90,7 +91,6 @@ def check_memory(case: Case, mode: str | None = None) -> None:
     """
     if case.total_len < LARGE_CASE_TOKENS:
         return
-    from harness.errors import HarnessError
     from harness.ranks import oom
 
     est = oom.estimate(case, oracle=mode or current_mode())

@@ -11,6 +11,9 @@ DIR/steps/*.log, and all of DIR as DIR.tar.gz. `--device cpu` runs the same step
 with P2P staging forced; the CUDA-only ones are reported as skipped. Outcomes: passed, failed (the
 ring is wrong: exit 1), refused (exit 2), error (any other exit), timed out, skipped. Exit 0 when no
 step failed, errored or timed out, else 1.
+
+This file runs the steps and writes the report. The steps are listed in gpu_check_plan.py. The code
+each step runs in its subprocess is in gpu_check_steps.py.
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpu_check_steps import (  # beside this script: scripts/ is on the path
+# beside this script: scripts/ is on the path
+from gpu_check_plan import Step, plan
+from gpu_check_steps import (
     PY,
-    SMOKE,
     env_facts,
-    nccl_at_least,
     probe_collectives,
     probe_one,
     run_cases,
@@ -48,21 +51,6 @@ RC_OUTCOMES = {0: "passed", 1: "failed", 2: "refused"}
 
 
 @dataclass
-class Step:
-    """One bounded step: a command, its time limit, the least budget it needs to start, and when it
-    applies."""
-
-    name: str
-    what: str
-    argv: list[str]
-    timeout_s: float
-    min_s: float = 20.0
-    skip: str = ""  # why it does not apply here ('' = it runs)
-    env: dict[str, str] = field(default_factory=dict)
-    json: str | None = None  # a JSON file the step writes (summarised into the report)
-
-
-@dataclass
 class Outcome:
     name: str
     what: str
@@ -73,403 +61,6 @@ class Outcome:
     summary: str = ""
     log: str = ""
     details: dict | list | None = None
-
-
-# -- planning and running the steps
-# ---------------------------------------------------------------------- the cheap and never-run
-# steps first
-STEP_ORDER = [
-    "gloo-collectives",
-    "reference-cases",
-    "torch-cp",
-    "torch-cp-alltoall",
-    "torch-flex-cp",
-    "torch-flex-cp-compiled",
-    "long-32k",
-    "long-4k",
-    "nccl-smoke-w1",
-    "torchrun-nccl-w1",
-    "torchrun-nccl-multi",
-    "nccl-multi-rank-per-gpu",
-    "check",
-    "selftest-subset",
-    "deepspeed-ulysses",
-    "deepspeed-ulysses-seqfirst",
-    "deepspeed-alst",
-    "deepspeed-uneven-length",
-    "deepspeed-fpdt",
-]
-
-
-def plan(device: str, out: Path, facts: dict) -> list[Step]:
-    """Every step for `device`, in the order they run; the ones that do not apply here carry why."""
-    steps = [
-        *_harness_steps(device, out, facts),
-        *_deepspeed_steps(device, out, facts),
-        *_nccl_steps(device, out, facts),
-    ]
-    return sorted(steps, key=lambda s: STEP_ORDER.index(s.name))
-
-
-def _json(out: Path, name: str) -> str:
-    """Where a step writes its JSON."""
-    return str(out / "steps" / f"{name}.json")
-
-
-def _device_args(device: str) -> list[str]:
-    return ["--device", device] + ([] if device == "cuda" else ["--stage-p2p"])
-
-
-def _no_cuda(device: str) -> str:
-    """Why a CUDA-only step does not apply ('' on cuda)."""
-    return "" if device == "cuda" else "CUDA only: run with --device cuda on a GPU host"
-
-
-def _cases(out: Path, device: str, name: str, impl: str, worlds: str, **kw) -> list[str]:
-    """The command of a step that runs a few judged cases (`gpu_check.py --cases`)."""
-    flags = [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    return [
-        PY,
-        str(Path(__file__).resolve()),
-        "--cases",
-        impl,
-        "--worlds",
-        worlds,
-        "--device",
-        device,
-        "--json-out",
-        _json(out, name),
-        *flags,
-    ]
-
-
-def _harness_steps(device: str, out: Path, facts: dict) -> list[Step]:
-    """The probes, the cases of the reference and of torch's CP, the check, the selftest,
-    torchrun."""
-    cuda = device == "cuda"
-    gpus = len(facts.get("gpus") or [])
-    me = [PY, str(Path(__file__).resolve())]
-    dev = _device_args(device)
-    js = lambda name: _json(out, name)  # noqa: E731
-    check = [PY, "-m", "harness", "check", *dev]
-    no_cuda = _no_cuda(device)
-    cases = lambda *args, **kw: _cases(out, device, *args, **kw)  # noqa: E731
-    return [
-        Step(
-            "gloo-collectives",
-            "what gloo does with the device's tensors: each P2P op and "
-            "collective the rings "
-            "use, on two gloo ranks (right, wrong, error, crashed, hung)",
-            me + ["--probe-collectives", "--device", device, "--json-out", js("gloo-collectives")],
-            60,
-            json=js("gloo-collectives"),
-        ),
-        Step(
-            "reference-cases",
-            "the reference ring at W = 1, 2, 4, 8 (contiguous/zigzag, "
-            "none/causal, bf16, "
-            "h4 d64, 256 tokens a rank), oracle on the ranks' devices",
-            cases("reference-cases", "reference", "1,2,4,8"),
-            90,
-            json=js("reference-cases"),
-        ),
-        Step(
-            "torch-cp",
-            "torch's context_parallel (SDPA flash/efficient, allgather rotation) at W "
-            "= 2, 4 with "
-            "backward",
-            cases("torch-cp", "torch-cp", "2,4"),
-            75,
-            skip=no_cuda,
-            json=js("torch-cp"),
-        ),
-        Step(
-            "torch-cp-alltoall",
-            "torch's context_parallel, alltoall rotation, at W = 2, 4 with backward",
-            cases("torch-cp-alltoall", "torch-cp-alltoall", "2,4"),
-            75,
-            skip=no_cuda,
-            json=js("torch-cp-alltoall"),
-        ),
-        Step(
-            "torch-flex-cp",
-            "flex attention under torch's CP (eager) at W = 2, 4 with backward",
-            cases("torch-flex-cp", "torch-flex-cp", "2,4"),
-            75,
-            skip=no_cuda,
-            json=js("torch-flex-cp"),
-        ),
-        Step(
-            "torch-flex-cp-compiled",
-            "flex attention compiled (Triton) under torch's CP at W = 2, 4, backward",
-            cases("torch-flex-cp-compiled", "torch-flex-cp-compiled", "2,4"),
-            120,
-            min_s=40,
-            skip=no_cuda,
-            json=js("torch-flex-cp-compiled"),
-        ),
-        Step(
-            "long-32k" if cuda else "long-4k",
-            "one 32,768-token zigzag causal bf16 case at W = 8, judged with the float64 oracle on "
-            "the GPU"
-            if cuda
-            else "one 4,096-token case at W = 8 (32k on CPU takes too long here), oracle on the "
-            "ranks",
-            cases("long", "reference", "8", tokens_per_rank=4096 if cuda else 512, case_set="long"),
-            120,
-            min_s=30,
-            json=js("long"),
-        ),
-        Step(
-            "check",
-            "the default check of the reference at --world-size 8: battery (W = 1, 2, 3, "
-            "4, 8), scale "
-            "stage, growth check, fault stage (early-read, send-reuse), 10 property-based examples",
-            check
-            + [
-                "--world-size",
-                "8",
-                "--max-examples",
-                "10",
-                "--json",
-                js("check"),
-                "--save-dir",
-                str(out / "failures"),
-            ],
-            180,
-            min_s=60,
-            json=js("check"),
-        ),
-        Step(
-            "selftest-subset",
-            "the selftest's fast subset (one mutant per stage) on the device",
-            [
-                PY,
-                "-m",
-                "harness",
-                "selftest",
-                *dev,
-                "--only",
-                "naive-merge-sum,out-merge-in-input-dtype,tile-tail-dropped,read-before-wait",
-                "--json",
-                js("selftest"),
-                "--save-dir",
-                str(out / "selftest"),
-            ],
-            180,
-            min_s=60,
-            json=js("selftest"),
-        ),
-        Step(
-            "torchrun-nccl-w1",
-            "torchrun with NCCL at W = 1: the check's battery on cuda:LOCAL_RANK, oracle there",
-            [
-                PY,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "1",
-                "-m",
-                "harness",
-                "check",
-                "--launcher",
-                "torchrun",
-                "--backend",
-                "nccl",
-                "--world-size",
-                "1",
-                "--max-examples",
-                "5",
-                "--no-growth",
-                "--json",
-                js("torchrun"),
-                "--save-dir",
-                str(out / "failures-torchrun"),
-            ],
-            120,
-            min_s=40,
-            skip=no_cuda,
-            json=js("torchrun"),
-        ),
-        Step(
-            "torchrun-nccl-multi",
-            "torchrun with NCCL at W = number of GPUs (> 1)",
-            [
-                PY,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(max(gpus, 2)),
-                "-m",
-                "harness",
-                "check",
-                "--launcher",
-                "torchrun",
-                "--backend",
-                "nccl",
-                "--world-size",
-                str(max(gpus, 2)),
-                "--max-examples",
-                "5",
-                "--no-growth",
-            ],
-            120,
-            min_s=40,
-            skip=no_cuda or ("" if gpus >= 2 else f"needs two GPUs; this host has {gpus}"),
-        ),
-    ]
-
-
-def _deepspeed_steps(device: str, out: Path, facts: dict) -> list[Step]:
-    """DeepSpeed's Ulysses, ALST and FPDT checks, and the corpus case of DeepSpeed #7384."""
-    cuda = device == "cuda"
-    dev = _device_args(device)
-    js = lambda name: _json(out, name)  # noqa: E731
-    check = [PY, "-m", "harness", "check", *dev]
-    steps = []
-    ds = (
-        ""
-        if facts.get("deepspeed")
-        else "deepspeed is not importable here (pip install 'ring-harness[deepspeed]')"
-    )
-    hf = ds or (
-        ""
-        if facts.get("transformers")
-        else "transformers is not importable here (ALST's attention)"
-    )
-    for impl in ("deepspeed-ulysses", "deepspeed-ulysses-seqfirst", "deepspeed-alst"):
-        steps.append(
-            Step(
-                impl,
-                f"the default check of {impl} (torch's SDPA on the device) without "
-                "the fault stage: "
-                "battery, scale stage at training sizes, growth and repeat checks, 10 "
-                "property-based "
-                "examples",
-                check
-                + [
-                    "--impl",
-                    impl,
-                    "--max-examples",
-                    "10",
-                    "--fault-stage",
-                    "none",
-                    "--json",
-                    js(impl),
-                    "--save-dir",
-                    str(out / "failures"),
-                ],
-                150,
-                min_s=45,
-                skip=hf if impl == "deepspeed-alst" else ds,
-                json=js(impl),
-            )
-        )
-    steps.append(
-        Step(
-            "deepspeed-uneven-length",
-            "DeepSpeed #7384 (S % W != 0) on the device's "
-            "tensors: the "
-            "corpus case that aborts a rank on CPU gloo",
-            [
-                PY,
-                "-m",
-                "harness",
-                "replay",
-                str(ROOT / "cases" / "deepspeed-ulysses-uneven-length.yaml"),
-                *dev,
-                "--json",
-                js("deepspeed-uneven-length"),
-            ],
-            60,
-            skip=ds,
-            json=js("deepspeed-uneven-length"),
-        )
-    )
-    steps.append(
-        Step(
-            "deepspeed-fpdt",
-            "the default check of deepspeed-fpdt (flash-attn) without the fault stage",
-            check
-            + [
-                "--impl",
-                "deepspeed-fpdt",
-                "--max-examples",
-                "10",
-                "--fault-stage",
-                "none",
-                "--json",
-                js("deepspeed-fpdt"),
-                "--save-dir",
-                str(out / "failures"),
-                # CPU: ci/thirdparty-check.sh's why
-                *([] if cuda else ["--no-scale"]),
-            ],
-            150,
-            min_s=45,
-            skip=ds
-            or ("" if facts.get("flash_attn") or not cuda else "needs flash-attn on a GPU host"),
-            json=js("deepspeed-fpdt"),
-        )
-    )
-    return steps
-
-
-def _nccl_steps(device: str, out: Path, facts: dict) -> list[Step]:
-    """NCCL itself: at W = 1, and two ranks on one GPU where NCCL allows it. Writes the smoke
-    script."""
-    no_cuda = _no_cuda(device)
-    steps = []
-    smoke = out / "steps" / "nccl_smoke.py"
-    nccl = facts.get("nccl")
-    mr_skip = no_cuda or (
-        ""
-        if nccl_at_least(nccl, (2, 30))
-        else f"NCCL {nccl} < 2.30 has no NCCL_MULTI_RANK_GPU_ENABLE (it refuses two "
-        "ranks on one GPU)"
-    )
-    mps = f"at {facts['mps_pipe']}" if facts.get("mps_pipe") else "not running"
-    steps.append(
-        Step(
-            "nccl-multi-rank-per-gpu",
-            "NCCL >= 2.30's experimental two ranks on one GPU "
-            f"(NCCL_MULTI_RANK_GPU_ENABLE=1; MPS {mps})",
-            [
-                PY,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                str(smoke),
-            ],
-            45,
-            skip=mr_skip,
-            env={"NCCL_MULTI_RANK_GPU_ENABLE": "1", "SMOKE_GPU": "0"},
-        )
-    )
-    steps.append(
-        Step(
-            "nccl-smoke-w1",
-            "NCCL itself at W = 1 (init, all_reduce) before the harness's torchrun step",
-            [
-                PY,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "1",
-                str(smoke),
-            ],
-            45,
-            skip=no_cuda,
-        )
-    )
-    smoke.parent.mkdir(parents=True, exist_ok=True)
-    smoke.write_text(SMOKE)
-    return steps
 
 
 def run_step(step: Step, out: Path, left_s: float) -> Outcome:
@@ -625,7 +216,8 @@ def write_report(
     (out / "report.md").write_text("\n".join(md) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The script's flags. The hidden ones run one step's own code in a subprocess."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="the folder the report goes to (created)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -646,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--probe-rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--probe-store", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+def _step_code(a: argparse.Namespace) -> int | None:
+    """Run a step's own code if a hidden flag asks for it: its exit status, or None."""
     if a.probe:
         return probe_one(a.probe, a.probe_rank, a.probe_store, a.device)
     if a.probe_collectives:
@@ -666,16 +262,15 @@ def main(argv: list[str] | None = None) -> int:
             64,
             a.json_out,
         )
-    if not a.out:
-        p.error("--out DIR is required")
-    out = Path(a.out).resolve()
-    (out / "steps").mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    t0 = time.monotonic()
+    return None
+
+
+def _environment(out: Path, budget: float) -> tuple[Outcome, dict]:
+    """The first step: the environment's facts, which the plan's steps depend on."""
     env_step = Step(
         "environment", "torch, CUDA and NCCL versions, the devices", [PY, __file__, "--env"], 60
     )
-    first = run_step(env_step, out, a.budget)
+    first = run_step(env_step, out, budget)
     try:
         lines = (out / first.log).read_text().strip().splitlines()
         facts = json.loads(lines[-1]) if lines else {}
@@ -687,11 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{facts.get('nccl', '-')}, "
         f"GPUs: {', '.join(g['name'] for g in facts.get('gpus') or []) or 'none'}"
     )
-    outcomes = [first]
-    if a.device == "cuda" and not facts.get("cuda_available"):
-        print("--device cuda: torch sees no CUDA device here; use --device cpu", file=sys.stderr)
-        write_report(out, a.device, facts, outcomes, started, time.monotonic() - t0)
-        return 2
+    return first, facts
+
+
+def _run_plan(
+    a: argparse.Namespace,
+    out: Path,
+    facts: dict,
+    outcomes: list[Outcome],
+    started: str,
+    t0: float,
+) -> list[Outcome]:
+    """Run the plan's steps after `outcomes`, each within the budget left. Every step rewrites the
+    report."""
+    outcomes = list(outcomes)
     only = set(a.only.split(",")) if a.only else None
     for step in plan(a.device, out, facts):
         if only is not None and step.name not in only and not step.skip:
@@ -701,6 +305,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{o.name:26} {o.outcome:10} {o.seconds:7.1f} s  {o.summary[:150]}", flush=True)
         # a report even if killed
         write_report(out, a.device, facts, outcomes, started, time.monotonic() - t0)
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    rc = _step_code(a)
+    if rc is not None:
+        return rc
+    if not a.out:
+        p.error("--out DIR is required")
+    out = Path(a.out).resolve()
+    (out / "steps").mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    t0 = time.monotonic()
+    first, facts = _environment(out, a.budget)
+    outcomes = [first]
+    if a.device == "cuda" and not facts.get("cuda_available"):
+        print("--device cuda: torch sees no CUDA device here; use --device cpu", file=sys.stderr)
+        write_report(out, a.device, facts, outcomes, started, time.monotonic() - t0)
+        return 2
+    outcomes = _run_plan(a, out, facts, outcomes, started, t0)
     write_report(out, a.device, facts, outcomes, started, time.monotonic() - t0)
     bad = [o for o in outcomes if o.outcome in ("failed", "error", "timed out")]
     # one file: the GPU tool returns few

@@ -104,32 +104,12 @@ def run_cases(
     float64 oracle computed by the ranks on their device. Exit 0 all passed, 1 one failed, 2 none
     could run. After SIGNAL_DEATHS cases in a row whose ranks were killed by a signal, the rest are
     not run (each costs a restart of a GPU host's scarce minutes and would die the same way)."""
-    from harness import case as case_mod
     from harness.impls import registry
-    from harness.impls.capabilities import adapt
     from harness.ranks.backend import Placement
     from harness.ranks.pool import RankPool
     from harness.runner import run_case
 
-    caps = registry.resolve(impl, allow_import=registry.is_module_path(impl)).capabilities
-    cases, refused = [], []
-    for w in worlds:
-        for layout, mask in CASE_SETS[case_set]:
-            c = case_mod.make_case(
-                world_size=w,
-                total_len=w * tokens_per_rank,
-                layout=layout,
-                mask={"kind": mask},
-                dtype=dtype,
-                heads_q=heads,
-                heads_kv=heads,
-                head_dim=head_dim,
-                seed=w,
-                impl=impl,
-                deadline_s=240.0,
-            )
-            a = adapt(caps, c)
-            (cases if a is not None else refused).append(a if a is not None else c)
+    cases, refused = _adapted_cases(impl, worlds, tokens_per_rank, case_set, dtype, heads, head_dim)
     rows = [{"case": c.summary(), "verdict": "refused"} for c in refused]
     worst_rc = 2 if not cases else 0
     with RankPool(
@@ -153,17 +133,7 @@ def run_cases(
                 if r.dead and all("killed by signal" in d for d in r.dead.values())
                 else 0
             )
-            row = {
-                "case": c.summary(),
-                "verdict": str(r.verdict),
-                "seconds": round(time.perf_counter() - t0, 2),
-                "worst_ratio": {t: round(v, 4) for t, v in r.to_dict()["worst_ratio"].items()},
-                "detail": r.detail[:300],
-                "errors": {str(k): v[:300] for k, v in r.errors.items()},
-                "dead": {str(k): v[:700] for k, v in r.dead.items()},
-                "forward_s": r.timings.get("forward_s"),
-                "backward_s": r.timings.get("backward_s"),
-            }
+            row = _case_row(c, r, time.perf_counter() - t0)
             rows.append(row)
             print(
                 f"{row['verdict']:18} {row['seconds']:7.2f} s  {row['case']}  "
@@ -174,6 +144,58 @@ def run_cases(
                 worst_rc = 1
     Path(out).write_text(json.dumps(rows, indent=1))
     return worst_rc
+
+
+def _adapted_cases(
+    impl: str,
+    worlds: list[int],
+    tokens_per_rank: int,
+    case_set: str,
+    dtype: str,
+    heads: int,
+    head_dim: int,
+) -> tuple[list, list]:
+    """The cases of `case_set` at each ring size, adapted to what `impl` declares: those it runs,
+    and those it refuses."""
+    from harness import case as case_mod
+    from harness.impls import registry
+    from harness.impls.capabilities import adapt
+
+    caps = registry.resolve(impl, allow_import=registry.is_module_path(impl)).capabilities
+    cases, refused = [], []
+    for w in worlds:
+        for layout, mask in CASE_SETS[case_set]:
+            c = case_mod.make_case(
+                world_size=w,
+                total_len=w * tokens_per_rank,
+                layout=layout,
+                mask={"kind": mask},
+                dtype=dtype,
+                heads_q=heads,
+                heads_kv=heads,
+                head_dim=head_dim,
+                seed=w,
+                impl=impl,
+                deadline_s=240.0,
+            )
+            a = adapt(caps, c)
+            (cases if a is not None else refused).append(a if a is not None else c)
+    return cases, refused
+
+
+def _case_row(c, r, seconds: float) -> dict:
+    """The report's row of one judged case: verdict, seconds, worst ratios, what went wrong."""
+    return {
+        "case": c.summary(),
+        "verdict": str(r.verdict),
+        "seconds": round(seconds, 2),
+        "worst_ratio": {t: round(v, 4) for t, v in r.to_dict()["worst_ratio"].items()},
+        "detail": r.detail[:300],
+        "errors": {str(k): v[:300] for k, v in r.errors.items()},
+        "dead": {str(k): v[:700] for k, v in r.dead.items()},
+        "forward_s": r.timings.get("forward_s"),
+        "backward_s": r.timings.get("backward_s"),
+    }
 
 
 PROBES = (
@@ -212,7 +234,6 @@ def probe_one(name: str, rank: int, store: str, device: str) -> int:
 
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -230,6 +251,25 @@ def probe_one(name: str, rank: int, store: str, device: str) -> int:
 
         stage_functional_collectives(dev)
         name = name.removeprefix("staged ")
+    got, want = _probe_op(name, rank, dev)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ok = torch.equal(got.cpu(), want.cpu())
+    print(
+        f"rank {rank}: {name} on {dev}: "
+        f"{'right' if ok else f'wrong {got.tolist()} != {want.tolist()}'}",
+        flush=True,
+    )
+    dist.destroy_process_group()
+    return 0 if ok else 3
+
+
+def _probe_op(name: str, rank: int, dev):
+    """Run the op `name` on this rank's tensor: what it gave and what it should give."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
     x = torch.arange(4.0, device=dev) + 10 * rank
     both = torch.cat([torch.arange(4.0) + 10 * r for r in range(2)]).to(dev)
     if name == "isend-irecv":
@@ -276,16 +316,7 @@ def probe_one(name: str, rank: int, store: str, device: str) -> int:
     else:
         dist.barrier()
         got = want = x
-    if device == "cuda":
-        torch.cuda.synchronize()
-    ok = torch.equal(got.cpu(), want.cpu())
-    print(
-        f"rank {rank}: {name} on {dev}: "
-        f"{'right' if ok else f'wrong {got.tolist()} != {want.tolist()}'}",
-        flush=True,
-    )
-    dist.destroy_process_group()
-    return 0 if ok else 3
+    return got, want
 
 
 def probe_collectives(device: str, out: str, timeout_s: float = 45.0) -> int:
@@ -293,59 +324,13 @@ def probe_collectives(device: str, out: str, timeout_s: float = 45.0) -> int:
     here."""
     import tempfile
 
-    me = SCRIPT
-    runs = {}
     tmp = tempfile.mkdtemp(prefix="gpu-check-probe-")
-    for name in PROBES:
-        store = os.path.join(tmp, name.replace(".", "-").replace(" ", "-"))
-        runs[name] = [
-            subprocess.Popen(
-                [
-                    PY,
-                    str(me),
-                    "--probe",
-                    name,
-                    "--probe-rank",
-                    str(r),
-                    "--probe-store",
-                    store,
-                    "--device",
-                    device,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                text=True,
-            )
-            for r in range(2)
-        ]
+    runs = {name: _start_probe(name, device, tmp) for name in PROBES}
     deadline = time.monotonic() + timeout_s
     rows, rc = [], 0
     for name, procs in runs.items():
-        outs = []
-        for p in procs:
-            try:
-                text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                signal_group(p, signal.SIGKILL)
-                text, _ = p.communicate()
-                p.returncode = None
-            outs.append((p.returncode, text or ""))
-        codes = [c for c, _ in outs]
-        if all(c == 0 for c in codes):
-            verdict = "right"
-        elif any(c is None for c in codes):
-            verdict = "hung"
-        elif any(c is not None and c < 0 for c in codes):
-            verdict = (
-                "crashed ("
-                + ", ".join(signal.Signals(-c).name for c in codes if c is not None and c < 0)
-                + ")"
-            )
-        elif any(c == 3 for c in codes):
-            verdict = "wrong result"
-        else:
-            verdict = f"error (exit {codes})"
+        outs = [_finish_probe(p, deadline) for p in procs]
+        verdict = _probe_verdict([c for c, _ in outs])
         last = " / ".join((t.strip().splitlines() or [""])[-1][:200] for _, t in outs)
         relied = probe_relied_on(name, device)
         rows.append(
@@ -372,6 +357,60 @@ def probe_collectives(device: str, out: str, timeout_s: float = 45.0) -> int:
     )
     Path(out).write_text(json.dumps(rows, indent=1))
     return rc
+
+
+def _start_probe(name: str, device: str, tmp: str) -> list[subprocess.Popen]:
+    """Start the probe `name` on two gloo ranks, each a subprocess of its own session."""
+    store = os.path.join(tmp, name.replace(".", "-").replace(" ", "-"))
+    return [
+        subprocess.Popen(
+            [
+                PY,
+                str(SCRIPT),
+                "--probe",
+                name,
+                "--probe-rank",
+                str(r),
+                "--probe-store",
+                store,
+                "--device",
+                device,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+        )
+        for r in range(2)
+    ]
+
+
+def _finish_probe(p: subprocess.Popen, deadline: float) -> tuple[int | None, str]:
+    """A probe rank's exit status (None: hung, killed at the deadline) and its output."""
+    try:
+        text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        signal_group(p, signal.SIGKILL)
+        text, _ = p.communicate()
+        p.returncode = None
+    return p.returncode, text or ""
+
+
+def _probe_verdict(codes: list[int | None]) -> str:
+    """What the two ranks' exit statuses say: right, hung, crashed, wrong result, or error."""
+    if all(c == 0 for c in codes):
+        return "right"
+    if any(c is None for c in codes):
+        return "hung"
+    if any(c is not None and c < 0 for c in codes):
+        return (
+            "crashed ("
+            + ", ".join(signal.Signals(-c).name for c in codes if c is not None and c < 0)
+            + ")"
+        )
+    if any(c == 3 for c in codes):
+        return "wrong result"
+    return f"error (exit {codes})"
 
 
 SMOKE = r"""

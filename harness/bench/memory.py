@@ -233,6 +233,39 @@ def run(quick: bool = False) -> Figure:
     """Measure the figure; `quick` uses short sequences, W = 1, 2 and a tiny tile budget (smoke
     test)."""
     worlds = (1, 2) if quick else WORLDS
+    spec = _spec(quick)
+    rows = {w: measure(w, spec) for w in worlds}
+    fig = Figure(
+        "memory",
+        "reference ring, one rank's peak memory above its baseline at "
+        f"L={spec['total']} "
+        f"(h{spec['heads']} d{spec['dim']} {spec['dtype']} {spec['layout']} "
+        "causal), "
+        f"and at long lengths (W={LONG_WORLD})",
+    )
+    _world_rows(fig, rows)
+    totals = tuple(t // 16 for t in LONG_TOTALS) if quick else LONG_TOTALS
+    long_spec = dict(spec, warmup_total=min(totals))
+    long = {n: measure(LONG_WORLD, dict(long_spec, total=n), timeout_s=1800.0) for n in totals}
+    ratios = _long_rows(fig, long)
+    fig.targets = [
+        Target(
+            f"fwd+bwd peak per rank, {n} / {n // 2} tokens (linear: 2, quadratic: 4)", r, "<=", 2.3
+        )
+        for n, r in ratios
+    ]
+    masked = _mask_rows(fig, long_spec, min(totals), long[min(totals)])
+    fig.data = {
+        "spec": spec,
+        "ranks": {str(w): rs for w, rs in rows.items()},
+        "long": {str(n): rs for n, rs in long.items()},
+        "masks": masked,
+    }
+    return fig
+
+
+def _spec(quick: bool) -> dict:
+    """The case every W runs: causal zigzag, fp32; `quick` is short, with tiles of 64 tokens."""
     spec = {
         "total": 512 if quick else 4096,
         "heads": 4,
@@ -244,15 +277,11 @@ def run(quick: bool = False) -> Figure:
     if quick:
         # tiles of 64 tokens, so the smoke test runs the tiled kernel
         spec["tile_scores"] = 4 * 64 * 64
-    rows = {w: measure(w, spec) for w in worlds}
-    fig = Figure(
-        "memory",
-        "reference ring, one rank's peak memory above its baseline at "
-        f"L={spec['total']} "
-        f"(h{spec['heads']} d{spec['dim']} {spec['dtype']} {spec['layout']} "
-        "causal), "
-        f"and at long lengths (W={LONG_WORLD})",
-    )
+    return spec
+
+
+def _world_rows(fig: Figure, rows: dict[int, list[dict]]) -> None:
+    """The table of one rank's peaks against W on `fig`, each against W = 1's, and its legend."""
     one = {k: max(r[k] for r in rows[1]) for k in ("forward", "forward_backward", "retained")}
     fig.lines.append(
         f"{'W':>2}  {'forward MiB':>12} {'x W / W1':>8}  {'fwd+bwd MiB':>12} "
@@ -281,9 +310,13 @@ def run(quick: bool = False) -> Figure:
         "computed in tiles, "
         "so the peak is O(n/W x d + tile^2): B/token = peak / local tokens"
     )
-    totals = tuple(t // 16 for t in LONG_TOTALS) if quick else LONG_TOTALS
-    long_spec = dict(spec, warmup_total=min(totals))
-    long = {n: measure(LONG_WORLD, dict(long_spec, total=n), timeout_s=1800.0) for n in totals}
+
+
+def _long_rows(fig: Figure, long: dict[int, list[dict]]) -> list[tuple[int, float]]:
+    """The long rows' table on `fig`: peaks against L at W = LONG_WORLD, each against L/2's.
+
+    Returns (L, peak(L) / peak(L/2)) of every L but the first.
+    """
     fig.lines.append(
         f"long: {'L':>6}  {'tokens/rank':>11}  {'fwd MiB':>8}  {'fwd+bwd MiB':>11}  "
         f"{'x prev':>6}  "
@@ -318,20 +351,7 @@ def run(quick: bool = False) -> Figure:
             + ", ".join(f"{fmt(d / MIB)} MiB" for d in steps)
             + f", itself doubles (x{fmt(steps[-1] / steps[-2])}): linear in tokens"
         )
-    fig.targets = [
-        Target(
-            f"fwd+bwd peak per rank, {n} / {n // 2} tokens (linear: 2, quadratic: 4)", r, "<=", 2.3
-        )
-        for n, r in ratios
-    ]
-    masked = _mask_rows(fig, long_spec, min(totals), long[min(totals)])
-    fig.data = {
-        "spec": spec,
-        "ranks": {str(w): rs for w, rs in rows.items()},
-        "long": {str(n): rs for n, rs in long.items()},
-        "masks": masked,
-    }
-    return fig
+    return ratios
 
 
 def mask_specs(total: int) -> dict[str, dict]:

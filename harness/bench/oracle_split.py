@@ -142,7 +142,7 @@ def _share_child(total: int, world_size: int) -> dict:
     """In a fresh process: peak bytes above its baseline of share 0's rows pass and keys pass
     (`total` tokens, `world` shares); the keys pass gets row statistics of the right shape (not the
     values: the other shares' rows passes are not run) and counts their bytes."""
-    from harness.oracle import shares, tiles
+    from harness.oracle import parts, shares, tiles
 
     torch.set_num_threads(1)
     # first calls: lazy imports, the allocator's arenas
@@ -150,7 +150,7 @@ def _share_child(total: int, world_size: int) -> dict:
     case = growth_case(total, world_size)
     shape = (case.batch, case.heads_q, total)
     stats = tuple(
-        shares.RowStats(
+        parts.RowStats(
             torch.zeros(shape, dtype=dt),
             torch.ones(shape, dtype=dt),
             torch.zeros(shape, dtype=dt),
@@ -240,6 +240,34 @@ def run(quick: bool = False) -> Figure:
         medium = _medium(pool, medium_cases(n_cases, total))
         growth = _growth(pool, lengths, worlds, reps=1 if quick else 3)
     mem = {w: share_memory(mem_n, w) for w in (2, 4, 8)}
+    fig = Figure("oracle_split", f"the oracle on the ranks vs in one process ({cores} cores)")
+    ratio = _medium_rows(fig, medium, n_cases, total)
+    _growth_rows(fig, growth, worlds, cores)
+    big = max(growth)
+    rate = FLOPS_PER_QKHD * visible_products(growth_case(big, 1)) / growth[big]["W1"]
+    fig.lines += _estimate_lines(rate)
+    scaled = _memory_rows(fig, mem, mem_n)
+    fig.lines.append(load_line())
+    w_top = max(worlds)
+    speedup = statistics.median(row["W1"] / row[f"W{w_top}"] for row in growth.values())
+    fig.targets = _targets(ratio["ranks"], speedup, w_top, cores, scaled, mem_n)
+    fig.data = {
+        "medium": medium,
+        "growth": {str(k): v for k, v in growth.items()},
+        "rate_flops": rate,
+        "cores": cores,
+        "share_memory": {str(w): m for w, m in mem.items()},
+    }
+    return fig
+
+
+def _medium_rows(
+    fig: Figure, medium: dict[str, list[dict[str, float]]], n_cases: int, total: int
+) -> dict[str, float]:
+    """Part (a) on `fig`: the medium cases' medians under each oracle.
+
+    Returns each oracle's median of wall / ranks' compute.
+    """
     med = {
         mode: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         for mode, rows in medium.items()
@@ -248,7 +276,6 @@ def run(quick: bool = False) -> Figure:
         mode: statistics.median(r["wall"] / r["ranks"] for r in rows)
         for mode, rows in medium.items()
     }
-    fig = Figure("oracle_split", f"the oracle on the ranks vs in one process ({cores} cores)")
     fig.lines.append(
         f"(a) {n_cases} medium cases (W={WORLD}, L={total}, h8 d64, 4 masks, "
         "fp32/bf16, GQA), median:"
@@ -262,6 +289,13 @@ def run(quick: bool = False) -> Figure:
             "ranks' compute "
             f"{fmt(ratio[mode])}"
         )
+    return ratio
+
+
+def _growth_rows(
+    fig: Figure, growth: dict[int, dict[str, float]], worlds: tuple[int, ...], cores: int
+) -> None:
+    """Part (b) on `fig`: the oracle's wall time against tokens, local and on W ranks."""
     fig.lines.append(
         "(b) oracle wall (s) vs tokens, zigzag causal h4 d64 fp32, medians of "
         "interleaved rounds; local: "
@@ -281,9 +315,13 @@ def run(quick: bool = False) -> Figure:
             + "   "
             + " ".join(fmt(row["local"] / row[f"W{w}"]) for w in worlds)
         )
-    big = max(growth)
-    rate = FLOPS_PER_QKHD * visible_products(growth_case(big, 1)) / growth[big]["W1"]
-    fig.lines += _estimate_lines(rate)
+
+
+def _memory_rows(fig: Figure, mem: dict[int, dict], mem_n: int) -> float:
+    """Part (d) on `fig`: one share's peak memory against W, split as C + A / W.
+
+    Returns how much the part beyond C falls from W=2 to W=8.
+    """
     gib = 1 << 30
     peak = {w: max(m["rows"], m["keys"]) for w, m in mem.items()}
     work = peak[8] - (peak[4] - peak[8])  # C of C + A / W
@@ -298,14 +336,17 @@ def run(quick: bool = False) -> Figure:
             f"{fmt(m['keys'] / gib)}; "
             f"beyond C {fmt((peak[w] - work) / gib)}"
         )
-    scaled = (peak[2] - work) / max(peak[8] - work, 1)
-    fig.lines.append(load_line())
-    w_top = max(worlds)
-    speedup = statistics.median(row["W1"] / row[f"W{w_top}"] for row in growth.values())
-    fig.targets = [
+    return (peak[2] - work) / max(peak[8] - work, 1)
+
+
+def _targets(
+    ratio: float, speedup: float, w_top: int, cores: int, scaled: float, mem_n: int
+) -> list[Target]:
+    """The figure's three targets: the medium case's overhead, the speedup on W ranks, memory."""
+    return [
         Target(
             "medium case wall / ranks' own compute (oracle on the ranks)",
-            ratio["ranks"],
+            ratio,
             "<=",
             TARGET_RATIO,
         ),
@@ -323,14 +364,6 @@ def run(quick: bool = False) -> Figure:
             3.0,
         ),
     ]
-    fig.data = {
-        "medium": medium,
-        "growth": {str(k): v for k, v in growth.items()},
-        "rate_flops": rate,
-        "cores": cores,
-        "share_memory": {str(w): m for w, m in mem.items()},
-    }
-    return fig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,12 +17,13 @@ import pickle
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from harness.bench.timing import Figure, Target, fmt, load_line, median, proc_cpu_s, self_cpu_s
 from harness.case import Case, make_case, to_dict
-from harness.judging.verdicts import judge
+from harness.judging.judge import judge
 from harness.oracle import cache
 from harness.oracle.mode import oracle_threads
 from harness.ranks import zygote
@@ -173,17 +174,55 @@ def _timed(fn, case: Case) -> tuple[float, CaseResult]:
     return time.perf_counter() - t0, r
 
 
-def run(quick: bool = False) -> Figure:
-    """Measure the figure; `quick` runs a handful of cases (smoke test)."""
-    n_pool, rounds = (8, 1) if quick else (80, 4)
-    cases = small_cases(n_pool)
-    # other seeds: no oracle cache hits across paths
-    spawn_cases = small_cases(rounds, seed0=10_000)
-    walls: dict[str, list[float]] = {"pool": [], "fresh-pool": [], "mp.spawn": [], "forked": []}
-    over: dict[str, list[float]] = {k: [] for k in walls}
-    verdicts: dict[str, int] = {}
-    pool_wall = pool_cpu = 0.0
-    block = n_pool // rounds
+# the four ways to run a case, in the figure's order
+PATHS = ("pool", "fresh-pool", "mp.spawn", "forked")
+
+
+@dataclass
+class _Tally:
+    """Per path: the wall time and overhead of each case; all verdicts; the warm pool's wall and
+    CPU time."""
+
+    walls: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PATHS})
+    over: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PATHS})
+    verdicts: dict[str, int] = field(default_factory=dict)
+    pool_wall: float = 0.0
+    pool_cpu: float = 0.0
+
+    def add(self, path: str, wall: float, r: CaseResult) -> None:
+        """Count one case run on `path`."""
+        self.walls[path].append(wall)
+        self.over[path].append(wall - rank_compute_s(r))
+        self.verdicts[r.verdict] = self.verdicts.get(r.verdict, 0) + 1
+
+
+def _pool_block(pool: RankPool, cases: list[Case], tally: _Tally) -> None:
+    """A block of cases on the warm pool, with its wall and CPU time (parent + ranks)."""
+    c0 = self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids())
+    t0 = time.perf_counter()
+    for c in cases:
+        wall, r = _timed(lambda c: run_case(c, pool), c)
+        tally.add("pool", wall, r)
+    tally.pool_wall += time.perf_counter() - t0
+    tally.pool_cpu += self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids()) - c0
+
+
+def _spawn_round(i: int, case: Case, tally: _Tally) -> None:
+    """One case on each fresh-ranks path, in an order that flips every round."""
+    order = (
+        ("fresh-pool", fresh_pool_case),
+        ("mp.spawn", spawn_case),
+        ("forked", forked_pool_case),
+    )
+    for name, fn in order if i % 2 == 0 else order[::-1]:
+        wall, r = _timed(fn, case)
+        tally.add(name, wall, r)
+
+
+def _measure(cases: list[Case], spawn_cases: list[Case], rounds: int) -> _Tally:
+    """`rounds` blocks of pool cases, each followed by one case on every fresh-ranks path."""
+    tally = _Tally()
+    block = len(cases) // rounds
     with RankPool(WORLD) as pool:
         pool.start()
         for c in small_cases(2, seed0=20_000):  # warm-up: first calls, lazily created groups
@@ -191,32 +230,26 @@ def run(quick: bool = False) -> Figure:
         # warm-up: the zygote's own start is paid once
         forked_pool_case(small_cases(1, seed0=30_000)[0])
         for i in range(rounds):
-            c0 = self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids())
-            t0 = time.perf_counter()
-            for c in cases[i * block : (i + 1) * block]:
-                wall, r = _timed(lambda c: run_case(c, pool), c)
-                walls["pool"].append(wall)
-                over["pool"].append(wall - rank_compute_s(r))
-                verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
-            pool_wall += time.perf_counter() - t0
-            pool_cpu += self_cpu_s() + sum(proc_cpu_s(p) for p in pool.pids()) - c0
-            order = (
-                ("fresh-pool", fresh_pool_case),
-                ("mp.spawn", spawn_case),
-                ("forked", forked_pool_case),
-            )
-            for name, fn in order if i % 2 == 0 else order[::-1]:
-                wall, r = _timed(fn, spawn_cases[i])
-                walls[name].append(wall)
-                over[name].append(wall - rank_compute_s(r))
-                verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
-    n_done = block * rounds
+            _pool_block(pool, cases[i * block : (i + 1) * block], tally)
+            _spawn_round(i, spawn_cases[i], tally)
+    return tally
+
+
+def run(quick: bool = False) -> Figure:
+    """Measure the figure; `quick` runs a handful of cases (smoke test)."""
+    n_pool, rounds = (8, 1) if quick else (80, 4)
+    cases = small_cases(n_pool)
+    # other seeds: no oracle cache hits across paths
+    spawn_cases = small_cases(rounds, seed0=10_000)
+    tally = _measure(cases, spawn_cases, rounds)
+    walls, over, verdicts = tally.walls, tally.over, tally.verdicts
+    n_done = n_pool // rounds * rounds
     med = {k: median(v) for k, v in over.items()}
     # the cheaper spawn: the harder bound
     spawn_name = min(("fresh-pool", "mp.spawn"), key=lambda k: med[k])
     ratio = med["pool"] / med[spawn_name]
-    rate = n_done / pool_wall
-    cpu_case = pool_cpu / n_done
+    rate = n_done / tally.pool_wall
+    cpu_case = tally.pool_cpu / n_done
     cores = os.cpu_count() or 1
     fig = Figure(
         "pool_vs_spawn",

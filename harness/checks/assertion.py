@@ -23,8 +23,15 @@ from pathlib import Path
 
 from harness import case as case_mod
 from harness.case import Case
+from harness.checks import report
+from harness.checks.options import CheckOptions
+from harness.checks.stages import battery
+from harness.diagnose import localise
 from harness.errors import HarnessError
-from harness.result import CaseResult
+from harness.impls import registry
+from harness.ranks.pool import RankPool
+from harness.result import CaseResult, save_result
+from harness.runner import run_case
 
 
 def _cases(
@@ -34,9 +41,6 @@ def _cases(
     dtype: str | None,
     allow_import: bool,
 ) -> list[Case]:
-    from harness.checks.options import CheckOptions
-    from harness.checks.stages import battery
-    from harness.impls import registry
 
     if case is None:
         caps = registry.resolve(impl, allow_import=allow_import).capabilities
@@ -53,8 +57,6 @@ def _cases(
 
 def failure_message(results: list[CaseResult], pool, impl: str, saved: dict[int, str]) -> str:
     """The AssertionError's text: per failing case, its row, the details and the localisation."""
-    from harness.checks import report
-    from harness.diagnose import localise
 
     bad = [r for r in results if not r.passed]
     lines = [f"{impl}: {len(bad)} of {len(results)} case(s) failed against float64 attention"]
@@ -81,10 +83,6 @@ def assert_ring_close(
     defined at the top level of an importable module: the ranks import it) matches float64 attention
     on `case` (a Case, a case file, or None: the default battery); see the module docstring. Raises
     AssertionError with the localised report, HarnessError on bad input."""
-    from harness.impls import registry
-    from harness.ranks.pool import RankPool
-    from harness.result import save_result
-    from harness.runner import run_case
 
     # an Impl or a run function: by its module-level name, which the ranks import
     if not isinstance(impl, str):

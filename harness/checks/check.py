@@ -27,6 +27,7 @@ from harness.impls import registry
 from harness.impls.capabilities import adapt
 from harness.judging.verdicts import adapter_error, failure_signature
 from harness.oracle.mode import oracle_mode
+from harness.ranks.launch import open_pool
 from harness.result import CaseResult, Verdict, failure_path, save_result
 from harness.runner import run_case
 from harness.search import history
@@ -367,8 +368,6 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     `opts.json`. Under torchrun, ranks other than 0 return an empty outcome once rank 0 is done.
     `outcome.passed` is the verdict, and the command line exits 1 when it is False.
     """
-    from harness.ranks.launch import open_pool
-
     opts = (opts or CheckOptions()).validate()
     out = reporter or report.out
     caps = registry.resolve(opts.impl, allow_import=opts.allow_import).capabilities

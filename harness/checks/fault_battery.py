@@ -5,6 +5,7 @@ each failed case, measure the straggler slowdown, and check that no worker proce
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import Counter
@@ -189,41 +190,80 @@ def fault_battery(
     """Run the battery on a local pool and print the table. `outcome.passed` only if every case
     ended as it must, none hung past its deadline, every healed pool passed a fault-free case, and
     no worker process was left."""
-    from harness.ranks.pool import RankPool
-
     opts = (opts or FaultBatteryOptions()).validate()
     out = reporter or report.out
     kinds = parse_kinds(opts.kinds, KINDS, "--faults", KINDS, allow_all=True)
-    n = opts.cases if opts.cases is not None else FAULT_BATTERY_PER_KIND * len(kinds)
-    max_world = max(2, min(opts.world_size, 4))
-    cases = gen.fault_cases(
-        kinds, n, impl=opts.impl, seed=opts.seed, deadline_s=opts.deadline, max_world=max_world
-    )
-    allow_import = opts.allow_import
-    cases, skipped = _supported(cases, opts.impl, allow_import)
-    if not cases:
-        raise HarnessError(f"{opts.impl} declares support for none of the fault battery's cases")
-    if skipped:
-        out(f"skipping {skipped} case(s) with features {opts.impl} does not declare")
+    cases = _battery_cases(opts, kinds, out)
     out(
         f"ring-harness check --faults {','.join(kinds)}: {len(cases)} faulted cases, impl "
         f"{opts.impl}, "
         f"gloo ranks, deadline {opts.deadline:g} s"
     )
+    res = BatteryOutcome()
+    straggler = _run_on_pool(cases, kinds, opts, out, res)
+    leftovers = leftover_workers(res.pids)
+    out("")
+    for line in table_lines(res):
+        out(line)
+    hangs = sum(1 for _, r in res.rows if r.verdict == Verdict.HANG)
+    for line in _summary_lines(res, hangs, straggler, leftovers):
+        out(line)
+    _save_unexpected(res, opts.save_dir, out)
+    if opts.json:
+        _write_json(opts, res, straggler, leftovers)
+    res.leftovers, res.hangs = leftovers, hangs
+    return res
 
-    def show(i: int, kind: str, r) -> None:
-        mark = "" if r.extra.get("as_expected") else "  UNEXPECTED"
-        detail = f"  {r.detail[:150]}" if r.detail and r.verdict != Verdict.PASS else ""
-        summary = r.case.summary().replace(f" faults={len(r.case.faults)}", "")[:52]
-        out(
-            f"{i:>4}/{len(cases)} {kind:<10} {summary:<52} {r.verdict:<17} "
-            f"{r.timings.get('wall_s', 0.0):5.2f}s{mark}{detail}"
-        )
 
+def _battery_cases(opts: FaultBatteryOptions, kinds: list[str], out: Reporter) -> list[Case]:
+    """The battery's cases of `kinds` that the implementation declares; none is an error."""
+    n = opts.cases if opts.cases is not None else FAULT_BATTERY_PER_KIND * len(kinds)
+    max_world = max(2, min(opts.world_size, 4))
+    cases = gen.fault_cases(
+        kinds, n, impl=opts.impl, seed=opts.seed, deadline_s=opts.deadline, max_world=max_world
+    )
+    cases, skipped = _supported(cases, opts.impl, opts.allow_import)
+    if not cases:
+        raise HarnessError(f"{opts.impl} declares support for none of the fault battery's cases")
+    if skipped:
+        out(f"skipping {skipped} case(s) with features {opts.impl} does not declare")
+    return cases
+
+
+def _case_line(i: int, n: int, kind: str, r) -> str:
+    """One case's progress line: its number, fault kind, summary, verdict and time."""
+    mark = "" if r.extra.get("as_expected") else "  UNEXPECTED"
+    detail = f"  {r.detail[:150]}" if r.detail and r.verdict != Verdict.PASS else ""
+    summary = r.case.summary().replace(f" faults={len(r.case.faults)}", "")[:52]
+    return (
+        f"{i:>4}/{n} {kind:<10} {summary:<52} {r.verdict:<17} "
+        f"{r.timings.get('wall_s', 0.0):5.2f}s{mark}{detail}"
+    )
+
+
+def _show(out: Reporter, n: int, i: int, kind: str, r) -> None:
+    """Print a case's progress line as it finishes (run_battery's `on_result`)."""
+    out(_case_line(i, n, kind, r))
+
+
+def _run_on_pool(
+    cases: list[Case],
+    kinds: list[str],
+    opts: FaultBatteryOptions,
+    out: Reporter,
+    res: BatteryOutcome,
+) -> dict | None:
+    """Run the cases into `res` on one spare pool, then the straggler figure when it is asked for.
+
+    Returns the straggler figure (None when not measured).
+    """
+    from harness.ranks.pool import RankPool
+
+    allow_import = opts.allow_import
     pool = RankPool(max(c.pool_size for c in cases), spare=True, placement=opts.placement)
     straggler = None
-    res = BatteryOutcome()
     try:
+        show = functools.partial(_show, out, len(cases))
         run_battery(cases, pool, opts.impl, allow_import=allow_import, on_result=show, out=res)
         if "straggler" in kinds and "straggler" in {gen.kind_of(c) for c in cases}:
             out(
@@ -233,20 +273,21 @@ def fault_battery(
             res.pids.update(pool.pids())
     finally:
         pool.close()
-    leftovers = leftover_workers(res.pids)
-    out("")
-    for line in table_lines(res):
-        out(line)
-    hangs = sum(1 for _, r in res.rows if r.verdict == Verdict.HANG)
-    out(
+    return straggler
+
+
+def _summary_lines(
+    res: BatteryOutcome, hangs: int, straggler: dict | None, leftovers: list[str]
+) -> list[str]:
+    """The lines under the table: hangs, deadlines, healing, the straggler figure, leftovers."""
+    lines = [
         f"{len(res.rows)} faulted cases in {res.seconds:.1f} s; hangs: {hangs}; past the deadline: "
         f"{len(res.over_deadline)}; pool healed after every failed case: "
         f"{'yes' if not res.heal_failures else f'NO ({len(res.heal_failures)})'}"
-    )
-    for line in res.over_deadline + res.heal_failures:
-        out(f"  {line}")
+    ]
+    lines += [f"  {line}" for line in res.over_deadline + res.heal_failures]
     if straggler is not None:
-        out(
+        lines.append(
             f"straggler: {straggler['summary']}, rank {straggler['rank']} x{straggler['factor']:g} "
             "slower: "
             f"ring forward+backward {straggler['base_s']:.3f} s -> "
@@ -254,18 +295,21 @@ def fault_battery(
             f"slowdown x{straggler['slowdown']:.2f} (median of {straggler['reps']}; "
             f"x{straggler['slowdown_min']:.2f} between the fastest runs)"
         )
-    out(
+    lines.append(
         f"worker processes left behind: {len(leftovers)} (checked the {len(res.pids)} worker pids "
         "this battery "
         "started and their process groups)"
     )
-    for line in leftovers:
-        out(f"  {line}")
-    bad = res.unexpected()
-    for kind, r in bad:
+    lines += [f"  {line}" for line in leftovers]
+    return lines
+
+
+def _save_unexpected(res: BatteryOutcome, save_dir: str, out: Reporter) -> None:
+    """Save each case that did not end as it must, and print where."""
+    for kind, r in res.unexpected():
         path = save_result(
             r,
-            opts.save_dir,
+            save_dir,
             note=f"fault battery ({kind}): {r.verdict}, expected "
             f"{r.extra.get('expected') or 'any'}\n{r.detail}",
         )
@@ -273,23 +317,26 @@ def fault_battery(
             f"  unexpected: {kind} {r.case.summary()} -> {r.verdict} (expected "
             f"{r.extra.get('expected') or 'any'}): {r.detail[:200]}; saved {path}"
         )
-    if opts.json:
-        report.write_json(
-            opts.json,
-            {
-                "command": "check --faults",
-                "impl": opts.impl,
-                "seconds": res.seconds,
-                "table": {k: dict(v) for k, v in res.table().items()},
-                "straggler": straggler,
-                "leftovers": leftovers,
-                "heal_failures": res.heal_failures,
-                "over_deadline": res.over_deadline,
-                "results": [r.to_dict() for _, r in res.rows],
-            },
-        )
-    res.leftovers, res.hangs = leftovers, hangs
-    return res
+
+
+def _write_json(
+    opts: FaultBatteryOptions, res: BatteryOutcome, straggler: dict | None, leftovers: list[str]
+) -> None:
+    """The battery's machine-readable results (--json)."""
+    report.write_json(
+        opts.json,
+        {
+            "command": "check --faults",
+            "impl": opts.impl,
+            "seconds": res.seconds,
+            "table": {k: dict(v) for k, v in res.table().items()},
+            "straggler": straggler,
+            "leftovers": leftovers,
+            "heal_failures": res.heal_failures,
+            "over_deadline": res.over_deadline,
+            "results": [r.to_dict() for _, r in res.rows],
+        },
+    )
 
 
 def _supported(cases: list, impl: str, allow_import: bool) -> tuple[list, int]:

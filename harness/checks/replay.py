@@ -17,6 +17,7 @@ import torch
 
 from harness import case as case_mod
 from harness import case_sequence
+from harness.case import Case
 from harness.checks import report
 from harness.checks.options import ReplayOptions
 from harness.checks.report import Reporter
@@ -199,7 +200,35 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
     case, data = case_mod.load(path)
     seq = case_sequence.load_sequence(path)[0] if case_mod.is_sequence(data) else None
     impl = opts.impl or case.impl
-    if opts.impl is None and registry.is_module_path(case.impl):
+    _refuse_module_paths(path, case, seq, given=opts.impl is not None)
+    allow_import = registry.is_module_path(impl)
+    registry.resolve(impl, allow_import=allow_import)  # a missing optional extra: one line, exit 2
+    recorded = case_mod.recorded_result(data)
+    _, version = impl_info(impl, allow_import)
+    deterministic = _deterministic(impl, allow_import)
+    for line in _intro_lines(path, impl, case, recorded, seq):
+        out(line)
+    with (
+        open_pool(
+            "local",
+            opts.backend,
+            seq.pool_size if seq is not None else case.pool_size,
+            opts.placement,
+        ) as pool,
+        oracle_mode(opts.oracle),
+    ):
+        rp = replay_on(pool, path, impl if opts.impl else None, allow_import=allow_import)
+        rp.localisation = _print_replay(out, rp, pool, opts, seq, deterministic)
+    if opts.json:
+        _write_json(opts.json, path, impl, version, rp)
+    return rp
+
+
+def _refuse_module_paths(
+    path: Path, case: Case, seq: case_sequence.CaseSequence | None, given: bool
+) -> None:
+    """A case file never imports code by itself: a module path must come from --impl."""
+    if not given and registry.is_module_path(case.impl):
         raise HarnessError(
             f"{path} names implementation {case.impl!r}, a module path; a case file "
             "never imports "
@@ -213,92 +242,107 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
                 "module path; only the last case's implementation can be given with "
                 "--impl"
             )
-    allow_import = registry.is_module_path(impl)
-    registry.resolve(impl, allow_import=allow_import)  # a missing optional extra: one line, exit 2
-    recorded = case_mod.recorded_result(data)
-    _, version = impl_info(impl, allow_import)
-    deterministic = _deterministic(impl, allow_import)
-    out(
+
+
+def _intro_lines(
+    path: Path,
+    impl: str,
+    case: Case,
+    recorded: dict | None,
+    seq: case_sequence.CaseSequence | None,
+) -> list[str]:
+    """What is replayed: the file and implementation, the record, a sequence's earlier cases."""
+    lines = [
         f"replay {path}: impl {impl}"
         + (f" (recorded for {case.impl})" if impl != case.impl else "")
-    )
+    ]
     if recorded:
         v = recorded.get("versions", {})
-        out(
+        lines.append(
             f"recorded: {recorded.get('verdict')} (torch {v.get('torch')}, ring-harness "
             f"{v.get('ring-harness')}, impl {v.get('impl')}, backend "
             f"{recorded.get('backend')})"
         )
     if seq is not None:
         n = len(seq.steps)
-        out(
+        lines.append(
             f"a sequence of {n} cases, run in order on fresh ranks; the last one is judged (a "
             "failure that "
             "depends on what ran before it on the same ranks)"
         )
         for i, s in enumerate(seq.steps[:-1], 1):
-            out(
+            lines.append(
                 f"    {i}/{n}  {s.case.summary()}  "
                 f"[{s.case.impl}{'' if s.leak else ', no leak run'}]"
             )
-    with (
-        open_pool(
-            "local",
-            opts.backend,
-            seq.pool_size if seq is not None else case.pool_size,
-            opts.placement,
-        ) as pool,
-        oracle_mode(opts.oracle),
-    ):
-        rp = replay_on(pool, path, impl if opts.impl else None, allow_import=allow_import)
-        r = rp.result
-        out(report.header())
-        out(report.row(rp.sequence or 1, rp.sequence or 1, r))
-        for line in report.details(r):
-            out(line)
-        loc = None
-        if seq is not None and not r.passed:
-            out(
-                "        localisation: not run for a sequence (re-running its last case on these "
-                "ranks would run "
-                "after it, not in its place)"
-            )
-        elif not r.passed and r.checks:
-            loc = localise.localise(r, pool, probes=bool(opts.plot))
-            for line in localise.lines(loc):
-                out(line)
-        if rp.recorded_verdict is None:
-            out(f"verdict: {r.verdict}")
-        elif rp.verdict_reproduced:
-            out(f"verdict: {r.verdict}: reproduces the recorded verdict")
-        else:
-            out(
-                f"verdict: {r.verdict}: does NOT reproduce the recorded verdict "
-                f"{rp.recorded_verdict}"
-            )
-        out(hash_line(rp, deterministic))
-        if opts.plot and loc is not None and loc.blocks:
-            for p in prop_stage.plot(loc, opts.plot, path.stem):
-                out(f"heatmap {p}")
-    if opts.json:
-        report.write_json(
-            opts.json,
-            {
-                "command": "replay",
-                "case": str(path),
-                "impl": impl,
-                "impl_version": version,
-                "recorded_verdict": rp.recorded_verdict,
-                "verdict": r.verdict,
-                "reproduced": rp.verdict_reproduced,
-                "hashes_compared": rp.hashes_compared,
-                "hash_mismatches": rp.hash_mismatches,
-                "result": r.to_dict(),
-                "localisation": None if loc is None else localise.summary(loc),
-            },
+    return lines
+
+
+def _print_replay(
+    out: Reporter,
+    rp: Replay,
+    pool: Pool,
+    opts: ReplayOptions,
+    seq: case_sequence.CaseSequence | None,
+    deterministic: bool,
+) -> localise.Localisation | None:
+    """Print the replayed row, its localisation, the verdict and hash lines, and any heatmaps.
+
+    Returns the localisation of a failing single case (None otherwise).
+    """
+    r = rp.result
+    out(report.header())
+    out(report.row(rp.sequence or 1, rp.sequence or 1, r))
+    for line in report.details(r):
+        out(line)
+    loc = None
+    if seq is not None and not r.passed:
+        out(
+            "        localisation: not run for a sequence (re-running its last case on these "
+            "ranks would run "
+            "after it, not in its place)"
         )
-    rp.localisation = loc
-    return rp
+    elif not r.passed and r.checks:
+        loc = localise.localise(r, pool, probes=bool(opts.plot))
+        for line in localise.lines(loc):
+            out(line)
+    out(_verdict_line(rp))
+    out(hash_line(rp, deterministic))
+    if opts.plot and loc is not None and loc.blocks:
+        for p in prop_stage.plot(loc, opts.plot, Path(opts.case).stem):
+            out(f"heatmap {p}")
+    return loc
+
+
+def _verdict_line(rp: Replay) -> str:
+    """The replayed verdict, and whether it reproduces the recorded one."""
+    r = rp.result
+    if rp.recorded_verdict is None:
+        return f"verdict: {r.verdict}"
+    if rp.verdict_reproduced:
+        return f"verdict: {r.verdict}: reproduces the recorded verdict"
+    return f"verdict: {r.verdict}: does NOT reproduce the recorded verdict {rp.recorded_verdict}"
+
+
+def _write_json(path: str, case_path: Path, impl: str, version: str, rp: Replay) -> None:
+    """The replay's machine-readable results (--json)."""
+    r, loc = rp.result, rp.localisation
+    report.write_json(
+        path,
+        {
+            "command": "replay",
+            "case": str(case_path),
+            "impl": impl,
+            "impl_version": version,
+            "recorded_verdict": rp.recorded_verdict,
+            "verdict": r.verdict,
+            "reproduced": rp.verdict_reproduced,
+            "hashes_compared": rp.hashes_compared,
+            "hash_mismatches": rp.hash_mismatches,
+            "result": r.to_dict(),
+            "localisation": None if loc is None else localise.summary(loc),
+        },
+    )
 
 
 def _deterministic(impl: str, allow_import: bool) -> bool:

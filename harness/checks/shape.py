@@ -157,18 +157,8 @@ def plan(
     """The runs at `shape` that `caps` declares; a shape-level feature it does not declare is
     refused here."""
     lens = tuple(split_lengths(shape.total_len, shape.world_size))
-    missing = missing_features(
-        caps,
-        layout=sorted(caps.layouts)[0],
-        mask_kind=sorted(caps.masks)[0],
-        dtype=sorted(caps.dtypes)[0],
-        world_size=shape.world_size,
-        heads_q=shape.heads_q,
-        heads_kv=shape.heads_kv,
-        lengths=lens,
-        head_dim=shape.head_dim,
-        subgroup=False,
-        device=None,
+    missing = _missing(
+        caps, shape, lens, sorted(caps.layouts)[0], sorted(caps.masks)[0], sorted(caps.dtypes)[0]
     )
     if missing:
         words = "; ".join(
@@ -184,22 +174,44 @@ def plan(
     dtypes = [d for d in DTYPES if d in caps.dtypes and (dtype is None or d == dtype)]
     if not dtypes:
         raise HarnessError(f"--shape: {impl} does not declare dtype {dtype}")
+    _add_basics(out, caps, impl, dtypes, lens)
+    _add_growth(out, caps, impl, dtypes)
+    return out
+
+
+def _missing(
+    caps: Capabilities,
+    shape: Shape,
+    lens: tuple[int, ...],
+    layout: str,
+    mask: MaskSpec | str,
+    dtype: str,
+) -> list[str]:
+    """The features of one run at `shape` that `caps` does not declare."""
+    return missing_features(
+        caps,
+        layout=layout,
+        mask_kind=mask,
+        dtype=dtype,
+        world_size=shape.world_size,
+        heads_q=shape.heads_q,
+        heads_kv=shape.heads_kv,
+        lengths=lens,
+        head_dim=shape.head_dim,
+        subgroup=False,
+        device=None,
+    )
+
+
+def _add_basics(
+    out: ShapePlan, caps: Capabilities, impl: str, dtypes: list[str], lens: tuple[int, ...]
+) -> None:
+    """Every declared layout x mask x dtype at the shape; the undeclared ones go to `left_out`."""
+    shape = out.shape
     for layout in LAYOUTS:
         for mask in _masks(shape):
             for dt in dtypes:
-                feats = missing_features(
-                    caps,
-                    layout=layout,
-                    mask_kind=mask,
-                    dtype=dt,
-                    world_size=shape.world_size,
-                    heads_q=shape.heads_q,
-                    heads_kv=shape.heads_kv,
-                    lengths=lens,
-                    head_dim=shape.head_dim,
-                    subgroup=False,
-                    device=None,
-                )
+                feats = _missing(caps, shape, lens, layout, mask, dt)
                 if feats:
                     out.left_out.append(f"{layout} {mask.describe()} {dt} ({', '.join(feats)})")
                     continue
@@ -208,35 +220,40 @@ def plan(
                         layout=layout, mask=mask, dtype=dt, impl=impl, seed=SEED + len(out.basics)
                     )
                 )
+
+
+def _add_growth(out: ShapePlan, caps: Capabilities, impl: str, dtypes: list[str]) -> None:
+    """The growth check's global cases at the declared ring sizes up to W (two sizes at least)."""
+    shape = out.shape
     lo, hi = caps.world_sizes
     worlds = tuple(sorted({w for w in (1, 2, 4, 8) if w < shape.world_size} | {shape.world_size}))
     worlds = tuple(w for w in worlds if lo <= w <= hi and (caps.uneven or shape.total_len % w == 0))
     out.growth_worlds = worlds
-    if len(worlds) >= 2:
-        layout = "contiguous" if "contiguous" in caps.layouts else sorted(caps.layouts)[0]
-        for dt in [d for d in ("bf16", "fp16") if d in dtypes]:
-            for m in ("none", "causal"):
-                if m not in caps.masks:
-                    continue
-                out.growth.append(
-                    {
-                        w: make_case(
-                            world_size=w,
-                            total_len=shape.total_len,
-                            batch=shape.batch,
-                            heads_q=shape.heads_q,
-                            heads_kv=shape.heads_kv,
-                            head_dim=shape.head_dim,
-                            layout=layout,
-                            mask=MaskSpec(m),
-                            dtype=dt,
-                            impl=impl,
-                            seed=SEED + 100 + len(out.growth),
-                        )
-                        for w in worlds
-                    }
-                )
-    return out
+    if len(worlds) < 2:
+        return
+    layout = "contiguous" if "contiguous" in caps.layouts else sorted(caps.layouts)[0]
+    for dt in [d for d in ("bf16", "fp16") if d in dtypes]:
+        for m in ("none", "causal"):
+            if m not in caps.masks:
+                continue
+            out.growth.append(
+                {
+                    w: make_case(
+                        world_size=w,
+                        total_len=shape.total_len,
+                        batch=shape.batch,
+                        heads_q=shape.heads_q,
+                        heads_kv=shape.heads_kv,
+                        head_dim=shape.head_dim,
+                        layout=layout,
+                        mask=MaskSpec(m),
+                        dtype=dt,
+                        impl=impl,
+                        seed=SEED + 100 + len(out.growth),
+                    )
+                    for w in worlds
+                }
+            )
 
 
 # -- the estimate ----------------------------------------------------------------------------------

@@ -13,12 +13,24 @@ S = argparse.SUPPRESS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    C = CheckOptions  # noqa: N806
+    """The flags of `ring-harness check`, by topic, in the order --help lists them."""
+    _add_target(p)
+    _add_output(p)
+    _add_ranks(p)
+    _add_stopping(p)
+    _add_stage_switches(p)
+    _add_shape(p)
+    _add_property_stage(p)
+    _add_faults(p)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    """The implementation, the battery's ring size and the dtype."""
     p.add_argument(
         "--impl",
         default=S,
         help="implementation: a built-in name (see `ring-harness impls`) or "
-        "package.module:attr" + hint(C, "impl"),
+        "package.module:attr" + hint(CheckOptions, "impl"),
     )
     p.add_argument(
         "--world-size",
@@ -26,18 +38,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=S,
         help="main ring size of the battery (which also has W = 1, 2, 3, 8 and a "
         "subgroup; the fault "
-        "stage and the property-based run use W up to the pool size)" + hint(C, "world_size"),
+        "stage and the property-based run use W up to the pool size)"
+        + hint(CheckOptions, "world_size"),
     )
     p.add_argument(
         "--dtype", choices=DTYPES, default=S, help="run every case of every stage in this dtype"
     )
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    """Where results and failing cases are written."""
     p.add_argument("--json", metavar="FILE", default=S, help="write machine-readable results here")
     p.add_argument(
         "--save-dir",
         metavar="DIR",
         default=S,
-        help="where failing cases are written as YAML" + hint(C, "save_dir"),
+        help="where failing cases are written as YAML" + hint(CheckOptions, "save_dir"),
     )
+
+
+def _add_ranks(p: argparse.ArgumentParser) -> None:
+    """How the ranks run: the deadline, backend, placement, oracle and launcher."""
     p.add_argument("--deadline", type=float, default=S, metavar="SECONDS", help="per-case deadline")
     p.add_argument(
         "--backend",
@@ -52,15 +73,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=S,
         help="who computes the float64 oracle: ranks (each rank its own query rows, "
         "after its run) or "
-        "local (this process, while the ranks run)" + hint(C, "oracle"),
+        "local (this process, while the ranks run)" + hint(CheckOptions, "oracle"),
     )
     p.add_argument(
         "--launcher",
         choices=("local", "torchrun"),
         default=S,
         help="local: a pool of worker processes on this host; torchrun: the ranks "
-        "torchrun started" + hint(C, "launcher"),
+        "torchrun started" + hint(CheckOptions, "launcher"),
     )
+
+
+def _add_stopping(p: argparse.ArgumentParser) -> None:
+    """When the check stops early: failing and hanging cases."""
     p.add_argument(
         "--maxfail",
         type=int,
@@ -84,8 +109,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="stop after N hanging cases: each waits out --deadline and restarts the "
         "ranks, and a ring "
-        "that hangs once usually hangs on every case; 0 runs every case" + hint(C, "max_hangs"),
+        "that hangs once usually hangs on every case; 0 runs every case"
+        + hint(CheckOptions, "max_hangs"),
     )
+
+
+def _add_stage_switches(p: argparse.ArgumentParser) -> None:
+    """Switches that leave a part of the default check out."""
     p.add_argument(
         "--no-repeat",
         dest="repeat",
@@ -122,6 +152,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "of trained models "
         "(the check before they were added; docs/check.md)",
     )
+
+
+def _add_shape(p: argparse.ArgumentParser) -> None:
+    """The user's own training shape (`--shape`) and its time budget."""
     p.add_argument(
         "--shape",
         metavar="SPEC",
@@ -139,15 +173,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=S,
         metavar="SECONDS",
-        help="refuse a --shape whose estimated time exceeds this" + hint(C, "shape_budget"),
+        help="refuse a --shape whose estimated time exceeds this"
+        + hint(CheckOptions, "shape_budget"),
     )
+
+
+def _add_property_stage(p: argparse.ArgumentParser) -> None:
+    """The property-based stage's flags."""
     g = p.add_argument_group("property-based stage")
     g.add_argument(
         "--profile",
         choices=("ci", "nightly"),
         default=S,
         help="hypothesis profile: ci = derandomised, fixed budget; nightly = random, "
-        "large budget" + hint(C, "profile"),
+        "large budget" + hint(CheckOptions, "profile"),
     )
     g.add_argument(
         "--max-examples",
@@ -177,6 +216,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="write error heatmaps (PNG) of failing cases here (needs matplotlib)",
     )
+
+
+def _add_faults(p: argparse.ArgumentParser) -> None:
+    """The fault stage's and the fault battery's flags."""
     g = p.add_argument_group("fault stage and fault battery")
     g.add_argument(
         "--fault-stage",
@@ -184,7 +227,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KINDS",
         help="benign faults the default check runs on every rank in both phases: comma "
         "list of "
-        f"{', '.join(FAULT_STAGE_KINDS)}, or none" + hint(C, "fault_stage"),
+        f"{', '.join(FAULT_STAGE_KINDS)}, or none" + hint(CheckOptions, "fault_stage"),
     )
     g.add_argument(
         "--faults",
@@ -207,7 +250,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=S,
         metavar="SECONDS",
         help="per-case deadline of the fault stage and the fault battery"
-        + hint(C, "fault_deadline"),
+        + hint(CheckOptions, "fault_deadline"),
     )
     g.add_argument(
         "--fault-seed",

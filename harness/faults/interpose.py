@@ -7,9 +7,10 @@ the implementation is a `FaultWork` whose wait() completes the real op under the
 timeout and turns a transport error or a timeout into a `CommError` naming the op, the peer and the
 phase.
 
-The pieces: `Interposer` and `active` here (scheduling, fault injection, completion); the Work
-objects in `work`; the op log and its readers in `oplog`; the replacement functions in `wrappers`;
-what each fault does to a tensor or the process in `inject`. Runs inside a rank process.
+The pieces: `Interposer` and `active` here (posting, holding and completing ops); which faults
+select an op and what fired in `schedule`; the Work objects in `work`; the op log and its readers in
+`oplog`; the replacement functions in `wrappers`; what each fault does to a tensor or the process in
+`inject`. Runs inside a rank process.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import datetime
 import functools
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch.distributed.distributed_c10d as c10d
 from harness.errors import CommError
 from harness.faults import inject, staging
 from harness.faults.oplog import Op, compact_log, overwrite, pending_text, phase_counts
+from harness.faults.schedule import FaultSchedule
 from harness.faults.schema import FaultSpec
 from harness.faults.work import (
     Deferred,
@@ -71,7 +72,7 @@ def _private(out: torch.Tensor, ins: list, inplace: bool) -> torch.Tensor:
 
 
 class Interposer:
-    """Per-rank, per-case state: the op log, the faults scheduled here and which of them fired."""
+    """Per-rank, per-case state: the op log, the ops in flight and the faults' schedule."""
 
     def __init__(
         self,
@@ -89,33 +90,25 @@ class Interposer:
     ) -> None:
         self.rank = rank  # group rank
         self.stage = stage  # P2P through host buffers, NCCL's matching (harness.faults.staging)
-        self.faults = tuple(f for f in faults if f.rank is None or f.rank == rank)
-        self.straggler = next((f for f in self.faults if f.kind == "straggler"), None)
-        self.seed = seed
+        self.schedule = FaultSchedule(
+            rank, faults, seed=seed, note_path=note_path, exit_fn=exit_fn, case_id=case_id
+        )
         self.timeout_s = timeout_s
         self.start = time.monotonic()
         self.end = self.start + (budget_s if budget_s is not None else timeout_s)
         self.phase = "setup"
         self.ops: list[Op] = []
         self.pending: dict[int, Op] = {}
-        self.fired: Counter[int] = Counter()
-        self.seen: Counter[int] = Counter()
         self.violations: list[str] = []
         self.deferred: list[Deferred] = []
         self.watch: dict[int, tuple[Op, torch.Tensor, torch.Tensor]] = {}
         self.last_exit = self.start
         self._nested = False  # inside an original collective that calls another wrapped one
         self.pending_path = pending_path
-        # survives this rank's death: which faults fired (read by the pool)
-        self.note_path = note_path
         self.down: set[tuple] = set()  # (group, peer, tag) channels a drop took down
-        self.exit_fn = exit_fn
-        self.case_id = case_id
         self.orig = originals()
         if pending_path and os.path.exists(pending_path):
             overwrite(pending_path, "")  # blanked in place: cheaper than unlink + create per case
-        if note_path and os.path.exists(note_path):
-            os.unlink(note_path)
 
     # -- phases, timing ------------------------------------------------------------------------
     def set_phase(self, phase: str) -> None:
@@ -129,24 +122,8 @@ class Interposer:
 
     def _stretch(self) -> None:
         """Straggler (compute): the time this rank spent outside communication calls, times k."""
-        s = self.straggler
-        now = time.monotonic()
-        if (
-            s is not None
-            and s.slow == "compute"
-            and s.applies_to(self.phase, "any")
-            and now > self.last_exit
-        ):
-            inject.sleep((s.factor - 1.0) * (now - self.last_exit))
-            self.fired[s.fid] += 1
+        self.schedule.stretch(self.phase, time.monotonic() - self.last_exit)
         self.last_exit = time.monotonic()
-
-    def _slow_comm(self, seconds: float) -> None:
-        """Straggler (comm): every communication call on this rank takes k times as long."""
-        s = self.straggler
-        if s is not None and s.slow == "comm" and s.applies_to(self.phase, "any") and seconds > 0:
-            inject.sleep((s.factor - 1.0) * seconds)
-            self.fired[s.fid] += 1
 
     # -- scheduling ----------------------------------------------------------------------------
     def _open(
@@ -157,64 +134,12 @@ class Interposer:
         self._check_watch()
         op = Op(len(self.ops), kind, direction, peer, nbytes(tensors), self.phase)
         self.ops.append(op)
-        matched: list[FaultSpec] = []
-        for f in self.faults:
-            if f.kind == "straggler" or not f.applies_to(op.phase, direction):
-                continue
-            n = self.seen[f.fid]
-            self.seen[f.fid] += 1
-            if f.index is None or f.index == n:
-                matched.append(f)
-        hits: dict[str, list[FaultSpec]] = {}
-        for f in matched:
-            hits.setdefault(f.kind, []).append(f)
-        if "crash" in hits:
-            self._crash(hits["crash"][0], op)
-        hold = 0.0
-        for f in matched:
-            if f.kind == "delay":
-                secs = inject.delay_seconds(f, inject.rng_for(self.seed, f, self.rank, op.index))
-                self.fired[f.fid] += 1
-                if f.where == "post":
-                    inject.sleep(secs)
-                else:
-                    hold += secs
+        hits, hold = self.schedule.select(op, direction)
         return op, hits, hold
 
     def _close(self, t_open: float) -> None:
-        self._slow_comm(time.monotonic() - t_open)
+        self.schedule.slow_comm(self.phase, time.monotonic() - t_open)
         self.last_exit = time.monotonic()
-
-    def _note(self, crash: dict | None = None) -> dict:
-        """What fired so far; left on disk after a one-shot fault so it is known even if this rank
-        dies."""
-        note = {"rank": self.rank, "case_id": self.case_id, "fired": dict(self.fired)}
-        if crash is not None:
-            note["crash"] = crash
-        if self.note_path and crash is None:
-            inject.write_note(self.note_path, note)
-        return note
-
-    def _crash(self, f: FaultSpec, op: Op) -> None:
-        self.fired[f.fid] += 1
-        note = self._note({"fault": f.fid, "how": f.how, "op": op.label()})
-        inject.crash(f.how, note, self.note_path, self.exit_fn)
-
-    def _fire(self, specs: Sequence[FaultSpec]) -> None:
-        """Count every fault of one kind that selected this op (two identical faults both fire)."""
-        for f in specs:
-            self.fired[f.fid] += 1
-
-    def _corrupter(self, specs: Sequence[FaultSpec], op: Op) -> Callable[[torch.Tensor], None]:
-        f = specs[0]
-        rng = inject.rng_for(self.seed, f, self.rank, op.index)
-
-        def corrupt(t: torch.Tensor) -> None:
-            if inject.flip_bits(t, rng, f.bit, f.count):
-                self._fire(specs)
-                self._note()
-
-        return corrupt
 
     # -- point to point --------------------------------------------------------------------------
     def post_send(
@@ -235,19 +160,19 @@ class Interposer:
             post = functools.partial(staging.post_send, post)
         if "drop" in hits or (channel and channel in self.down):
             if "drop" in hits:
-                self._fire(hits["drop"])
+                self.schedule.fire(hits["drop"])
                 self.down.add(channel)
-                self._note()
+                self.schedule.note()
             op.state = "dropped"
             fw.done = True
             self._close(t_open)
             return fw
-        corrupt = self._corrupter(hits["corrupt"], op) if "corrupt" in hits else None
+        corrupt = self.schedule.corrupter(hits["corrupt"], op) if "corrupt" in hits else None
         self.pending[op.index] = op
         # later sends queue behind a held one: order is kept
         if "send-reuse" in hits or self.deferred:
             if "send-reuse" in hits:
-                self._fire(hits["send-reuse"])
+                self.schedule.fire(hits["send-reuse"])
                 self.watch[op.index] = (op, tensor, tensor.clone())
                 fw.after.append(lambda: self._unwatch(op.index))
             op.state = "deferred"
@@ -278,9 +203,9 @@ class Interposer:
             target = torch.empty_like(tensor)
             fw.after.append(lambda: tensor.copy_(target))
             inject.poison(tensor)
-            self._fire(hits["early-read"])
+            self.schedule.fire(hits["early-read"])
         if "corrupt" in hits:
-            corrupt = self._corrupter(hits["corrupt"], op)
+            corrupt = self.schedule.corrupter(hits["corrupt"], op)
             fw.after.append(lambda: corrupt(tensor))
         self.pending[op.index] = op
         if self.stage:
@@ -361,9 +286,9 @@ class Interposer:
                 fw.after.append(lambda: [o.copy_(p) for o, p in pairs])
                 fw.keep = privates
                 poisoned = [o for o, _ in pairs]
-                self._fire(hits["early-read"])
+                self.schedule.fire(hits["early-read"])
         if "corrupt" in hits and outs:
-            corrupt = self._corrupter(hits["corrupt"], op)
+            corrupt = self.schedule.corrupter(hits["corrupt"], op)
             fw.after.append(lambda: corrupt(outs[0]))
         self.pending[op.index] = op
         self._nested = True
@@ -444,7 +369,7 @@ class Interposer:
     def report(self) -> dict:
         """Which faults fired (fault id -> times), send-buffer violations, ops still pending."""
         return {
-            "fired": dict(self.fired),
+            "fired": dict(self.schedule.fired),
             "violations": list(self.violations),
             "pending": [o.label() for o in self.pending.values()],
         }

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from harness.calls import needs_backward, useful_form
 from harness.context import Capabilities
+from ring_impl.layouts import split_lengths
 from ring_impl.masks import MASK_FEATURES, MaskSpec, fit
 
 # Annotations only: the adapters import this module inside the ranks.
@@ -327,10 +328,27 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
     fewer features thus gets the same world sizes, splits and values as every other, not fewer
     cases.
     """
-    from ring_impl.layouts import split_lengths
-
     if not unsupported(caps, c):
         return c
+    changes = _declared_substitutes(caps, c)
+    if changes is None:
+        return None
+    changes.update(_feature_changes(caps, c))
+    changes.update(_world_changes(caps, c))
+    changes.update(_split_changes(caps, c, changes))
+    changes.update(_head_changes(caps, c, changes))
+    if "seq_lens" in changes:
+        changes["mask"] = fit(changes.get("mask", c.mask), sum(changes["seq_lens"]))
+    try:
+        out = c.replace(**changes)
+    # An adaptation that makes no valid case, e.g. too few tokens for the ranks.
+    except Exception:
+        return None
+    return out if not unsupported(caps, out) else None
+
+
+def _declared_substitutes(caps: Capabilities, c: Case) -> dict | None:
+    """A declared layout, mask and dtype for undeclared ones, or None when one has none."""
     changes: dict = {}
     if c.layout not in caps.layouts:
         layout = next((x for x in LAYOUT_FALLBACK.get(c.layout, ()) if x in caps.layouts), None)
@@ -347,47 +365,65 @@ def adapt(caps: Capabilities, c: Case) -> Case | None:
         if dtype is None:
             return None
         changes["dtype"] = dtype
+    return changes
+
+
+def _feature_changes(caps: Capabilities, c: Case) -> dict:
+    """Without GQA, subgroups, a backward or the input form: kv heads = query heads, global ranks,
+    the call under no_grad, and contiguous inputs.
+    """
+    out: dict = {}
     if c.heads_q != c.heads_kv and not caps.gqa:
-        changes["heads_kv"] = c.heads_q
+        out["heads_kv"] = c.heads_q
     if c.group_offset and not caps.subgroups:
-        changes["group_offset"] = 0
+        out["group_offset"] = 0
     if needs_backward(c.call) and not caps.backward:
-        changes["call"] = "no-grad"
+        out["call"] = "no-grad"
     form = useful_form(
-        changes.get("call", c.call), c.inputs if c.inputs in caps.input_forms else "contiguous"
+        out.get("call", c.call), c.inputs if c.inputs in caps.input_forms else "contiguous"
     )
     if form != c.inputs:
-        changes["inputs"] = form
+        out["inputs"] = form
+    return out
+
+
+def _world_changes(caps: Capabilities, c: Case) -> dict:
+    """The nearest declared world size, with the same total length and the faults it still has."""
     world_size = min(max(c.world_size, caps.world_sizes[0]), caps.world_sizes[1])
+    if world_size == c.world_size:
+        return {}
     total = max(c.total_len, world_size)
-    if world_size != c.world_size:
-        changes["world_size"] = world_size
-        changes["seq_lens"] = tuple(split_lengths(total, world_size))
-        changes["faults"] = tuple(
-            f for f in c.faults if f.get("rank") is None or f["rank"] < world_size
-        )
+    return {
+        "world_size": world_size,
+        "seq_lens": tuple(split_lengths(total, world_size)),
+        "faults": tuple(f for f in c.faults if f.get("rank") is None or f["rank"] < world_size),
+    }
+
+
+def _split_changes(caps: Capabilities, c: Case, changes: dict) -> dict:
+    """An even split for an uneven one, a token for an idle rank, even zigzag local lengths."""
+    world_size = changes.get("world_size", c.world_size)
     lens = changes.get("seq_lens", tuple(c.seq_lens))
+    out: dict = {}
     if len(set(lens)) > 1 and not caps.uneven:
         unit = 2 * world_size
         total = max(unit, (sum(lens) + unit - 1) // unit * unit)
-        changes["seq_lens"] = tuple(split_lengths(total, world_size))
-    lens = changes.get("seq_lens", tuple(c.seq_lens))
+        lens = out["seq_lens"] = tuple(split_lengths(total, world_size))
     # An idle rank gets one token, and the others keep theirs.
     if 0 in lens and not caps.idle_ranks:
-        changes["seq_lens"] = tuple(max(1, int(n)) for n in lens)
-    lens = changes.get("seq_lens", tuple(c.seq_lens))
+        lens = out["seq_lens"] = tuple(max(1, int(n)) for n in lens)
     if changes.get("layout", c.layout) == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
-        changes["seq_lens"] = even_lengths(lens)
+        out["seq_lens"] = even_lengths(lens)
+    return out
+
+
+def _head_changes(caps: Capabilities, c: Case, changes: dict) -> dict:
+    """Head counts the world size divides, and the nearest declared head dim."""
+    world_size = changes.get("world_size", c.world_size)
     heads_q, heads_kv = c.heads_q, changes.get("heads_kv", c.heads_kv)
+    out: dict = {}
     if caps.heads_divisible_by_world and (heads_q % world_size or heads_kv % world_size):
-        changes["heads_q"], changes["heads_kv"] = divisible_heads(heads_q, heads_kv, world_size)
+        out["heads_q"], out["heads_kv"] = divisible_heads(heads_q, heads_kv, world_size)
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
-        changes["head_dim"] = min(caps.head_dims, key=lambda d: abs(d - c.head_dim))
-    if "seq_lens" in changes:
-        changes["mask"] = fit(changes.get("mask", c.mask), sum(changes["seq_lens"]))
-    try:
-        out = c.replace(**changes)
-    # An adaptation that makes no valid case, e.g. too few tokens for the ranks.
-    except Exception:
-        return None
-    return out if not unsupported(caps, out) else None
+        out["head_dim"] = min(caps.head_dims, key=lambda d: abs(d - c.head_dim))
+    return out

@@ -32,7 +32,7 @@ EPS = {
     "bf16": torch.finfo(torch.bfloat16).eps,
 }
 # unit roundoffs (u = eps/2) of the input dtype a correct flash-style ring may commit, per tensor
-# and per scale they act at (harness.oracle.shares.TermScales: "terms" = sum of |terms| of the
+# and per scale they act at (harness.oracle.parts.TermScales: "terms" = sum of |terms| of the
 # result, "D" = where D's error enters); derivation in docs/tolerance.md
 ROUNDINGS = {
     "out": {"terms": 3},
@@ -78,7 +78,7 @@ def bound(
         (+ for out: (W - 1) * eps32 * block_scale, the merges' cancellation: MERGE_ROUNDINGS)
 
     with T_c the tensor's term scales (`term_scale`: {class: scale} from
-    harness.oracle.shares.TermScales, or one number for every class) and n_c =
+    harness.oracle.parts.TermScales, or one number for every class) and n_c =
     ROUNDINGS[tensor][c]; every T_c is at least exact_absmax."""
     exp_error = 0.0
     # a float32 output: judged at float32 (docs/tolerance.md)

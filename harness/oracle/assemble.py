@@ -15,17 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.case import Case
-from harness.oracle.shares import (
-    KeysPart,
-    RowsPart,
-    RowStats,
-    TermScales,
-    gather_stats,
-    keys_part,
-    rows_part,
-    share_keys,
-    share_rows,
-)
+from harness.oracle.keys_pass import keys_part
+from harness.oracle.parts import KeysPart, RowsPart, RowStats, TermScales, gather_stats
+from harness.oracle.rows_pass import rows_part
+from harness.oracle.shares import share_keys, share_rows
 from harness.oracle.tiles import block_size, groups, runs
 
 BLOCK: int | None = None  # tile side for `attention`; None: tiles.block_size's score budget

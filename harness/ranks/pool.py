@@ -2,30 +2,25 @@
 
 A case that passes its deadline gets each pending rank's stack. The pool is then torn down, and it
 restarts on the next case. Workers die with the parent, so nothing is left running.
-docs/long-sequences.md says how the ranks meet and how they are stopped. harness.ranks.postmortem
-reads what a dead or hung rank left. `RankPool.history` keeps what the ranks ran since their last
-start, for failures that depend on what ran before.
+docs/long-sequences.md says how the ranks meet and how they are stopped. harness.ranks.spawn starts
+the workers, and harness.ranks.postmortem reads what a dead or hung rank left. `RankPool.history`
+keeps what the ranks ran since their last start, for failures that depend on what ran before.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, wait
-from pathlib import Path
+from multiprocessing.connection import Connection, wait
 
 from harness import case as case_mod
 from harness import interrupt
 from harness.errors import PoolError
-from harness.ranks import oom, postmortem, wire, zygote
+from harness.ranks import postmortem, spawn, wire
 from harness.ranks.backend import Placement
 from harness.ranks.protocol import (
     OK,
@@ -41,39 +36,14 @@ from harness.ranks.protocol import (
     RunMessage,
     StopMessage,
 )
+from harness.ranks.spawn import START_TIMEOUT_S, TMPDIR_ENV, Workers
 
 __all__ = ["PoolError", "PoolReply", "RankPool", "Ran", "TMPDIR_ENV"]
 
-START_TIMEOUT_S = 120.0
 # Fresh process groups built after errors, before the pool is restarted instead.
 MAX_HEALS = 24
-# where the pool's ring-harness-* dir goes (default: tempfile.gettempdir())
-TMPDIR_ENV = "RING_HARNESS_TMPDIR"
-# AF_UNIX paths are 108 bytes with the terminating NUL, and rank<N>.sock must fit.
-_SOCKET_PATH_MAX = 107
 # Runs kept in RankPool.history. The oldest is dropped first.
 HISTORY_MAX = 256
-
-
-def _project_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
-
-
-def temp_root() -> str:
-    """Where a pool makes its private dir.
-
-    It is $RING_HARNESS_TMPDIR, created if missing, else tempfile.gettempdir(). Tests point the
-    variable at pytest's tmp_path. A root too deep for the ranks' Unix socket paths falls back to
-    tempfile.gettempdir().
-    """
-    root = os.environ.get(TMPDIR_ENV) or tempfile.gettempdir()
-    if (
-        len(os.path.join(os.path.abspath(root), "ring-harness-xxxxxxxx", "rank9999.sock"))
-        > _SOCKET_PATH_MAX
-    ):
-        return tempfile.gettempdir()
-    os.makedirs(root, exist_ok=True)
-    return root
 
 
 @dataclass(frozen=True)
@@ -89,20 +59,6 @@ class Ran:
     leak: bool = True
     allow_import: bool = False
     whole_world: bool = False
-
-
-@dataclass
-class _Standby:
-    """Workers started ahead (see RankPool.spare): their dir, processes, auth key and size.
-
-    The finalizer kills them and removes the dir.
-    """
-
-    dir: str
-    procs: list[subprocess.Popen]
-    authkey: bytes
-    size: int
-    finalizer: weakref.finalize
 
 
 class RankPool:
@@ -129,7 +85,7 @@ class RankPool:
         # waiting to be connected), so the next restart after a hang or a death costs a rendezvous,
         # not a fresh interpreter per rank
         self.spare = spare
-        self._standby: _Standby | None = None
+        self._standby: Workers | None = None
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.dir: str | None = None
@@ -155,7 +111,7 @@ class RankPool:
         if sb is None or sb.size != self.size or any(p.poll() is not None for p in sb.procs):
             if sb is not None:
                 sb.finalizer()
-            sb = self._launch(self.size)
+            sb = spawn.launch(self, self.size, self.backend, self.placement)
         # the set's finalizer (registered before anything could fail) now belongs to the pool:
         # close(), garbage collection or interpreter exit always kill these workers and remove their
         # dir
@@ -163,7 +119,7 @@ class RankPool:
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             for r in range(self.size):
-                self.conns.append(self._connect(r, sb.authkey, deadline))
+                self.conns.append(spawn.connect(self.dir, self.procs[r], r, sb.authkey, deadline))
             for r, c in enumerate(self.conns):
                 while not c.poll(max(0.0, min(interrupt.POLL_S, deadline - time.monotonic()))):
                     if time.monotonic() < deadline:
@@ -191,91 +147,7 @@ class RankPool:
         # from the first restart on: ranks that hang or die once tend to again,
         if self.spare and self.starts > 1:
             # and a check that never restarts does not pay for idle workers
-            self._standby = self._launch(self.size)
-
-    def _launch(self, size: int) -> _Standby:
-        """Start `size` worker processes in a new private dir, without waiting for them.
-
-        Each imports torch, then waits for the pool to connect (harness.ranks.worker.serve).
-        """
-        workdir = tempfile.mkdtemp(prefix="ring-harness-", dir=temp_root())
-        procs: list[subprocess.Popen] = []
-        finalizer = weakref.finalize(self, postmortem.kill_all, procs, workdir)
-        authkey = os.urandom(16)
-        env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
-        # the ranks import what the parent can: this project, then the caller's directory (as
-        # `python -m` does, so `--impl myring:my_ring` works from the folder holding myring.py),
-        # then PYTHONPATH
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [_project_root(), os.getcwd(), env.get("PYTHONPATH")])
-        )
-        try:
-            for r in range(size):
-                procs.append(self._spawn(workdir, size, r, env))
-        except OSError as e:
-            finalizer()
-            raise PoolError(f"rank pool failed to start: {e}") from None
-        return _Standby(workdir, procs, authkey, size, finalizer)
-
-    def _spawn(self, workdir: str, size: int, r: int, env: dict[str, str]) -> subprocess.Popen:
-        """Start worker rank r in its own session, its output to log-<r>.txt in its dir."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "harness.ranks.worker",
-            "--rank",
-            str(r),
-            "--size",
-            str(size),
-            "--dir",
-            workdir,
-            "--backend",
-            self.backend,
-            "--parent",
-            str(os.getpid()),
-            "--device",
-            self.placement.device,
-        ] + (["--stage-p2p"] if self.placement.stage_p2p else [])
-        log = os.path.join(workdir, f"log-{r}.txt")
-        # forked from a process that has imported torch already (harness.ranks.zygote)
-        if zygote.enabled():
-            try:
-                return oom.watch(zygote.zygote_for(env).fork(cmd[3:], env, log))
-            except OSError:
-                # The zygote is there but could not fork: a real failure.
-                if zygote.enabled():
-                    raise
-        # spawned afresh: RING_HARNESS_FORK=0, or this process's zygote could not start
-        with open(log, "wb") as f:
-            return oom.watch(
-                subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-
-    def _connect(self, r: int, authkey: bytes, deadline: float) -> Connection:
-        path = os.path.join(self.dir, f"rank{r}.sock")
-        while True:
-            if self.procs[r].poll() is not None:
-                tail = postmortem.log_tail(self.dir, r)
-                raise PoolError(
-                    f"rank {r} exited with {self.procs[r].returncode} during start: {tail}"
-                )
-            if os.path.exists(path):
-                try:
-                    return Client(path, family="AF_UNIX", authkey=authkey)
-                except (ConnectionRefusedError, FileNotFoundError):
-                    pass
-            if time.monotonic() > deadline:
-                tail = postmortem.log_tail(self.dir, r)
-                raise PoolError(f"rank {r} did not start within {START_TIMEOUT_S:.0f} s: {tail}")
-            interrupt.check("starting the ranks")
-            time.sleep(0.02)
+            self._standby = spawn.launch(self, self.size, self.backend, self.placement)
 
     def close(self) -> None:
         """Stop every worker and remove the temp dirs. The standby set stops too.

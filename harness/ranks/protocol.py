@@ -101,7 +101,7 @@ class OracleMessage(_OracleRequired, total=False):
     """Compute one pass of this rank's share of a case's oracle (outside the fault interposer: no
     fault touches it)."""
 
-    stats: tuple[Any, Any]  # "keys": every row's (float64, base) `harness.oracle.shares.RowStats`
+    stats: tuple[Any, Any]  # "keys": every row's (float64, base) `harness.oracle.parts.RowStats`
 
 
 class StopMessage(TypedDict):
@@ -174,7 +174,7 @@ class _OracleResultRequired(TypedDict):
 
 
 class OracleResultMessage(_OracleResultRequired, total=False):
-    """One pass of one rank's share of the oracle: (float64, base) `harness.oracle.shares.RowsPart`s
+    """One pass of one rank's share of the oracle: (float64, base) `harness.oracle.parts.RowsPart`s
     or `KeysPart`s."""
 
     parts: tuple[Any, Any]  # ok

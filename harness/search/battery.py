@@ -35,48 +35,101 @@ def default_battery(
     w = world_size
     # Not divisible by W or 2W: every layout gets uneven shards.
     total = 6 * w + 3
-    cases: list[Case] = []
+    b = _Cases(w, total, impl)
+    _layouts_and_masks(b)
+    # every layout x mask, non-causal documents, and the zigzag case inserted below
+    basics = len(b.cases) + 1
+    _dtypes_and_values(b)
+    _heads_and_scale(b)
+    _uneven_lengths(b)
+    _world_sizes(b)
+    _even_splits(b)
+    _insert_odd_zigzag(b)
+    # the mask language (ring_impl.masks) and idle ranks, seeded after everything above so those
+    # cases keep their seeds: every primitive and combinator, edges on shard edges, rows and ranks
+    # that see nothing
+    for layout, lens, mask in language_cases(w, total):
+        b.add(layout=layout, seq_lens=lens, mask=mask, heads_q=4, heads_kv=2)
+    _disjoint_subgroup(b)
+    b.cases = _run_order(b.cases, basics, len(language_cases(w, total)))
+    if model_calls:
+        for kw in model_call_cases(w):
+            b.add(**kw)
+    cases = b.cases
+    if dtype is not None:
+        cases = [c.replace(dtype=dtype) for c in cases]
+    return cases
 
-    def add(**kw) -> None:
-        kw.setdefault("world_size", w)
-        kw.setdefault("impl", impl)
-        kw.setdefault("seed", len(cases) + 1)
+
+class _Cases:
+    """The battery's cases in the order they are added.
+
+    Each case gets the next seed, and by default the battery's world size, implementation and
+    total length.
+    """
+
+    def __init__(self, w: int, total: int, impl: str) -> None:
+        self.w, self.total, self.impl = w, total, impl
+        self.cases: list[Case] = []
+
+    def add(self, **kw) -> None:
+        kw.setdefault("world_size", self.w)
+        kw.setdefault("impl", self.impl)
+        kw.setdefault("seed", len(self.cases) + 1)
         if "seq_lens" not in kw:
-            kw.setdefault("total_len", total)
-        cases.append(make_case(**kw))
+            kw.setdefault("total_len", self.total)
+        self.cases.append(make_case(**kw))
 
+
+def _layouts_and_masks(b: _Cases) -> None:
+    """Every layout under every plain mask and under documents, then non-causal documents."""
+    total = b.total
     for layout in ("contiguous", "zigzag", "striped"):
         for mask in MASKS.values():
-            add(layout=layout, mask=mask, heads_q=2, heads_kv=2, head_dim=16)
-        add(layout=layout, mask=_docs(total), heads_q=2, heads_kv=2, head_dim=16)
-    add(
+            b.add(layout=layout, mask=mask, heads_q=2, heads_kv=2, head_dim=16)
+        b.add(layout=layout, mask=_docs(total), heads_q=2, heads_kv=2, head_dim=16)
+    b.add(
         layout="zigzag", mask=MaskSpec("document", doc_starts=_docs(total).doc_starts, causal=False)
     )
-    # every layout x mask, non-causal documents, and the zigzag case inserted below
-    basics = len(cases) + 1
+
+
+def _dtypes_and_values(b: _Cases) -> None:
+    """fp16 and bf16 on a few layouts and masks, and the large and near-tie values."""
     for dt in ("fp16", "bf16"):
         for layout, mask in (
             ("zigzag", MASKS["causal"]),
             ("striped", MASKS["window"]),
-            ("contiguous", _docs(total)),
+            ("contiguous", _docs(b.total)),
         ):
-            add(layout=layout, mask=mask, dtype=dt, heads_q=4, heads_kv=2, head_dim=32)
-        add(layout="contiguous", mask=MASKS["causal"], dtype=dt, values="large", head_dim=32)
-    add(layout="zigzag", mask=MASKS["causal"], values="near-tie")
-    add(layout="contiguous", mask=MASKS["causal"], values="large")
-    # GQA / MQA, batch > 1, odd head_dim, custom scale
-    add(layout="zigzag", mask=MASKS["causal"], heads_q=4, heads_kv=2, batch=2)
-    add(layout="striped", mask=MASKS["none"], heads_q=6, heads_kv=1, head_dim=24)
-    add(layout="contiguous", mask=MASKS["causal"], head_dim=13, softmax_scale=0.3)
-    # arbitrary per-rank lengths, including a one-token shard
-    if w >= 2:
-        lens = tuple([5, 1, 17, 3][i % 4] + (i // 4) for i in range(w))
-        for layout in ("contiguous", "zigzag", "striped"):
-            add(layout=layout, mask=MASKS["causal"], seq_lens=lens, heads_q=4, heads_kv=2)
-        add(layout="contiguous", mask=MASKS["window"], seq_lens=lens)
-    # other world sizes, and a ring inside a subgroup of a larger pool
+            b.add(layout=layout, mask=mask, dtype=dt, heads_q=4, heads_kv=2, head_dim=32)
+        b.add(layout="contiguous", mask=MASKS["causal"], dtype=dt, values="large", head_dim=32)
+    b.add(layout="zigzag", mask=MASKS["causal"], values="near-tie")
+    b.add(layout="contiguous", mask=MASKS["causal"], values="large")
+
+
+def _heads_and_scale(b: _Cases) -> None:
+    """GQA and MQA, batch > 1, an odd head_dim and a custom scale."""
+    b.add(layout="zigzag", mask=MASKS["causal"], heads_q=4, heads_kv=2, batch=2)
+    b.add(layout="striped", mask=MASKS["none"], heads_q=6, heads_kv=1, head_dim=24)
+    b.add(layout="contiguous", mask=MASKS["causal"], head_dim=13, softmax_scale=0.3)
+
+
+def _uneven_lengths(b: _Cases) -> None:
+    """Arbitrary per-rank lengths, including a one-token shard. None on one rank."""
+    w = b.w
+    if w < 2:
+        return
+    lens = tuple([5, 1, 17, 3][i % 4] + (i // 4) for i in range(w))
+    for layout in ("contiguous", "zigzag", "striped"):
+        b.add(layout=layout, mask=MASKS["causal"], seq_lens=lens, heads_q=4, heads_kv=2)
+    b.add(layout="contiguous", mask=MASKS["window"], seq_lens=lens)
+
+
+def _world_sizes(b: _Cases) -> None:
+    """Other world sizes, and a ring inside a subgroup of a larger pool."""
+    w = b.w
     for other in sorted({1, 2, 3, 8} - {w}):
-        add(
+        b.add(
             world_size=other,
             total_len=6 * other + 1,
             layout="zigzag",
@@ -84,17 +137,22 @@ def default_battery(
             heads_q=4,
             heads_kv=2,
         )
-        add(world_size=other, total_len=5 * other + 2, layout="striped", mask=_docs(5 * other + 2))
-    add(
+        b.add(
+            world_size=other, total_len=5 * other + 2, layout="striped", mask=_docs(5 * other + 2)
+        )
+    b.add(
         world_size=max(2, min(w, 3)),
         group_offset=1,
         layout="zigzag",
         mask=MASKS["causal"],
         total_len=6 * max(2, min(w, 3)) + 1,
     )
-    # an even split at every world size (the cases above are uneven on purpose)
-    for ws in sorted({1, 2, 3, 8, w}):
-        add(
+
+
+def _even_splits(b: _Cases) -> None:
+    """An even split at every world size. The cases above are uneven on purpose."""
+    for ws in sorted({1, 2, 3, 8, b.w}):
+        b.add(
             world_size=ws,
             total_len=8 * ws,
             layout="contiguous",
@@ -102,51 +160,57 @@ def default_battery(
             heads_q=4,
             heads_kv=2,
         )
-    # an even split with an odd local length in the zigzag layout (two unequal chunks per rank;
-    # every other zigzag case has odd lengths only in an uneven split), bf16 with a flash head_dim:
-    # for a ring that needs even chunks (`Capabilities.zigzag_odd`) it is the one undeclared
+
+
+def _insert_odd_zigzag(b: _Cases) -> None:
+    """An even split with an odd local length in the zigzag layout, before every zigzag case.
+
+    It gives two unequal chunks per rank. Every other zigzag case has odd lengths only in an uneven
+    split. It is bf16 with a flash head_dim.
+    """
+    # For a ring that needs even chunks (`Capabilities.zigzag_odd`) it is the one undeclared
     # feature. The check probes an undeclared feature with the first case using it, so this one goes
     # before the other zigzag cases; seeded after the rest, so theirs do not change
-    first_zigzag = next(i for i, c in enumerate(cases) if c.layout == "zigzag")
-    cases.insert(
+    first_zigzag = next(i for i, c in enumerate(b.cases) if c.layout == "zigzag")
+    b.cases.insert(
         first_zigzag,
         make_case(
-            world_size=w,
-            seq_lens=(3,) * w,
+            world_size=b.w,
+            seq_lens=(3,) * b.w,
             layout="zigzag",
             mask=MASKS["causal"],
             dtype="bf16",
             heads_q=4,
             heads_kv=2,
             head_dim=32,
-            impl=impl,
-            seed=len(cases) + 1,
+            impl=b.impl,
+            seed=len(b.cases) + 1,
         ),
     )
-    # the mask language (ring_impl.masks) and idle ranks, seeded after everything above so those
-    # cases keep their seeds: every primitive and combinator, edges on shard edges, rows and ranks
-    # that see nothing
-    for layout, lens, mask in language_cases(w, total):
-        add(layout=layout, seq_lens=lens, mask=mask, heads_q=4, heads_kv=2)
-    # a second subgroup, disjoint from ranks 0..W-1 (global ranks 2, 3: a CP group beside a TP or DP
-    # group), seeded after everything above. In the subgroup above (global ranks 1..3) a group-local
-    # rank read as a global one can still name a member, so a ring that confuses the two talks to
-    # the wrong process or to itself, and what it does depends on timing; here every such peer is
-    # outside the group and the ring fails the same way on every run
-    add(world_size=2, group_offset=2, layout="contiguous", mask=MASKS["causal"], total_len=7)
-    # run order (seeds stay as above): the disjoint subgroup and the mask language right after the
-    # basics, not last, so a ring wrong on one primitive, on an idle rank or on group ranks fails
-    # within the first ~25 cases (selftest: those mutants were found after ~65 runs)
-    n_language = len(language_cases(w, total))
-    cases = (
+
+
+def _disjoint_subgroup(b: _Cases) -> None:
+    """A second subgroup, disjoint from ranks 0..W-1, seeded after everything above.
+
+    Global ranks 2 and 3 form it: a CP group beside a TP or DP group.
+    """
+    # In the subgroup above (global ranks 1..3) a group-local rank read as a global one can still
+    # name a member, so a ring that confuses the two talks to the wrong process or to itself, and
+    # what it does depends on timing; here every such peer is outside the group and the ring fails
+    # the same way on every run
+    b.add(world_size=2, group_offset=2, layout="contiguous", mask=MASKS["causal"], total_len=7)
+
+
+def _run_order(cases: list[Case], basics: int, n_language: int) -> list[Case]:
+    """The cases in run order; their seeds stay.
+
+    The disjoint subgroup and the mask language run right after the basics, not last. So a ring
+    wrong on one primitive, on an idle rank or on group ranks fails within the first ~25 cases
+    (selftest: those mutants were found after ~65 runs).
+    """
+    return (
         cases[:basics] + cases[-1:] + cases[-n_language - 1 : -1] + cases[basics : -n_language - 1]
     )
-    if model_calls:
-        for kw in model_call_cases(w):
-            add(**kw)
-    if dtype is not None:
-        cases = [c.replace(dtype=dtype) for c in cases]
-    return cases
 
 
 def model_call_cases(w: int) -> list[dict]:

@@ -24,6 +24,7 @@ from harness.ranks.pool import RankPool
 from harness.result import CaseResult
 from harness.search import failures
 from harness.search import history as history_mod
+from harness.search.fresh_ranks import FreshRanks
 from harness.search.outcome import Bug, ExitReason, FuzzOutcome
 from harness.search.shrink import case_size
 from harness.search.signature import CaseFailed, Signature, raise_failure
@@ -103,7 +104,7 @@ class Search:
         self.confirming = confirming
         self.start = 0.0
         self.shrink_end = float("inf")  # set when the first failure is found
-        self.fresh: history_mod.FreshRanks | None = None
+        self.fresh: FreshRanks | None = None
         self.bugs: dict[Signature, Bug] = {}
         # case key -> the failure its first failing run raised
         self.raised: dict[str, CaseResult] = {}
@@ -117,7 +118,7 @@ class Search:
         self.start = time.monotonic()
         if self.confirming:
             placement = getattr(self.pool, "placement", None)
-            self.fresh = history_mod.FreshRanks(backend=self.backend, placement=placement)
+            self.fresh = FreshRanks(backend=self.backend, placement=placement)
         test = self._hypothesis_test()
         try:
             self._run_hypothesis(test)

@@ -17,6 +17,7 @@ from harness.ranks.pool import RankPool
 from harness.result import CaseResult, Verdict, result_record
 from harness.runner import run_case
 from harness.search import history as history_mod
+from harness.search.fresh_ranks import FreshRanks
 from harness.search.outcome import Bug, FuzzOutcome
 from harness.search.signature import Signature
 
@@ -139,7 +140,7 @@ def finish(
         out.shrunk_path = bug.shrunk_path
 
 
-def _sequence_verdicts(bug: Bug, fresh: history_mod.FreshRanks) -> None:
+def _sequence_verdicts(bug: Bug, fresh: FreshRanks) -> None:
     """The shrunk sequence on fresh ranks, the reference then SECOND_IMPL in the bug's place."""
     seq, impl = bug.history.sequence, bug.shrunk.impl
     ref = None
@@ -159,7 +160,7 @@ def _sequence_verdicts(bug: Bug, fresh: history_mod.FreshRanks) -> None:
 def finish_sequence(
     out: FuzzOutcome,
     bug: Bug,
-    fresh: history_mod.FreshRanks,
+    fresh: FreshRanks,
     shrink_budget: float,
     *,
     impl_version: str,

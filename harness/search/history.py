@@ -9,7 +9,6 @@ minimised. docs/check.md has the steps and what they cost.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,13 +17,13 @@ from typing import TYPE_CHECKING
 from harness import case_sequence
 from harness.case import Case
 from harness.case_sequence import CaseSequence, Step
-from harness.errors import HarnessError
 from harness.judging.verdicts import failure_signature
 from harness.result import CaseResult, Verdict
+from harness.search.fresh_ranks import FreshRanks
+from harness.search.sequence_search import ddmin, first_reproducing
 from harness.search.signature import Signature
 
 if TYPE_CHECKING:
-    from harness.ranks.backend import Placement
     from harness.ranks.protocol import Pool
 
 # Sequence runs on fresh ranks while looking for the shortest reproducing sequence.
@@ -73,105 +72,6 @@ def forget_baseline(case: Case, impl: str) -> None:
 
     if case.faults:
         _BASELINES.pop((impl, case.replace(faults=()).key()), None)
-
-
-class FreshRanks:
-    """Runs sequences, each on ranks started afresh.
-
-    With `pool=None` it uses a pool of its own, closed with this object. A given pool is restarted
-    before every sequence.
-    """
-
-    def __init__(
-        self, pool: Pool | None = None, backend: str = "gloo", placement: Placement | None = None
-    ) -> None:
-        self._own = pool is None
-        self.pool = pool
-        self.backend = backend
-        # An own pool's device and staging. None: the environment's.
-        self.placement = placement
-        self.runs = 0
-
-    def __enter__(self) -> FreshRanks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._own and self.pool is not None:
-            self.pool.close()
-            self.pool = None
-
-    def _restart(self, size: int) -> Pool:
-        if self.pool is None:
-            from harness.ranks.pool import RankPool
-
-            self.pool = RankPool(size, backend=self.backend, placement=self.placement)
-        start = getattr(self.pool, "start", None)
-        if start is None:
-            raise HarnessError(
-                "these ranks cannot be restarted (torchrun): a sequence needs fresh ranks"
-            )
-        # own pool: exactly what it needs
-        if self.pool.size < size or (self._own and self.pool.size != size):
-            self.pool.size = size
-            start()
-        # an empty history: nothing ran since the last start
-        elif getattr(self.pool, "history", None):
-            start()
-        return self.pool
-
-    def run(
-        self,
-        seq: CaseSequence,
-        impls: Callable[[Step], str] | None = None,
-        allow_import: Callable[[str], bool] | None = None,
-    ) -> CaseResult | None:
-        """Run every member in order on fresh ranks, and return the last one's judged result.
-
-        The result is None when an earlier member hung or killed a rank: the ranks restarted, and
-        the sequence is broken. `impls(step)` names a member's implementation, by default the
-        member's own. `allow_import(name)` says whether a module path may be imported, by default
-        never.
-        """
-        from harness.runner import _BASELINES, baseline_for, needs_whole_world, run_case
-
-        pool = self._restart(seq.pool_size)
-        self.runs += 1
-        last = seq.steps[-1]
-        last_name = impls(last) if impls else last.case.impl
-        # a faulted case is judged against its fault-free run (runner.baseline_for): the one in the
-        # sequence (as it ran in the history), else one run just before it, on these ranks (as a
-        # fresh replay does)
-        plain = last.case.replace(faults=()) if last.case.faults else None
-        if plain is not None:
-            _BASELINES.pop((last_name, plain.key()), None)
-        for step in seq.steps[:-1]:
-            name = impls(step) if impls else step.case.impl
-            imp = bool(allow_import and allow_import(name))
-            if plain is not None and step.case == plain and name == last_name and not step.leak:
-                _BASELINES.pop((last_name, plain.key()), None)
-                baseline_for(last.case, pool, last_name, imp)
-                continue
-            reply = pool.collect(
-                pool.submit(
-                    step.case,
-                    name,
-                    allow_import=imp,
-                    leak=step.leak,
-                    whole_world=needs_whole_world(name),
-                )
-            )
-            if reply.hung or reply.dead:
-                return None
-        return run_case(
-            last.case,
-            pool,
-            last_name,
-            allow_import=bool(allow_import and allow_import(last_name)),
-            leak=last.leak,
-        )
 
 
 @dataclass
@@ -289,6 +189,38 @@ def _steps(history: list) -> list[Step]:
     ]
 
 
+class _Trials:
+    """Sequence runs on fresh ranks that end with the failing case, within a budget.
+
+    Called with earlier runs, it gives the last case's result when that fails as `want` did, else
+    None. Once the budget of runs or of time is spent, it runs nothing and gives None.
+    """
+
+    def __init__(
+        self,
+        fr: FreshRanks,
+        last: Step,
+        want: CaseResult,
+        allowed: Callable[[str], bool],
+        max_trials: int,
+        deadline: float,
+    ) -> None:
+        self.fr, self.last, self.want, self.allowed = fr, last, want, allowed
+        self.max_trials, self.deadline = max_trials, deadline
+        self.count = 0
+
+    def spent(self) -> bool:
+        """Whether the runs or the time are used up."""
+        return self.count >= self.max_trials or time.monotonic() > self.deadline
+
+    def __call__(self, sub: list[Step]) -> CaseResult | None:
+        if self.spent():
+            return None
+        self.count += 1
+        got = self.fr.run(CaseSequence((*sub, self.last)), allow_import=self.allowed)
+        return got if same_failure(got, self.want) else None
+
+
 def confirm(
     pool: Pool,
     r: CaseResult,
@@ -333,100 +265,25 @@ def confirm(
         if i is None:
             found.note = "the failing run is not in the ranks' history"
             return found
-        trials = [0]
-        deadline = t0 + budget_s
-
-        def reproduces(sub: list[Step]) -> CaseResult | None:
-            if trials[0] >= max_trials or time.monotonic() > deadline:
-                return None
-            trials[0] += 1
-            got = fr.run(CaseSequence((*sub, last)), allow_import=allowed)
-            return got if same_failure(got, r) else None
-
-        best, best_r = _first_reproducing(prefix, last, reproduces)
+        trials = _Trials(fr, last, r, allowed, max_trials, t0 + budget_s)
+        best, best_r = first_reproducing(prefix, last, trials)
         if best is None:
-            spent = trials[0] >= max_trials or time.monotonic() > deadline
             found.note = (
                 "the trial budget ran out first"
-                if spent
+                if trials.spent()
                 else f"not even all {len(prefix)} earlier runs since the ranks started: a "
                 "race, or state "
                 "from before the history's oldest run"
             )
         else:
-            best, best_r = _ddmin(best, best_r, reproduces)
+            best, best_r = ddmin(best, best_r, trials)
             found.sequence, found.seq_result = CaseSequence((*best, last)), best_r
-        found.trials = trials[0]
+        found.trials = trials.count
     finally:
         if own:
             fr.close()
         found.seconds = time.monotonic() - t0
     return found
-
-
-def _first_reproducing(
-    prefix: list[Step], last: Step, reproduces: Callable[[list[Step]], CaseResult | None]
-) -> tuple[list[Step] | None, CaseResult | None]:
-    """The first candidate prefix that reproduces.
-
-    The candidates are the run just before, the nearest earlier run of the same case, then suffixes
-    of 2, 4, 8... runs, then all of them.
-    """
-    tried: set[tuple[int, int]] = set()
-    # (start, stop) ranges of the prefix; (-1, j): the single run j
-    cands: list[tuple[int, int]] = []
-    n = len(prefix)
-    if n:
-        cands.append((n - 1, n))
-        same = [j for j in range(n - 2, -1, -1) if prefix[j].case == last.case]
-        if same:
-            cands.append((-1, same[0]))
-        k = 2
-        while k < n:
-            cands.append((n - k, n))
-            k *= 2
-        cands.append((0, n))
-    for a, b in cands:
-        if (a, b) in tried:
-            continue
-        tried.add((a, b))
-        sub = [prefix[b]] if a == -1 else prefix[a:b]
-        got = reproduces(sub)
-        if got is not None:
-            return sub, got
-    return None, None
-
-
-def _ddmin(
-    items: list[Step], result: CaseResult, reproduces: Callable[[list[Step]], CaseResult | None]
-) -> tuple[list[Step], CaseResult]:
-    """Delta debugging (Zeller's ddmin) of the earlier runs.
-
-    It returns a list, 1-minimal within the budget, that still reproduces. The empty list is known
-    not to reproduce: the case alone passed on fresh ranks.
-    """
-    n = 2
-    while len(items) >= 2:
-        size = math.ceil(len(items) / n)
-        chunks = [items[k : k + size] for k in range(0, len(items), size)]
-        reduced = False
-        for sub in chunks + (
-            [[x for j, c in enumerate(chunks) if j != i for x in c] for i in range(len(chunks))]
-            if len(chunks) > 2
-            else []
-        ):
-            if not sub or len(sub) == len(items):
-                continue
-            got = reproduces(sub)
-            if got is not None:
-                items, result, reduced = sub, got, True
-                n = 2 if len(sub) <= size else max(n - 1, 2)
-                break
-        if not reduced:
-            if n >= len(items):
-                break
-            n = min(len(items), 2 * n)
-    return items, result
 
 
 def shrink_sequence(

@@ -40,10 +40,15 @@ def _docs(total: int, *starts: int) -> MaskSpec:
 
 def base_cases(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> list[Case]:
     """The stage's cases before adaptation. The reference runs them as they are."""
-    edges = edge_lengths(tiles)
-    plan = [
-        # every tile edge on one ring, bf16 positions up to ~1k under causal, MQA, batch 3, head_dim
-        # 64
+    plan = [*_bf16_plans(edge_lengths(tiles)), *_fp16_plans(), *_fp32_plans()]
+    return [make_case(impl=impl, seed=SEED + i, **kw) for i, kw in enumerate(plan)]
+
+
+def _bf16_plans(edges: list[int]) -> list[dict]:
+    """bf16 cases: the tile `edges` on one ring, a window across a tile, documents past 256."""
+    return [
+        # every tile edge on one ring, bf16 positions up to ~1k under causal, MQA, batch 3,
+        # head_dim 64
         dict(
             world_size=min(8, max(2, len(edges))),
             seq_lens=tuple((edges * 8)[: min(8, max(2, len(edges)))]),
@@ -77,6 +82,12 @@ def base_cases(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> l
             heads_kv=4,
             head_dim=80,
         ),
+    ]
+
+
+def _fp16_plans() -> list[dict]:
+    """fp16 cases past 2048, its last exact integer: causal, a window and documents."""
+    return [
         # fp16 causal past 2048 on 8 ranks of more than 4 tiles each
         dict(
             world_size=8,
@@ -110,6 +121,12 @@ def base_cases(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> l
             heads_kv=2,
             head_dim=32,
         ),
+    ]
+
+
+def _fp32_plans() -> list[dict]:
+    """The fp32 case: no mask, with many heads, a large batch and a flash head_dim."""
+    return [
         # fp32, W = 3, GQA 8:1, batch 4, head_dim 96, no mask
         dict(
             world_size=3,
@@ -123,7 +140,6 @@ def base_cases(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> l
             batch=4,
         ),
     ]
-    return [make_case(impl=impl, seed=SEED + i, **kw) for i, kw in enumerate(plan)]
 
 
 def scale_cases(

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from harness.case import VALUE_KINDS, Case
+from harness.case import Case
+from harness.case_schema import VALUE_KINDS
 from harness.errors import HarnessError
 from harness.result import CaseResult
 from harness.search.signature import Signature

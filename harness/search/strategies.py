@@ -2,7 +2,8 @@
 
 Use them in your own tests: `@given(strategies.cases(my_impl.capabilities))`. Only structure and a
 seed are drawn, and the ranks build the tensors from the seed. The draws are ordered so that a
-failure shrinks towards the simplest case: docs/api.md gives the order.
+failure shrinks towards the simplest case: docs/api.md gives the order. The mask strategies live
+in harness.search.mask_strategies, and this module re-exports them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from harness.case import Case, make_case
 from harness.context import Capabilities
 from harness.dtypes import EXACT_INTEGERS
 from harness.impls.capabilities import divisible_heads, odd_lengths
+from harness.search.mask_strategies import expressions, masks, primitives, shrink_ordered
 from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
-from ring_impl.masks import COMBINATORS, EXPR, MASK_KINDS, WINDOW_RIGHT, Expr, MaskSpec, prim
+from ring_impl.masks import MaskSpec
 
 DTYPE_ORDER = ("fp32", "bf16", "fp16")  # shrinks towards the first
 # the head dims flash kernels are compiled for
@@ -26,16 +28,6 @@ FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 EXACT_LIMITS = tuple(sorted(n for n in EXACT_INTEGERS.values() if n < 1 << 16))
 # drawn first; the values of trained models by `model_call`
 MERGE_VALUES = ("normal", "large", "near-tie")
-MAX_DOCS = 6
-SMALL_WINDOW = 3
-
-
-def _ordered(allowed: frozenset[str] | set[str], order: tuple[str, ...], what: str) -> list[str]:
-    """The allowed choices in shrink order. An implementation that supports none is refused."""
-    out = [x for x in order if x in allowed]
-    if not out:
-        raise ValueError(f"capabilities allow no {what} (got {sorted(allowed)})")
-    return out
 
 
 @st.composite
@@ -203,147 +195,6 @@ def boundary_positions(layout: str, lens: tuple[int, ...]) -> list[int]:
     return sorted(edges)
 
 
-# primitives in shrink order (simplest first); an expression shrinks towards one leaf, then towards
-# these
-PRIMITIVE_ORDER = (
-    "causal",
-    "full",
-    "window",
-    "prefix",
-    "chunked",
-    "document",
-    "inverse-causal",
-    "dilated",
-    "blocks",
-)
-MAX_DEPTH = 2
-
-
-def _near(boundaries: tuple[int, ...], lo: int, hi: int) -> st.SearchStrategy[int]:
-    """An integer in [lo, hi], half the time on or next to one of `boundaries`.
-
-    A boundary is a rank or zigzag-chunk start. A window, chunk, segment or prefix edge then falls
-    exactly on a block edge.
-    """
-    near = sorted({b + d for b in boundaries for d in (-1, 0, 1) if lo <= b + d <= hi})
-    return st.one_of(st.integers(lo, hi), st.sampled_from(near)) if near else st.integers(lo, hi)
-
-
-@st.composite
-def primitives(draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = ()) -> Expr:
-    """One primitive of the declared `kinds`, its parameters drawn towards rank and chunk
-    boundaries.
-
-    Examples are a window reaching exactly to the previous rank, a chunk or dilation segment ending
-    where a shard ends, a prefix ending at a shard start, and document starts on shard starts.
-    """
-    op = draw(st.sampled_from(_ordered(kinds, PRIMITIVE_ORDER, "mask primitive")))
-    n = max(1, total)
-    gaps = tuple(b2 - b1 for b1, b2 in zip(boundaries, boundaries[1:], strict=False))
-    # shard lengths and starts: edges on block edges
-    widths = tuple(b for b in boundaries if b > 0) + gaps
-    if op == "window":
-        right = st.one_of(st.just(0), _near(widths, 0, n)) if WINDOW_RIGHT in kinds else st.just(0)
-        return prim("window", draw(_near(widths, 0, n)), draw(right))
-    if op == "prefix":
-        return prim("prefix", draw(_near(boundaries, 0, n)))
-    if op == "chunked":
-        return prim("chunked", draw(_near(widths, 1, n)))
-    if op == "dilated":
-        seg = draw(_near(widths, 1, n))
-        rate = draw(st.integers(1, max(1, min(4, seg))))
-        return prim("dilated", seg, rate, draw(st.integers(0, rate - 1)))
-    if op == "document":
-        if n == 1:
-            return prim("document", (0,))
-        starts = draw(
-            st.lists(_near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True)
-        )
-        return prim("document", (0, *sorted(starts)))
-    if op == "blocks":
-        size = draw(_near(widths, 1, n))
-        nb = min(8, -(-n // size))
-        block = st.integers(0, nb - 1)
-        pairs = draw(st.lists(st.tuples(block, block), max_size=nb * 2, unique=True))
-        return prim("blocks", size, tuple(pairs))
-    return prim(op)
-
-
-@st.composite
-def expressions(
-    draw, total: int, kinds: frozenset[str], boundaries: tuple[int, ...] = (), depth: int = 0
-) -> Expr:
-    """A mask expression of the declared primitives and combinators, at most MAX_DEPTH deep.
-
-    It shrinks towards a single primitive.
-    """
-    ops = ["leaf"] + [c for c in COMBINATORS if c in kinds and depth < MAX_DEPTH]
-    op = draw(st.sampled_from(ops))
-    if op == "leaf":
-        return draw(primitives(total, kinds, boundaries))
-    sub = expressions(total, kinds, boundaries, depth + 1)
-    if op == "not":
-        return Expr("not", args=(draw(sub),))
-    # documents starting on shard edges, the operand relative to each start
-    if op == "per-document":
-        n = max(1, total)
-        starts = (
-            draw(
-                st.lists(
-                    _near(boundaries, 1, n - 1), max_size=min(MAX_DOCS - 1, n - 1), unique=True
-                )
-            )
-            if n > 1
-            else []
-        )
-        return Expr(op, ((0, *sorted(starts)),), (draw(sub),))
-    return Expr(op, args=tuple(draw(st.lists(sub, min_size=2, max_size=3))))
-
-
-@st.composite
-def masks(
-    draw, total: int, kinds: tuple[str, ...] = MASK_KINDS, boundaries: tuple[int, ...] = ()
-) -> MaskSpec:
-    """A mask: none, causal, a window (often a small one), packed documents, or an expression.
-
-    Document starts are drawn at random, or on or next to rank and chunk `boundaries`, so documents
-    straddle ranks. Where the implementation declares "expr" (ring_impl.masks), an expression of its
-    declared primitives is drawn towards those boundaries (`expressions`).
-    """
-    declared = set(kinds)
-    kinds_ordered = _ordered(declared, (*MASK_KINDS, EXPR), "mask kind")
-    # about a third of the draws: the language's share of what users train with
-    if EXPR in declared:
-        kinds_ordered.append(EXPR)
-    kind = draw(st.sampled_from(kinds_ordered))
-    if kind == EXPR:
-        prims = (
-            frozenset(k for k in declared if k in PRIMITIVE_ORDER)
-            | frozenset(declared & set(COMBINATORS))
-            | frozenset(declared & {WINDOW_RIGHT})
-        )
-        if not prims & set(PRIMITIVE_ORDER):
-            return MaskSpec("none")
-        return MaskSpec.of(draw(expressions(total, prims, boundaries)))
-    if kind in ("none", "causal"):
-        return MaskSpec(kind)
-    if kind == "window":
-        return MaskSpec(
-            "window", window=draw(st.one_of(st.integers(0, SMALL_WINDOW), st.integers(0, total)))
-        )
-    if total == 1:
-        return MaskSpec("document", doc_starts=(0,), causal=draw(st.sampled_from((True, False))))
-    near = sorted({p + d for p in boundaries for d in (-1, 0, 1) if 1 <= p + d < total})
-    start = (
-        st.one_of(st.sampled_from(near), st.integers(1, total - 1))
-        if near
-        else st.integers(1, total - 1)
-    )
-    starts = draw(st.lists(start, max_size=min(MAX_DOCS - 1, total - 1), unique=True))
-    causal = draw(st.sampled_from((True, False)))
-    return MaskSpec("document", doc_starts=(0, *sorted(starts)), causal=causal)
-
-
 @st.composite
 def heads(draw, gqa: bool = True, max_heads: int = 6) -> tuple[int, int]:
     """(heads_q, heads_kv): MHA, GQA (groups of 2-3) or MQA (one K/V head)."""
@@ -371,6 +222,73 @@ def _head_dims(
     return st.one_of(
         small, st.sampled_from([d for d in FLASH_HEAD_DIMS if d <= max_head_dim] or [max_head_dim])
     )
+
+
+def _ring(
+    draw, caps: Capabilities, max_world: int, pool_size: int, subgroups: bool
+) -> tuple[int, int]:
+    """(world_size, group_offset): the ring's size, and where it sits in a pool of `pool_size`."""
+    lo, hi = caps.world_sizes
+    hi = min(hi, max_world, pool_size)
+    if lo > hi:
+        raise ValueError(
+            f"capabilities need world sizes {caps.world_sizes}, budget allows at most {hi}"
+        )
+    w = draw(st.integers(lo, hi))
+    # always one draw (a skipped draw would make large rings look "simpler" to the shrinker)
+    # False: the ring must be global ranks 0..W-1
+    inside = subgroups and getattr(caps, "subgroups", True)
+    offset = draw(st.integers(0, max(0, pool_size - lo))) % (pool_size - w + 1) if inside else 0
+    return w, offset
+
+
+def _lengths(
+    draw, caps: Capabilities, w: int, sizes: Sizes | None, max_tokens: int
+) -> tuple[int, ...]:
+    """Per-rank lengths: small ones (`seq_lens`), or at scale with `sizes` (`scaled_lens`)."""
+    idle = getattr(caps, "idle_ranks", False)
+    if sizes is None:
+        return draw(seq_lens(w, max(max_tokens, w), caps.uneven, idle))
+    return draw(scaled_lens(w, sizes, caps.tiles, caps.uneven, idle))
+
+
+def _heads_and_dims(
+    draw,
+    caps: Capabilities,
+    w: int,
+    total: int,
+    sizes: Sizes | None,
+    max_heads: int,
+    max_head_dim: int,
+    max_batch: int,
+) -> tuple[int, int, int, int]:
+    """(heads_q, heads_kv, head_dim, batch) as declared, cut down to `sizes`' work if given."""
+    hq, hkv = draw(heads(caps.gqa, max_heads))
+    head_dim = draw(_head_dims(caps, max_head_dim, flash=sizes is not None))
+    batch = draw(st.integers(1, max_batch))
+    if sizes is not None:
+        batch, hq, hkv, d = within_work(sizes, total, batch, hq, hkv, head_dim)
+        # a declared head dim stays (heads and batch gave way)
+        head_dim = d if not caps.head_dims else head_dim
+    if caps.heads_divisible_by_world:
+        hq, hkv = divisible_heads(hq, hkv, w)
+    return hq, hkv, head_dim, batch
+
+
+def _layout_and_mask(
+    draw, caps: Capabilities, lens: tuple[int, ...], sizes: Sizes | None
+) -> tuple[str, tuple[int, ...], MaskSpec]:
+    """The layout, the lengths it allows, and a mask aimed at its rank and chunk boundaries."""
+    layout = draw(st.sampled_from(shrink_ordered(caps.layouts, LAYOUTS, "layout")))
+    if layout == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
+        lens = _even_within_budget(lens)
+    total = sum(lens)
+    edges = boundary_positions(layout, lens)
+    # Mask edges also just past the dtypes' exact integers.
+    if sizes is not None:
+        edges = sorted({*edges, *(x + 1 for x in EXACT_LIMITS if x + 1 < total)})
+    mask = draw(masks(total, tuple(sorted(caps.masks)), tuple(edges)))
+    return layout, lens, mask
 
 
 @st.composite
@@ -407,42 +325,15 @@ def cases(
     sequence.
     """
     caps = caps or Capabilities()
-    lo, hi = caps.world_sizes
-    hi = min(hi, max_world, pool_size)
-    if lo > hi:
-        raise ValueError(
-            f"capabilities need world sizes {caps.world_sizes}, budget allows at most {hi}"
-        )
-    w = draw(st.integers(lo, hi))
-    # always one draw (a skipped draw would make large rings look "simpler" to the shrinker)
-    # False: the ring must be global ranks 0..W-1
-    inside = subgroups and getattr(caps, "subgroups", True)
-    offset = draw(st.integers(0, max(0, pool_size - lo))) % (pool_size - w + 1) if inside else 0
-    idle = getattr(caps, "idle_ranks", False)
-    if sizes is None:
-        lens = draw(seq_lens(w, max(max_tokens, w), caps.uneven, idle))
-    else:
-        lens = draw(scaled_lens(w, sizes, caps.tiles, caps.uneven, idle))
+    w, offset = _ring(draw, caps, max_world, pool_size, subgroups)
+    lens = _lengths(draw, caps, w, sizes, max_tokens)
+    if sizes is not None:
         max_heads, max_head_dim, max_batch = sizes.max_heads, sizes.max_head_dim, sizes.max_batch
-    hq, hkv = draw(heads(caps.gqa, max_heads))
-    head_dim = draw(_head_dims(caps, max_head_dim, flash=sizes is not None))
-    batch = draw(st.integers(1, max_batch))
-    if sizes is not None:
-        batch, hq, hkv, d = within_work(sizes, sum(lens), batch, hq, hkv, head_dim)
-        # a declared head dim stays (heads and batch gave way)
-        head_dim = d if not caps.head_dims else head_dim
-    if caps.heads_divisible_by_world:
-        hq, hkv = divisible_heads(hq, hkv, w)
-    layout = draw(st.sampled_from(_ordered(caps.layouts, LAYOUTS, "layout")))
-    if layout == "zigzag" and not caps.zigzag_odd and odd_lengths(lens):
-        lens = _even_within_budget(lens)
-    total = sum(lens)
-    edges = boundary_positions(layout, lens)
-    # Mask edges also just past the dtypes' exact integers.
-    if sizes is not None:
-        edges = sorted({*edges, *(x + 1 for x in EXACT_LIMITS if x + 1 < total)})
-    mask = draw(masks(total, tuple(sorted(caps.masks)), tuple(edges)))
-    dtype = draw(st.sampled_from(_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))
+    hq, hkv, head_dim, batch = _heads_and_dims(
+        draw, caps, w, sum(lens), sizes, max_heads, max_head_dim, max_batch
+    )
+    layout, lens, mask = _layout_and_mask(draw, caps, lens, sizes)
+    dtype = draw(st.sampled_from(shrink_ordered(caps.dtypes, DTYPE_ORDER, "dtype")))
     values = draw(st.sampled_from(MERGE_VALUES))
     scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0, allow_nan=False, allow_infinity=False)))
     seed = draw(st.integers(0, 2**32 - 1))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.case import make_case
-from harness.checks import kill_matrix, selftest
+from harness.checks import kill_matrix, kill_witness, selftest
 from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, CheckOptions, parse_kinds
 from harness.checks.stages import faults as fault_stage
 from harness.commands.cli import main
@@ -145,9 +145,13 @@ def test_comm_difference_counts_ops_per_phase():
     fewer = CaseResult(
         case=c, impl="m", verdict="silent-corruption", extra={"comm": {0: [], 1: []}}
     )
-    assert selftest.comm_difference(same, ref) == ""
-    assert selftest.comm_difference(fewer, ref).startswith("comm count: forward isend 0/0 vs 1/1")
-    assert selftest.comm_difference(CaseResult(case=c, impl="m", verdict="fail-stop"), ref) == ""
+    assert kill_witness.comm_difference(same, ref) == ""
+    assert kill_witness.comm_difference(fewer, ref).startswith(
+        "comm count: forward isend 0/0 vs 1/1"
+    )
+    assert (
+        kill_witness.comm_difference(CaseResult(case=c, impl="m", verdict="fail-stop"), ref) == ""
+    )
 
 
 def test_kill_times_are_over_killed_mutants():
@@ -265,10 +269,10 @@ def test_the_default_fault_stage_kills_the_buffer_mutants_reproducibly(pool):
         assert run_case(c, pool, "reference").verdict == "pass"
     r = run_case(both, pool, "mutant:read-before-wait")
     assert r.verdict == "silent-corruption" and "out" in killed_by(r)
-    assert selftest.reproduces(pool, "mutant:read-before-wait", r, 2)
+    assert kill_witness.reproduces(pool, "mutant:read-before-wait", r, 2)
     r = run_case(reuse, pool, "mutant:send-buffer-overwrite")
     assert r.verdict == "silent-corruption" and "send-buffer check" in killed_by(r)
-    assert selftest.reproduces(pool, "mutant:send-buffer-overwrite", r, 2)
+    assert kill_witness.reproduces(pool, "mutant:send-buffer-overwrite", r, 2)
 
 
 def test_selftest_kills_shrinks_and_saves_replayable_cases(pool, tmp_path):
@@ -305,6 +309,6 @@ def test_impls_lists_mutants_only_when_asked(capsys):
 
 def test_perturbed_timing_adds_one_jittered_delay_on_every_rank():
     c = make_case(world_size=3, total_len=6, faults=({"kind": "send-reuse"},))
-    p = selftest.perturbed(c)
+    p = kill_witness.perturbed(c)
     assert p.faults[:1] == c.faults and p.faults[1]["kind"] == "delay"
     assert p.faults[1].get("rank") is None and p.faults[1]["jitter"] > 0

@@ -120,7 +120,8 @@ def test_a_rank_whose_rows_all_see_nothing_gets_its_oracle_share():
     """prefix(7) & inverse-causal: only queries 0-6 see keys, so ranks 2 and 3 (rows 7-26) see
     nothing at all and rank 1 holds no token; each rank's share is 0 / -inf, never NaN or an
     error."""
-    from harness.oracle.shares import gather_stats, share_keys, share_rows
+    from harness.oracle.parts import gather_stats
+    from harness.oracle.shares import share_keys, share_rows
 
     case = make_case(
         world_size=4,

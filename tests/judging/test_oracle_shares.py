@@ -14,6 +14,7 @@ import torch
 from harness.case import make_case
 from harness.oracle import assemble, cache, shares, tiles
 from harness.oracle.mode import oracle_deadline, oracle_mode
+from harness.oracle.parts import KeysPart, RowsPart, gather_stats
 from harness.result import Verdict
 from harness.runner import run_case
 from harness.search.battery import default_battery
@@ -35,12 +36,12 @@ def _same(a, b, fields, what: str) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {f}"
 
 
-def _same_rows(a: shares.RowsPart, b: shares.RowsPart, what: str) -> None:
+def _same_rows(a: RowsPart, b: RowsPart, what: str) -> None:
     _same(a, b, ROWS_FIELDS, what)
     assert a.maxima == b.maxima, what
 
 
-def _same_keys(a: shares.KeysPart, b: shares.KeysPart, what: str) -> None:
+def _same_keys(a: KeysPart, b: KeysPart, what: str) -> None:
     _same(a, b, KEYS_FIELDS, what)
     assert a.cols.keys() == b.cols.keys() and a.max_k == b.max_k, what
     for name in a.cols:
@@ -66,8 +67,7 @@ def test_the_ranks_oracle_equals_the_local_oracle_on_the_battery(pool):
                 _same_rows(rows[g][0], want[0], f"case {i} rank {g} float64 rows")
                 _same_rows(rows[g][1], want[1], f"case {i} rank {g} base rows")
             stats = tuple(
-                shares.gather_stats([rows[g][d] for g in world_size], case.total_len)
-                for d in (0, 1)
+                gather_stats([rows[g][d] for g in world_size], case.total_len) for d in (0, 1)
             )
             keys = pool.oracle(case, oracle_deadline(case, "keys"), "keys", stats)
             for g in world_size:
@@ -218,9 +218,7 @@ def test_a_share_never_holds_more_than_one_block_of_other_positions(monkeypatch,
         assert {name for name, size, is_mine in made if is_mine and size == own} == {"q", "dout"}
         for part in rows[g]:
             assert part.out.shape[1] == part.dq.shape[1] == own
-    stats = tuple(
-        shares.gather_stats([rows[g][d] for g in range(4)], case.total_len) for d in (0, 1)
-    )
+    stats = tuple(gather_stats([rows[g][d] for g in range(4)], case.total_len) for d in (0, 1))
     for g in range(4):
         made.clear()
         mine = set(shares.positions(case, g).tolist())

@@ -11,14 +11,13 @@ import pytest
 
 from harness.case import make_case
 from harness.faults.schema import make_fault, parse_fault
+from harness.judging.judge import judge, needs_oracle
 from harness.judging.verdicts import (
     case_expected,
     expected_verdict,
     failure_signature,
     fault_ok,
-    judge,
     killed_by,
-    needs_oracle,
 )
 from harness.ranks.protocol import PoolReply
 from harness.result import CaseResult, LeakCheck, TensorCheck, Verdict

@@ -18,12 +18,12 @@ from ring_impl.mask_eval import (
     empty_rows,
     visible_keys,
 )
+from ring_impl.mask_parse import expr_from_dict
 from ring_impl.masks import (
     PRIMITIVES,
     Expr,
     MaskSpec,
     and_,
-    expr_from_dict,
     expr_to_dict,
     fit,
     not_,

@@ -11,7 +11,7 @@ from harness import case_sequence
 from harness.case import make_case
 from harness.case_sequence import CaseSequence, Step
 from harness.errors import HarnessError
-from harness.search import history
+from harness.search import history, sequence_search
 from harness.search.shrink import shrink
 
 STALE = "tests.helpers.impls:stale_accumulator"  # a dk buffer cached across calls, never zeroed
@@ -90,7 +90,7 @@ def test_ddmin_finds_the_earlier_runs_that_matter():
         seeds = {s.case.seed for s in sub}
         return "ok" if {3, 7} <= seeds else None
 
-    best, r = history._ddmin(steps, "ok", reproduces)
+    best, r = sequence_search.ddmin(steps, "ok", reproduces)
     assert [s.case.seed for s in best] == [3, 7] and r == "ok"
 
 
@@ -103,7 +103,7 @@ def test_the_immediately_preceding_run_is_tried_first():
         tried.append([s.case.seed for s in sub])
         return "ok" if 5 in {s.case.seed for s in sub} else None
 
-    best, _ = history._first_reproducing(steps, last, reproduces)
+    best, _ = sequence_search.first_reproducing(steps, last, reproduces)
     assert tried == [[5]] and [s.case.seed for s in best] == [5]
 
 

@@ -25,6 +25,7 @@ from harness.calls import needs_backward
 from harness.case import Case, make_case
 from harness.checks.options import CheckOptions
 from harness.context import Capabilities
+from harness.impls.capabilities import divisible_heads
 from harness.judging import tolerance
 from harness.oracle import cache
 from harness.result import CaseResult, Verdict
@@ -140,8 +141,6 @@ def plan(
     heads = {"heads_q": SHAPE["heads_q"], "heads_kv": SHAPE["heads_kv"]}
     # e.g. Ulysses: one head count every ring size divides (8/8 at W <= 8)
     if caps.heads_divisible_by_world:
-        from harness.impls.capabilities import divisible_heads
-
         heads["heads_q"], heads["heads_kv"] = divisible_heads(
             heads["heads_q"], heads["heads_kv"], max(worlds)
         )

@@ -16,7 +16,7 @@ from harness.checks.progress import FuzzProgress
 from harness.checks.report import Reporter
 from harness.diagnose import localise
 from harness.result import CaseResult, Verdict
-from harness.search import fuzz
+from harness.search import fuzz, strategies
 
 if TYPE_CHECKING:
     from harness.checks.check import Check
@@ -66,8 +66,6 @@ def run_property(
     # --dtype shapes every stage: draw only cases of that dtype.
     if opts.dtype is not None:
         caps = dataclasses.replace(caps, dtypes=frozenset({opts.dtype}))
-    from harness.search import strategies
-
     strategy = strategies.cases(
         caps,
         impl=impl,

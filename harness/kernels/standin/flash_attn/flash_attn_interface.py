@@ -2,11 +2,11 @@
 call.
 
 Signatures match flash-attn tag v2.8.3 (commit 060c9188beec3a8b62b33a3bfa6d5d2d44975fab),
-flash_attn/flash_attn_interface.py; checks and error texts match csrc/flash_attn/flash_api.cpp at
-that tag. In 2.8.3 the four private functions are `torch.library.custom_op`s (CustomOpDef, whose
-`_init_fn` is the Python function ring-flash-attn's `get_default_args` inspects); here they are
-plain functions with the same parameter names, order and defaults, so `inspect.getfullargspec` gives
-callers the same answer.
+flash_attn/flash_attn_interface.py; checks and error texts (in `_checks`) match
+csrc/flash_attn/flash_api.cpp at that tag. In 2.8.3 the four private functions are
+`torch.library.custom_op`s (CustomOpDef, whose `_init_fn` is the Python function ring-flash-attn's
+`get_default_args` inspects); here they are plain functions with the same parameter names, order
+and defaults, so `inspect.getfullargspec` gives callers the same answer.
 
 Who imports what (read from the released wheels):
 - ring-flash-attn 0.1.8: `flash_attn.flash_attn_interface._flash_attn_forward/_flash_attn_backward`
@@ -34,86 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _cpu_core
-
-_HALF = (torch.float16, torch.bfloat16)
+from . import _checks, _cpu_core
 
 
 def round_multiple(x: int, m: int) -> int:
     return (x + m - 1) // m * m
-
-
-def _scalars(op: str, **values: object) -> None:
-    """The custom op schema's type check (torch.library): a float argument may not be None."""
-    for name, value in values.items():
-        if value is None:
-            raise RuntimeError(
-                f"flash_attn::{op}() Expected a value of type 'float' for argument '{name}' "
-                "but instead found type 'NoneType'."
-            )
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise RuntimeError(message)
-
-
-def _check_shape(x: torch.Tensor, name: str, shape: tuple[int, ...], names: str) -> None:
-    _check(tuple(x.shape) == shape, f"{name} must have shape ({names})")
-
-
-def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    _check(q.dtype in _HALF, "FlashAttention only support fp16 and bf16 data type")
-    _check(k.dtype == q.dtype, "query and key must have the same dtype")
-    _check(v.dtype == q.dtype, "query and value must have the same dtype")
-
-
-def _check_forward_dims(batch: int, head_size: int, num_heads: int, num_heads_k: int) -> None:
-    _check(batch > 0, "batch size must be positive")
-    _check(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
-    _check(
-        head_size % 8 == 0,
-        "query, key, value, and out_ must have a head_size that is a multiple of 8",
-    )
-    _check(
-        num_heads % num_heads_k == 0,
-        "Number of heads in key/value must divide number of heads in query",
-    )
-
-
-def _check_backward_dims(batch: int, head_size: int, num_heads: int, num_heads_k: int) -> None:
-    _check(batch > 0, "batch size must be positive")
-    _check(head_size % 8 == 0, "head_size should be a multiple of 8")
-    _check(head_size <= 256, "FlashAttention backward only supports head dimension at most 256")
-    _check(
-        num_heads % num_heads_k == 0,
-        "Number of heads in key/value must divide number of heads in query",
-    )
-
-
-def _unsupported(dropout_p: float, softcap: float, alibi_slopes: torch.Tensor | None) -> None:
-    if softcap > 0.0:
-        _check(dropout_p == 0.0, "Softcapping does not support dropout for now")
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            "flash-attn CPU stand-in: dropout_p > 0 is not supported (flash-attn draws its dropout "
-            "mask "
-            "from its CUDA Philox generator, which the stand-in cannot reproduce)"
-        )
-    if softcap > 0.0:
-        raise NotImplementedError("flash-attn CPU stand-in: softcap > 0 is not supported")
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash-attn CPU stand-in: alibi_slopes is not supported")
-
-
-def _check_grad_buffer(
-    buf: torch.Tensor | None, name: str, dtype: torch.dtype, shape: tuple, names: str
-) -> None:
-    if buf is None:
-        return
-    _check(buf.dtype == dtype, f"{name} must have the same dtype as q")
-    _check(buf.stride(-1) == 1, f"{name} must have contiguous last dimension")
-    _check_shape(buf, name, shape, names)
 
 
 def _flash_attn_forward(
@@ -130,18 +55,18 @@ def _flash_attn_forward(
     return_softmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (b, sq, h, d), softmax_lse (b, h, sq) float32, S_dmask (empty), rng_state (2,) int64."""
-    _scalars(
+    _checks.check_floats(
         "_flash_attn_forward", dropout_p=dropout_p, softmax_scale=softmax_scale, softcap=softcap
     )
     batch, seqlen_q, num_heads, head_size = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
-    _check_dtypes(q, k, v)
-    _check_forward_dims(batch, head_size, num_heads, num_heads_k)
-    _unsupported(dropout_p, softcap, alibi_slopes)
+    _checks.check_dtypes(q, k, v)
+    _checks.check_forward_dims(batch, head_size, num_heads, num_heads_k)
+    _checks.refuse_unsupported(dropout_p, softcap, alibi_slopes)
     names = "batch_size, seqlen_k, num_heads_k, head_size"
-    _check_shape(k, "k", (batch, seqlen_k, num_heads_k, head_size), names)
-    _check_shape(v, "v", (batch, seqlen_k, num_heads_k, head_size), names)
-    _check(not return_softmax, "return_softmax is only supported when p_dropout > 0.0")
+    _checks.check_shape(k, "k", (batch, seqlen_k, num_heads_k, head_size), names)
+    _checks.check_shape(v, "v", (batch, seqlen_k, num_heads_k, head_size), names)
+    _checks.check(not return_softmax, "return_softmax is only supported when p_dropout > 0.0")
     window = _cpu_core.normalise_window(
         bool(causal), int(window_size_left), int(window_size_right), seqlen_k
     )
@@ -177,29 +102,33 @@ def _flash_attn_varlen_forward(
     sides are clamped against max_seqlen_k. Rows of q outside every document (flash-attn leaves them
     unwritten): out 0, lse +inf (-inf with zero_tensors).
     """
-    _scalars(
+    _checks.check_floats(
         "_flash_attn_varlen_forward",
         dropout_p=dropout_p,
         softmax_scale=softmax_scale,
         softcap=softcap,
     )
     total_q, num_heads, head_size = q.shape
-    _check_dtypes(q, k, v)
-    _check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
-    _check(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
+    _checks.check_dtypes(q, k, v)
+    _checks.check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
+    _checks.check(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
     if block_table is not None or leftpad_k is not None or seqused_k is not None:
         raise NotImplementedError(
             "flash-attn CPU stand-in: block_table, leftpad_k and seqused_k are not supported"
         )
     batch = cu_seqlens_q.numel() - 1
     total_k, num_heads_k = k.shape[0], k.shape[1]
-    _check_forward_dims(batch, head_size, num_heads, num_heads_k)
-    _unsupported(dropout_p, softcap, alibi_slopes)
-    _check_shape(k, "k", (total_k, num_heads_k, head_size), "total_k, num_heads_k, head_size")
-    _check_shape(v, "v", (total_k, num_heads_k, head_size), "total_k, num_heads_k, head_size")
-    _check_shape(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), "batch_size + 1")
-    _check_shape(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), "batch_size + 1")
-    _check(not return_softmax, "return_softmax is only supported when p_dropout > 0.0")
+    _checks.check_forward_dims(batch, head_size, num_heads, num_heads_k)
+    _checks.refuse_unsupported(dropout_p, softcap, alibi_slopes)
+    _checks.check_shape(
+        k, "k", (total_k, num_heads_k, head_size), "total_k, num_heads_k, head_size"
+    )
+    _checks.check_shape(
+        v, "v", (total_k, num_heads_k, head_size), "total_k, num_heads_k, head_size"
+    )
+    _checks.check_shape(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), "batch_size + 1")
+    _checks.check_shape(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), "batch_size + 1")
+    _checks.check(not return_softmax, "return_softmax is only supported when p_dropout > 0.0")
     window = _cpu_core.normalise_window(
         bool(causal), int(window_size_left), int(window_size_right), max_seqlen_k
     )
@@ -267,16 +196,16 @@ def _flash_attn_backward(
 ) -> torch.Tensor:
     """Writes dq, dk, dv in place (any strides); returns softmax_d (b, h, round_multiple(sq, 128))
     float32."""
-    _scalars(
+    _checks.check_floats(
         "_flash_attn_backward", dropout_p=dropout_p, softmax_scale=softmax_scale, softcap=softcap
     )
     batch, seqlen_q, num_heads, head_size = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
-    _check_dtypes(q, k, v)
-    _check(out.dtype == q.dtype, "query and out must have the same dtype")
-    _check(dout.dtype == q.dtype, "query and dout must have the same dtype")
-    _check_backward_dims(batch, head_size, num_heads, num_heads_k)
-    _unsupported(dropout_p, softcap, alibi_slopes)
+    _checks.check_dtypes(q, k, v)
+    _checks.check(out.dtype == q.dtype, "query and out must have the same dtype")
+    _checks.check(dout.dtype == q.dtype, "query and dout must have the same dtype")
+    _checks.check_backward_dims(batch, head_size, num_heads, num_heads_k)
+    _checks.refuse_unsupported(dropout_p, softcap, alibi_slopes)
     q_shape, kv_shape = (
         (batch, seqlen_q, num_heads, head_size),
         (batch, seqlen_k, num_heads_k, head_size),
@@ -286,15 +215,15 @@ def _flash_attn_backward(
         "batch_size, seqlen_k, num_heads_k, head_size",
     )
     for x, name in ((k, "k"), (v, "v")):
-        _check_shape(x, name, kv_shape, kv_names)
+        _checks.check_shape(x, name, kv_shape, kv_names)
     for x, name in ((out, "out"), (dout, "dout")):
-        _check_shape(x, name, q_shape, q_names)
-    _check_shape(
+        _checks.check_shape(x, name, q_shape, q_names)
+    _checks.check_shape(
         softmax_lse, "softmax_lse", (batch, num_heads, seqlen_q), "batch_size, num_heads, seqlen_q"
     )
-    _check_grad_buffer(dq, "dq", q.dtype, q_shape, q_names)
-    _check_grad_buffer(dk, "dk", q.dtype, kv_shape, kv_names)
-    _check_grad_buffer(dv, "dv", q.dtype, kv_shape, kv_names)
+    _checks.check_grad_buffer(dq, "dq", q.dtype, q_shape, q_names)
+    _checks.check_grad_buffer(dk, "dk", q.dtype, kv_shape, kv_names)
+    _checks.check_grad_buffer(dv, "dv", q.dtype, kv_shape, kv_names)
     window = _cpu_core.normalise_window(
         bool(causal), int(window_size_left), int(window_size_right), seqlen_k
     )
@@ -339,7 +268,7 @@ def _flash_attn_varlen_backward(
     """Writes dq, dk, dv (document rows only; all of them first zeroed when zero_tensors) in place;
     returns softmax_d (h, total_q + 128 * batch) float32, document b's rows starting at
     cu_seqlens_q[b] + 128 b."""
-    _scalars(
+    _checks.check_floats(
         "_flash_attn_varlen_backward",
         dropout_p=dropout_p,
         softmax_scale=softmax_scale,
@@ -347,26 +276,26 @@ def _flash_attn_varlen_backward(
     )
     total_q, num_heads, head_size = q.shape
     total_k, num_heads_k = k.shape[0], k.shape[1]
-    _check_dtypes(q, k, v)
-    _check(out.dtype == q.dtype, "query and out must have the same dtype")
-    _check(dout.dtype == q.dtype, "query and dout must have the same dtype")
-    _check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
-    _check(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
+    _checks.check_dtypes(q, k, v)
+    _checks.check(out.dtype == q.dtype, "query and out must have the same dtype")
+    _checks.check(dout.dtype == q.dtype, "query and dout must have the same dtype")
+    _checks.check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
+    _checks.check(cu_seqlens_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
     batch = cu_seqlens_q.numel() - 1
-    _check_backward_dims(batch, head_size, num_heads, num_heads_k)
-    _unsupported(dropout_p, softcap, alibi_slopes)
+    _checks.check_backward_dims(batch, head_size, num_heads, num_heads_k)
+    _checks.refuse_unsupported(dropout_p, softcap, alibi_slopes)
     q_shape, kv_shape = (total_q, num_heads, head_size), (total_k, num_heads_k, head_size)
     q_names, kv_names = "total_q, num_heads, head_size", "total_k, num_heads_k, head_size"
     for x, name in ((k, "k"), (v, "v")):
-        _check_shape(x, name, kv_shape, kv_names)
+        _checks.check_shape(x, name, kv_shape, kv_names)
     for x, name in ((out, "out"), (dout, "dout")):
-        _check_shape(x, name, q_shape, q_names)
-    _check_shape(softmax_lse, "softmax_lse", (num_heads, total_q), "num_heads, total_q")
-    _check_shape(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), "batch_size + 1")
-    _check_shape(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), "batch_size + 1")
-    _check_grad_buffer(dq, "dq", q.dtype, q_shape, q_names)
-    _check_grad_buffer(dk, "dk", q.dtype, kv_shape, kv_names)
-    _check_grad_buffer(dv, "dv", q.dtype, kv_shape, kv_names)
+        _checks.check_shape(x, name, q_shape, q_names)
+    _checks.check_shape(softmax_lse, "softmax_lse", (num_heads, total_q), "num_heads, total_q")
+    _checks.check_shape(cu_seqlens_q, "cu_seqlens_q", (batch + 1,), "batch_size + 1")
+    _checks.check_shape(cu_seqlens_k, "cu_seqlens_k", (batch + 1,), "batch_size + 1")
+    _checks.check_grad_buffer(dq, "dq", q.dtype, q_shape, q_names)
+    _checks.check_grad_buffer(dk, "dk", q.dtype, kv_shape, kv_names)
+    _checks.check_grad_buffer(dv, "dv", q.dtype, kv_shape, kv_names)
     if zero_tensors:
         for buf in (dq, dk, dv):
             if buf is not None:

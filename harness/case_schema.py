@@ -1,0 +1,209 @@
+"""The case schema: the values each field of a case may take, and the checks that enforce them.
+
+`validate` checks a built case and names the first bad field. `mask_from_dict` reads a case file's
+`mask:` mapping. Every message starts with `case field '<name>'`, so a user finds the line to fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from harness.calls import CALLS, INPUT_FORMS
+from harness.dtypes import DTYPES
+from harness.errors import HarnessError
+from harness.faults.schema import parse_faults
+from ring_impl.layouts import LAYOUTS
+from ring_impl.mask_parse import expr_from_dict
+from ring_impl.masks import MASK_KINDS, MaskSpec, doc_starts_of
+
+# Annotations only: harness.case builds on this module.
+if TYPE_CHECKING:
+    from harness.case import Case
+
+# normal, large and near-tie stress the merge; the last three are the magnitudes of trained models
+# (harness.inputs)
+VALUE_KINDS = ("normal", "large", "near-tie", "outliers", "qk-overflow", "sink")
+TENSORS = ("out", "dq", "dk", "dv", "lse")
+MAX_WORLD = 64
+LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}
+
+
+def is_int(x: Any) -> bool:
+    """An int, but not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise HarnessError(f"case field '{name}': {msg}")
+
+
+def validate(c: Case) -> None:
+    """Check every field, and raise HarnessError naming the first bad one."""
+    _check_sizes(c)
+    _check_layout_and_mask(c)
+    _check_numerics(c)
+    _check_impl_and_faults(c)
+    _check_tolerance(c)
+    _check_call(c)
+
+
+def _check_sizes(c: Case) -> None:
+    """The world, the heads, the head dim and the per-rank lengths."""
+    for name in ("world_size", "batch", "heads_q", "heads_kv", "head_dim"):
+        v = getattr(c, name)
+        _need(is_int(v) and v >= 1, name, f"must be a positive integer, got {v!r}")
+    _need(c.world_size <= MAX_WORLD, "world_size", f"must be <= {MAX_WORLD}, got {c.world_size}")
+    _need(
+        is_int(c.group_offset) and c.group_offset >= 0,
+        "group_offset",
+        f"must be an integer >= 0, got {c.group_offset!r}",
+    )
+    _need(
+        c.heads_q % c.heads_kv == 0,
+        "heads_kv",
+        f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})",
+    )
+    _need(
+        isinstance(c.seq_lens, tuple) and all(is_int(n) and n >= 0 for n in c.seq_lens),
+        "seq_lens",
+        f"must be a list of integers >= 0, got {c.seq_lens!r}",
+    )
+    _need(
+        len(c.seq_lens) == c.world_size,
+        "seq_lens",
+        f"has {len(c.seq_lens)} entries but world_size is {c.world_size}",
+    )
+    _need(c.total_len >= 1, "seq_lens", "the total sequence length must be at least 1")
+
+
+def _check_layout_and_mask(c: Case) -> None:
+    """The layout, and a mask whose documents start inside the sequence."""
+    _need(
+        c.layout in LAYOUTS,
+        "layout",
+        f"unknown layout {c.layout!r}; expected one of {', '.join(LAYOUTS)}",
+    )
+    _need(isinstance(c.mask, MaskSpec), "mask", f"must be a mask mapping, got {c.mask!r}")
+    for starts in doc_starts_of(c.mask.expression()):
+        _need(
+            starts[-1] < c.total_len,
+            "mask",
+            f"document start {starts[-1]} is beyond the sequence (length {c.total_len})",
+        )
+
+
+def _check_numerics(c: Case) -> None:
+    """The dtype, the softmax scale, the value distribution and the seed."""
+    _need(
+        c.dtype in DTYPES,
+        "dtype",
+        f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}",
+    )
+    _need(
+        c.softmax_scale is None
+        or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale) and c.softmax_scale > 0),
+        "softmax_scale",
+        f"must be a positive number or null, got {c.softmax_scale!r}",
+    )
+    _need(
+        c.values in VALUE_KINDS,
+        "values",
+        f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}",
+    )
+    _need(
+        is_int(c.seed) and 0 <= c.seed < 2**63,
+        "seed",
+        f"must be an integer in [0, 2**63), got {c.seed!r}",
+    )
+
+
+def _check_impl_and_faults(c: Case) -> None:
+    """The implementation's name, and the faults against the world size."""
+    _need(
+        isinstance(c.impl, str) and c.impl != "",
+        "impl",
+        f"must be a non-empty string, got {c.impl!r}",
+    )
+    _need(
+        isinstance(c.faults, tuple), "faults", f"must be a list of fault mappings, got {c.faults!r}"
+    )
+    # It raises naming the field, e.g. 'faults[1].index'.
+    parse_faults(c.faults, c.world_size)
+
+
+def _check_tolerance(c: Case) -> None:
+    """A mapping of tensor names to positive factors."""
+    _need(isinstance(c.tolerance, dict), "tolerance", f"must be a mapping, got {c.tolerance!r}")
+    for k, v in c.tolerance.items():
+        _need(
+            k in TENSORS,
+            "tolerance",
+            f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}",
+        )
+        _need(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            "tolerance",
+            f"factor for {k} must be a positive number, got {v!r}",
+        )
+
+
+def _check_call(c: Case) -> None:
+    """How the model calls the ring, the form of its inputs, and the deadline."""
+    _need(c.call in CALLS, "call", f"unknown call {c.call!r}; expected one of {', '.join(CALLS)}")
+    _need(
+        c.inputs in INPUT_FORMS,
+        "inputs",
+        f"unknown input form {c.inputs!r}; expected one of {', '.join(INPUT_FORMS)}",
+    )
+    _need(
+        _is_number(c.deadline_s) and 0 < c.deadline_s <= 3600,
+        "deadline_s",
+        f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}",
+    )
+
+
+def mask_from_dict(d: Any) -> MaskSpec:
+    """A mask: one of the original kinds, or an expression of primitives (ring_impl.masks).
+
+    The original kinds are `{kind: causal}`, `{kind: window, window: 3}` and `{kind: document,
+    doc_starts: [...], causal: false}`. An expression combines primitives with and, or and not, e.g.
+    `{and: [{kind: causal}, {kind: chunked, size: 8}]}`.
+    """
+    if not isinstance(d, dict):
+        raise HarnessError(f"case field 'mask': must be a mapping like {{kind: causal}}, got {d!r}")
+    if d.get("kind", "none") not in MASK_KINDS or not set(d) <= LEGACY_MASK_KEYS:
+        try:
+            return MaskSpec.of(expr_from_dict(d))
+        except ValueError as e:
+            raise HarnessError(f"case field 'mask': {e}") from None
+    kind = d.get("kind", "none")
+    if kind not in MASK_KINDS:
+        raise HarnessError(
+            f"case field 'mask': unknown kind {kind!r}; expected one of {', '.join(MASK_KINDS)}"
+        )
+    window = d.get("window")
+    if kind == "window" and not (is_int(window) and window >= 0):
+        raise HarnessError(f"case field 'mask': window must be an integer >= 0, got {window!r}")
+    starts = d.get("doc_starts", [])
+    if kind == "document" and not (isinstance(starts, list) and all(is_int(s) for s in starts)):
+        raise HarnessError(
+            f"case field 'mask': doc_starts must be a list of integers, got {starts!r}"
+        )
+    causal = d.get("causal", True)
+    if not isinstance(causal, bool):
+        raise HarnessError(f"case field 'mask': causal must be true or false, got {causal!r}")
+    try:
+        return MaskSpec(
+            kind=kind,
+            window=window if kind == "window" else None,
+            doc_starts=tuple(starts) if kind == "document" else (),
+            causal=causal,
+        )
+    except ValueError as e:
+        raise HarnessError(f"case field 'mask': {e}") from None

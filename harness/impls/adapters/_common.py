@@ -1,6 +1,10 @@
-"""Helpers shared by the adapters: the variant declaration, refusing what an implementation does not
-support, versions, tensor layout conversions. Imports torch and the harness only, never a
-third-party library, and never the registry (the registry imports the adapters)."""
+"""Helpers that the adapters share, kept in one place.
+
+They declare variants, refuse unsupported runs, report versions and convert layouts.
+This module imports only torch and the harness, never a third-party library.
+It never imports the registry either, since the registry imports the adapters.
+Details: docs/third-party.md, "How the adapters drive their libraries", shared helpers.
+"""
 
 from __future__ import annotations
 
@@ -29,14 +33,10 @@ FLASH_HEAD_DIMS = tuple(range(8, 257, 8))
 class Variant:
     """One built-in implementation an adapter module offers, declared once in its `VARIANTS`.
 
-    `capabilities`: what it declares it supports. `option`: the one setting that tells it apart from
-    its siblings in the same module (a rotation method, a library function, a comm type, a mode),
-    read by the module's `make(name)`; empty when the module has a single variant. `lets_run`:
-    feature keys (`capabilities.missing_features`) it does not declare but does not refuse at run
-    time either, for a library that runs some such cases right and others wrong or with an error of
-    its own: the check's probe of the undeclared feature and a replayed saved finding then show what
-    the library really does (a silent wrong answer is a finding), while declared-only runs (battery,
-    property-based, faults) never use them. Only for features that cannot hang a ring.
+    `capabilities` is what it declares it supports.
+    `option` is the one setting that tells it apart from its siblings; empty for a lone variant.
+    `lets_run` names undeclared features it still lets through, so the probe sees the library.
+    Only features that cannot hang a ring belong there. See docs/third-party.md, shared helpers.
     """
 
     capabilities: Capabilities
@@ -79,11 +79,11 @@ def unsupported_reasons(
     k: torch.Tensor,
     lets_run: Collection[str] = (),
 ) -> list[str]:
-    """What this run asks for that `caps` does not declare, in words (empty when all is supported),
-    leaving out the feature keys in `lets_run` (see `Variant.lets_run`).
+    """What this run asks for that `caps` does not declare, in words; empty when all is supported.
 
-    The rule is `capabilities.missing_features`, the one the case side uses; here the subgroup and
-    the tensors' device are known, so they are checked too.
+    The feature keys in `lets_run` are left out.
+    The rule is `capabilities.missing_features`, the same one the case side uses.
+    Here the subgroup and the tensors' device are known, so they are checked too.
     """
     missing = missing_features(
         caps,
@@ -128,13 +128,11 @@ def require_supported(
     k: torch.Tensor,
     lets_run: Collection[str] = (),
 ) -> None:
-    """Refuse, with one line, a run outside the declared capabilities (but for the features in
-    `lets_run`: the variant's `Variant.lets_run`).
+    """Refuse, with one line, a run outside the declared capabilities.
 
-    Refusing is better than calling the library: out-of-contract inputs can hang a ring (mismatched
-    send/recv sizes) or return silently wrong numbers. Probing a library outside its contract is a
-    separate, deliberate experiment, not something an adapter does by accident: `lets_run` names the
-    few features a variant lets through on purpose, so that the probe sees the library's own answer.
+    The features in `lets_run`, the variant's `Variant.lets_run`, are let through.
+    Refusing beats calling the library: bad inputs can hang a ring or give wrong numbers.
+    Probing outside the contract is deliberate: `lets_run` names what a variant lets through.
     """
     why = unsupported_reasons(ctx, caps, q, k, lets_run)
     if why:
@@ -200,9 +198,12 @@ FLASH_KERNEL = "flash-attn"
 
 @dataclass(frozen=True)
 class FlashMask:
-    """A mask in flash-attn's terms: packed documents (`doc_starts`, the cu_seqlens starts; (0,) for
-    one), the `causal` flag and the `window` (left, right), -1 for an unlimited side (flash-attn
-    aligns both to the bottom-right diagonal of each (query, key) document piece)."""
+    """A mask in flash-attn's terms: document starts, a causal flag and a window.
+
+    `doc_starts` are the cu_seqlens starts, (0,) for one document.
+    `window` is (left, right), with -1 for an unlimited side.
+    flash-attn aligns causal and window to each document piece's bottom-right diagonal.
+    """
 
     doc_starts: tuple[int, ...] = (0,)
     causal: bool = False
@@ -233,12 +234,10 @@ FLASH_MASK_FEATURES = frozenset(
 def flash_mask(spec: MaskSpec, total: int) -> FlashMask | None:
     """The flash-attn form of a mask over `total` tokens, or None when flash-attn cannot express it.
 
-    Expressible: a conjunction (`and`, any nesting) of full, causal, window(left, right) and
-    document(starts) leaves, and per-document(starts, m) with m such a conjunction. Causal and
-    windows depend on k - q only, so inside a document they are the same as over the whole stream;
-    documents intersect by the union of their starts; windows by the smaller side; causal cuts a
-    window's right side to 0, and a window whose right side is 0 is causal. The original kinds map
-    directly (window w: causal with (w, 0))."""
+    It takes conjunctions of full, causal, window and document leaves, and per-document masks.
+    Documents intersect by the union of their starts, and windows by the smaller side.
+    Causal cuts a window's right side to 0. The rules: docs/third-party.md, shared helpers.
+    """
     if spec.kind != EXPR:
         if spec.kind == "document":
             return FlashMask(tuple(spec.doc_starts), spec.causal)
@@ -290,16 +289,20 @@ def require_flash_mask(name: str, ctx: RunContext) -> FlashMask:
 
 
 def flash_devices() -> frozenset[str]:
-    """The device a flash-attn library runs on here: cuda with a real flash-attn; cpu without one,
-    where the gloo ranks install ring-harness's CPU stand-in (`harness.kernels.flash_standin`). Not
-    both: a real flash-attn takes CUDA tensors only, and without one CUDA ranks have no kernel."""
+    """The one device a flash-attn library runs on here.
+
+    It is cuda with a real flash-attn installed.
+    Without one it is cpu, where gloo ranks install the CPU stand-in (`flash_standin`).
+    """
     return frozenset({"cpu"}) if flash_standin.serves_gloo() else frozenset({"cuda"})
 
 
 def flash_world_sizes(world_size: tuple[int, int], sends_to_itself: bool) -> tuple[int, int]:
-    """`world` as declared for NCCL, from W=2 on gloo when the library sends to itself at W=1 (its
-    ring exchanges dk/dv once even with one rank; NCCL allows a send to oneself, gloo does not:
-    "Pair is not connected")."""
+    """`world_size` as declared for NCCL, starting at W=2 on gloo for self-sending libraries.
+
+    Such a ring exchanges dk/dv once even with one rank.
+    NCCL allows a send to oneself; gloo does not ("Pair is not connected").
+    """
     lo, hi = world_size
     if sends_to_itself and "cpu" in flash_devices():
         return max(lo, 2), hi
@@ -307,9 +310,11 @@ def flash_world_sizes(world_size: tuple[int, int], sends_to_itself: bool) -> tup
 
 
 def require_importable(module: str) -> None:
-    """ImportError (the registry's one-line "needs the optional extra") when `module` is not
-    importable, without importing it: the library is imported inside the run, on the ranks, where
-    the stand-in is."""
+    """ImportError when `module` is not importable, checked without importing it.
+
+    The registry turns that into its one-line "needs the optional extra".
+    The library itself is imported inside the run, on the ranks, where the stand-in is.
+    """
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
@@ -319,10 +324,11 @@ def require_importable(module: str) -> None:
 
 
 def kernel_label(impl: Impl) -> str | None:
-    """The flash-attn kernel this process gives `impl` ("cpu-standin", "flash-attn 2.8.3", "none")
-    when the adapter module that made its run function declares `KERNEL = "flash-attn"`; None for
-    every other impl. A rank adds it to its result reply; a saved case records it under `versions:
-    kernel`."""
+    """The flash-attn kernel this process gives `impl`, such as "cpu-standin" or "flash-attn 2.8.3".
+
+    It applies when the impl's adapter module declares `KERNEL = "flash-attn"`, else None.
+    A rank adds it to its result reply; a saved case records it under `versions: kernel`.
+    """
     module = sys.modules.get(getattr(impl.run, "__module__", None) or "")
     if getattr(module, "KERNEL", None) != FLASH_KERNEL:
         return None
@@ -330,8 +336,10 @@ def kernel_label(impl: Impl) -> str | None:
 
 
 class GatherRanks(torch.autograd.Function):
-    """Every rank's equal-sized piece of x (dim 0), concatenated in group-rank order. Backward: the
-    gradient summed over the ranks (each rank's use of the whole), this rank's piece of it."""
+    """Every rank's equal-sized piece of x along dim 0, concatenated in group-rank order.
+
+    Backward sums the gradient over the ranks and returns this rank's piece of it.
+    """
 
     @staticmethod
     def forward(fctx, x, group):

@@ -1,25 +1,10 @@
-"""DeepSpeed's Ulysses sequence parallelism (`deepspeed.sequence.layer.DistributedAttention`), on
-CPU gloo ranks or GPUs, with torch's SDPA as the local attention. Imported on the ranks only; `make`
-only checks that deepspeed is importable.
+"""DeepSpeed's Ulysses sequence parallelism, with torch's SDPA as the local attention.
 
-Each rank holds a sequence shard [b, s/W, h, d]; DistributedAttention all-to-alls it into a head
-shard of the whole sequence [b, s, h/W, d], runs the local attention, and all-to-alls back. The
-whole sequence arrives in rank order, so its global positions are our layout's positions
-concatenated: the local attention gets the case's mask over them (any layout, any mask: that is the
-caller's business in DeepSpeed). Two variants, the two layouts callers use (layer.py
-`_generate_layout_params`):
-
-- `deepspeed-ulysses`: batch-first [b, s, h, d] (scatter_idx=2, gather_idx=1, batch_dim_idx=0);
-- `deepspeed-ulysses-seqfirst`: sequence-first [s, b, h, d] (scatter_idx=2, gather_idx=0,
-  batch_dim_idx=1), as Megatron-DeepSpeed calls it.
-
-Each rank runs `deepspeed.init_distributed` over the existing process group and registers the ring
-as DeepSpeed's sequence-parallel group, as `deepspeed.initialize(mpu=...)` does (engine.py
-`groups.mpu = self.mpu`): the uneven-heads path reads the rank from it
-(`groups._get_sequence_parallel_rank()`, 0 when nothing is registered). Declared: equal per-rank
-lengths (one all-to-all split for every rank); kv heads at least W (layer.py `_resolve_kv_heads`
-asserts it; refused with one line); heads W does not divide go through DeepSpeed's uneven-heads
-path. No lse is returned.
+DistributedAttention turns sequence shards into head shards of the whole sequence.
+The local attention then applies the case's mask, so any layout and mask work.
+Two variants cover the batch-first and sequence-first layouts that callers use.
+DeepSpeed is imported on the ranks only; `make` checks that it is importable.
+Details: docs/third-party.md, "How the adapters drive their libraries", `deepspeed-ulysses`.
 """
 
 from __future__ import annotations
@@ -55,11 +40,9 @@ def _caps() -> Capabilities:
     )
 
 
-# option: the tensor layout DistributedAttention is called with. Not declared but let through, so
-# the check's probe shows what DeepSpeed does with them: head counts W does not divide (its
-# uneven-heads path: tracker #6774, #6797) and per-rank lengths that differ (S % W != 0, tracker
-# #7384: one equal all-to-all split; on gloo the shorter rank aborts in the all-to-all within a
-# second, cases/deepspeed-ulysses-uneven-length.yaml)
+# option: the tensor layout DistributedAttention is called with.
+# Let through though undeclared, so the probe shows what DeepSpeed does:
+# head counts W does not divide, and unequal per-rank lengths (docs/third-party.md).
 LETS_RUN = frozenset({"heads", "uneven"})
 VARIANTS = {
     "deepspeed-ulysses": Variant(_caps(), option="batch-first", lets_run=LETS_RUN),
@@ -89,14 +72,12 @@ class SequenceParallelMpu:
 
 
 def init_deepspeed(group: object) -> None:
-    """DeepSpeed's comm over the existing process group, and the ring as its sequence-parallel
-    group.
+    """DeepSpeed's comm over the existing process group, with the ring as its SP group.
 
-    Its CPU shared-memory all-reduce op is left out: `init_distributed` would JIT-compile it (a
-    compiler run, minutes, behind a file lock a killed rank leaves held) and rendezvous every world
-    rank through it, a subgroup's ranks alone then waiting for the rest. Ulysses uses
-    all_to_all_single only. So the op compatibility table, probed lazily by deepspeed.ops (compiler
-    runs, GPU queries), is given as: none."""
+    The op compatibility table is set empty, so no CPU all-reduce op gets JIT-compiled.
+    That compile takes minutes and would rendezvous every world rank, hanging subgroups.
+    Ulysses needs only all_to_all_single. Why: docs/third-party.md, `deepspeed-ulysses`.
+    """
     import deepspeed
     import deepspeed.comm as dc
     import deepspeed.ops
@@ -111,9 +92,11 @@ def init_deepspeed(group: object) -> None:
 
 
 def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
-    """torch's SDPA over the whole sequence (global `positions`, rank order), the case's mask and
-    scale. A row that sees no key gets out 0 here: CUDA's SDPA kernels leave such a row nonzero
-    (docs/third-party.md)."""
+    """torch's SDPA over the whole sequence, with the case's mask and scale.
+
+    `positions` are the global positions of the gathered sequence, in rank order.
+    A row that sees no key gets out 0, unlike CUDA's SDPA kernels (docs/third-party.md).
+    """
     from ring_impl.mask_eval import allowed
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -1,22 +1,10 @@
-"""DeepSpeed FPDT (`deepspeed.sequence.fpdt_layer.FPDT_Attention`, its non-offloading path), over
-flash-attn's private forward/backward (or ring-harness's CPU stand-in on gloo ranks). Imported on
-the ranks only; `make` only checks that deepspeed is importable.
+"""DeepSpeed FPDT: chunked Ulysses attention over flash-attn or the CPU stand-in.
 
-FPDT splits the whole sequence into `n` chunks. Each chunk is all-to-alled into a head shard,
-attended against every earlier chunk (causal on the diagonal) and merged with online softmax; the
-output chunks are all-to-alled back. Its layout is strided: the sequence is `n` segments, each split
-W ways, and rank r holds piece r of every segment (`FPDT_InputConstruct.generate`). The adapter
-reshards: it all-gathers our shards, takes this rank's FPDT rows, and after the call all-gathers the
-outputs back to our positions (gradients flow back through the same gathers). `n` is the largest of
-4, 3, 2, 1 that divides the per-rank length, so most cases take several chunks.
-
-FPDT computes q/k/v itself, from the layer's input through one linear layer, and ends with the dense
-projection. The adapter feeds it [q | k | v] per token with identity weights and zero biases: both
-products are exact in every dtype, and the gradient of the input is [dq | dk | dv]. The softmax
-scale is fixed at head_dim ** -0.5: q is multiplied by `q_prescale` first. Declared: causal only
-(FPDT's one mask), fp16/bf16 and flash-attn's head dims, equal per-rank lengths, heads W divides (kv
-heads below W are refused with one line: DeepSpeed asserts). Other head counts take DeepSpeed's
-uneven-heads path: let through.
+FPDT holds its own strided layout, so the adapter reshards around the call.
+It computes q, k and v from one linear layer, fed here with identity weights.
+Only causal attention is declared, since that is FPDT's one mask.
+DeepSpeed is imported on the ranks only; `make` checks that it is importable.
+Details: docs/third-party.md, "How the adapters drive their libraries", `deepspeed-fpdt`.
 """
 
 from __future__ import annotations

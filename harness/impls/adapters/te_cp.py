@@ -1,32 +1,10 @@
-"""NVIDIA Transformer Engine's context parallelism: `DotProductAttention` +
-`set_context_parallel_group`.
+"""NVIDIA Transformer Engine's context parallelism, driven through `DotProductAttention`.
 
-`DotProductAttention(num_attention_heads, kv_channels, num_gqa_groups=, attention_dropout=,
-qkv_format="bshd", attn_mask_type=, window_size=, softmax_scale=)` then
-`set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)` with cp_comm_type
-"p2p" (KV ring), "a2a" (Ulysses-style head scatter) or "all_gather". The load-balancing strategy is
-dual-chunk swap: the sequence is cut into 2W chunks and rank r holds chunks r and 2W-1-r (TE's
-tests: `index_select(seq, [rank, 2W-1-rank])`), i.e. our "zigzag", so chunks must be equal: the
-total length divisible by 2W. TE's window (left, right) is relative to the bottom-right-aligned
-diagonal, the same as ours for self-attention: `flash_mask` gives a mask's (causal, window) and TE
-takes `attn_mask_type="causal"` with `window_size=(left, 0)` or `"no_mask"` with `(left, right)`
-(-1: unlimited). TE's own tests skip sliding windows with p2p; a2a needs head counts divisible by W.
-Output is (batch, seq, heads*dim).
-
-THD (`te-cp-p2p-thd`): packed documents, the format Megatron trains with. `qkv_format="thd"`, tokens
-(t, heads, dim) with `cu_seqlens_q/kv` (real lengths) and `cu_seqlens_q/kv_padded` (each sequence
-padded to a multiple of 2W, TE's CP requirement), `attn_mask_type="padding[_causal]"`, and the CP
-ranks hold TE's own per-sequence dual-chunk partition,
-`tex.thd_get_partitioned_indices(cu_seqlens_padded, t, W, rank)` (chunks r and 2W-1-r of every
-padded sequence: TE's tests/pytorch/attention/run_attention_with_cp.py and test_cp_utils.py, read at
-NVIDIA/TransformerEngine d0067d0). Our documents (and the batch: batch row b's documents are
-sequences too) become the sequences; since that partition is not one of our layouts, the adapter
-reshards: it all-gathers our shards, packs and pads them, keeps TE's rows for this rank, and after
-TE all-gathers the outputs back to our positions (`thd_run`; gradients flow back through the same
-gathers). Padding between sequences (a document length not a multiple of 2W) is passed to TE as
-`cu_seqlens_padded` != `cu_seqlens`, which TE serves with cuDNN's fused attention or FA3. The
-resharding runs on CPU gloo ranks in tests/impls/test_te_thd.py with a stand-in for TE's kernel; TE
-itself has not been run here (no GPU).
+Each variant picks one of TE's comm types: a K/V ring, all-to-all or all-gather.
+TE shards by dual-chunk swap, which is our zigzag layout.
+The THD variant packs documents as TE's sequences and reshards around TE's own partition.
+TE itself is GPU only and has not been run here.
+Details: docs/third-party.md, "How the adapters drive their libraries", `te-cp`.
 """
 
 from __future__ import annotations
@@ -139,9 +117,11 @@ def thd_packing(
 def dual_chunk_rows(
     cu_seqlens_padded: torch.Tensor, total_padded: int, world_size: int, rank: int
 ) -> torch.Tensor:
-    """Packed rows a rank holds in TE's THD partition: chunks rank and 2W-1-rank of every padded
-    sequence, ascending (what `tex.thd_get_partitioned_indices` returns, its test's expected values;
-    our reading, for the CPU test of the resharding)."""
+    """Packed rows a rank holds in TE's THD partition, ascending.
+
+    They are chunks rank and 2W-1-rank of every padded sequence.
+    This is our reading of `tex.thd_get_partitioned_indices`, for the CPU resharding test.
+    """
     out = []
     bounds = cu_seqlens_padded.tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -166,10 +146,11 @@ def thd_run(
     """Out (batch, local seq, heads, dim) at our positions, computed by `attend` on TE's THD
     partition.
 
-    Our shards are all-gathered, put in global order, packed (`thd_packing`) and cut to this rank's
-    rows of `partition` (TE's `thd_get_partitioned_indices`); `attend(q, k, v, packing, rows of
-    every rank)` returns this rank's out (rows, heads_q * dim); the outputs are all-gathered and
-    read back at our positions."""
+    Our shards are all-gathered, put in global order and packed with `thd_packing`.
+    Each rank keeps its rows of `partition`, which is TE's `thd_get_partitioned_indices`.
+    `attend(q, k, v, packing, rows of every rank)` returns this rank's out, (rows, heads_q * dim).
+    The outputs are all-gathered and read back at our positions.
+    """
     batch, _, heads_q, dim = q.shape
     w, rank = ctx.world_size, ctx.rank
     pack = thd_packing(ctx.mask, ctx.total_len, batch, w, q.device)

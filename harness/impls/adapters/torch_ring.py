@@ -1,26 +1,10 @@
-"""PyTorch's own ring attention, driven directly: the templated ring forward/backward behind
-`torch.distributed.tensor.experimental.context_parallel`, with the CPU flash-attention op.
+"""PyTorch's own ring attention, driven directly on CPU gloo ranks.
 
-The public `context_parallel()` dispatches SDPA's CUDA ops only (see `torch_cp`). Underneath it,
-`_templated_ring_attention(group, seq_dim, op, q, k, v, is_causal)` and
-`_templated_ring_attention_backward(...)` take any SDPA-shaped op, so on gloo they run with
-`aten._scaled_dot_product_flash_attention_for_cpu` and its backward. Like torch's dispatcher, a
-custom autograd Function calls the forward and, in backward, the templated backward.
-
-Layouts: torch's head-tail load balancer (`_HeadTailLoadBalancer`, used when
-`_cp_options.enable_load_balance`) gives rank r chunks r and 2W-1-r of 2W equal chunks: our
-"zigzag"; its causal ring halves each local shard with `chunk(2)` (`_attention.py:471`, 550-568),
-which puts ceil(L/2) tokens first, as our zigzag does: odd local lengths L >= 3 pass, but one token
-per rank (W >= 2) is an IndexError "tuple index out of range". No capability says "L >= 2", so
-`zigzag_odd=False` is declared (the battery is adapted to even lengths, property-based runs draw
-only even ones) and odd lengths are let through at run time (`lets_run`): the check's probe then
-shows "works although undeclared" for L = 3, and a run with L = 1 ends in torch's own error. Without
-it the sharding is "contiguous". Load balancing only exists for causal masks (torch raises
-otherwise), and a non-causal result does not depend on the layout, so non-causal runs use the plain
-ring for either layout. Rotation: "allgather" (torch's default) or "alltoall"; the dK/dV ring of the
-backward is always all-to-all in torch.
-
-The module-level options are torch globals; they are set for the duration of each call and restored.
+It calls torch's private templated ring forward and backward with the CPU flash op.
+The public `context_parallel()` runs only on CUDA, so this reaches the ring underneath.
+Causal zigzag runs use torch's head-tail load balancer; other runs use the plain ring.
+Torch's global CP options are set for each call and restored afterwards.
+Details: docs/third-party.md, "How the adapters drive their libraries", `torch-ring`.
 """
 
 from __future__ import annotations

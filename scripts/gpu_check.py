@@ -12,8 +12,9 @@ with P2P staging forced; the CUDA-only ones are reported as skipped. Outcomes: p
 ring is wrong: exit 1), refused (exit 2), error (any other exit), timed out, skipped. Exit 0 when no
 step failed, errored or timed out, else 1.
 
-This file runs the steps and writes the report. The steps are listed in gpu_check_plan.py. The code
-each step runs in its subprocess is in gpu_check_steps.py.
+This file runs the steps and writes the report. The steps are listed in gpu_check_plan.py, the NCCL
+ones in gpu_check_nccl.py, and a step's parts in gpu_check_common.py. The code each step runs in its
+subprocess is in gpu_check_steps.py.
 """
 
 from __future__ import annotations

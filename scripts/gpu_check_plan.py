@@ -7,31 +7,20 @@ A step that does not apply carries why in `skip`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_check_steps import PY, SCRIPT, SMOKE, nccl_at_least
+from gpu_check_common import Step, cuda_only, torchrun
+from gpu_check_nccl import nccl_steps
+from gpu_check_steps import PY, SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@dataclass
-class Step:
-    """One bounded step: a command, its time limit, the least budget it needs to start, and when it
-    applies."""
-
-    name: str
-    what: str
-    argv: list[str]
-    timeout_s: float
-    min_s: float = 20.0
-    skip: str = ""  # why it does not apply here ('' = it runs)
-    env: dict[str, str] = field(default_factory=dict)
-    json: str | None = None  # a JSON file the step writes (summarised into the report)
-
-
 # the cheap and never-run steps first
 STEP_ORDER = [
+    "nccl-hostid-w2",
+    "nccl-hostid-w2-sockets",
+    "nccl-hostid-w4",
     "gloo-collectives",
     "reference-cases",
     "torch-cp",
@@ -63,7 +52,7 @@ def plan(device: str, out: Path, facts: dict) -> list[Step]:
         *_check_steps(device, out),
         *_torchrun_steps(device, out, facts),
         *_deepspeed_steps(device, out, facts),
-        *_nccl_steps(device, out, facts),
+        *nccl_steps(device, out, facts),
     ]
     return sorted(steps, key=lambda s: STEP_ORDER.index(s.name))
 
@@ -75,11 +64,6 @@ def _json(out: Path, name: str) -> str:
 
 def _device_args(device: str) -> list[str]:
     return ["--device", device] + ([] if device == "cuda" else ["--stage-p2p"])
-
-
-def _no_cuda(device: str) -> str:
-    """Why a CUDA-only step does not apply ('' on cuda)."""
-    return "" if device == "cuda" else "CUDA only: run with --device cuda on a GPU host"
 
 
 def _check_command(device: str) -> list[str]:
@@ -159,7 +143,7 @@ def _reference_steps(device: str, out: Path) -> list[Step]:
 
 def _torch_cp_steps(device: str, out: Path) -> list[Step]:
     """torch's context_parallel with SDPA and with flex attention: CUDA only."""
-    no_cuda = _no_cuda(device)
+    no_cuda = cuda_only(device)
     return [
         Step(
             "torch-cp",
@@ -245,22 +229,9 @@ def _check_steps(device: str, out: Path) -> list[Step]:
     ]
 
 
-def _torchrun(nproc: int, *args: str) -> list[str]:
-    """A command under torchrun with `nproc` ranks on this host."""
-    return [
-        PY,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        *args,
-    ]
-
-
 def _torchrun_check(world_size: int) -> list[str]:
     """The check under torchrun with NCCL at `world_size`: 5 property-based examples, no growth."""
-    return _torchrun(
+    return torchrun(
         world_size,
         "-m",
         "harness",
@@ -279,7 +250,7 @@ def _torchrun_check(world_size: int) -> list[str]:
 
 def _torchrun_steps(device: str, out: Path, facts: dict) -> list[Step]:
     """The check under torchrun with NCCL: at W = 1, and at W = the number of GPUs."""
-    no_cuda = _no_cuda(device)
+    no_cuda = cuda_only(device)
     gpus = len(facts.get("gpus") or [])
     return [
         Step(
@@ -401,42 +372,3 @@ def _fpdt_step(device: str, out: Path, facts: dict) -> Step:
         or ("" if facts.get("flash_attn") or not cuda else "needs flash-attn on a GPU host"),
         json=_json(out, "deepspeed-fpdt"),
     )
-
-
-def _nccl_steps(device: str, out: Path, facts: dict) -> list[Step]:
-    """NCCL itself: at W = 1, and two ranks on one GPU where NCCL allows it. Writes the smoke
-    script."""
-    no_cuda = _no_cuda(device)
-    steps = []
-    smoke = out / "steps" / "nccl_smoke.py"
-    nccl = facts.get("nccl")
-    mr_skip = no_cuda or (
-        ""
-        if nccl_at_least(nccl, (2, 30))
-        else f"NCCL {nccl} < 2.30 has no NCCL_MULTI_RANK_GPU_ENABLE (it refuses two "
-        "ranks on one GPU)"
-    )
-    mps = f"at {facts['mps_pipe']}" if facts.get("mps_pipe") else "not running"
-    steps.append(
-        Step(
-            "nccl-multi-rank-per-gpu",
-            "NCCL >= 2.30's experimental two ranks on one GPU "
-            f"(NCCL_MULTI_RANK_GPU_ENABLE=1; MPS {mps})",
-            _torchrun(2, str(smoke)),
-            45,
-            skip=mr_skip,
-            env={"NCCL_MULTI_RANK_GPU_ENABLE": "1", "SMOKE_GPU": "0"},
-        )
-    )
-    steps.append(
-        Step(
-            "nccl-smoke-w1",
-            "NCCL itself at W = 1 (init, all_reduce) before the harness's torchrun step",
-            _torchrun(1, str(smoke)),
-            45,
-            skip=no_cuda,
-        )
-    )
-    smoke.parent.mkdir(parents=True, exist_ok=True)
-    smoke.write_text(SMOKE)
-    return steps

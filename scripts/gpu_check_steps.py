@@ -2,7 +2,7 @@
 
 gpu_check.py runs itself with `--env`, `--cases`, `--probe-collectives` or `--probe`; those call the
 functions here. The environment's facts, a few judged cases of one implementation, and what gloo
-does with the device's tensors, op by op. The NCCL smoke test is a script of its own (`SMOKE`).
+does with the device's tensors, op by op. The NCCL smoke test is in gpu_check_nccl.py.
 """
 
 from __future__ import annotations
@@ -411,27 +411,6 @@ def _probe_verdict(codes: list[int | None]) -> str:
     if any(c == 3 for c in codes):
         return "wrong result"
     return f"error (exit {codes})"
-
-
-SMOKE = r"""
-import os, torch, torch.distributed as dist
-torch.cuda.set_device(int(os.environ.get("SMOKE_GPU", os.environ["LOCAL_RANK"])))
-dist.init_process_group("nccl")
-r, w = dist.get_rank(), dist.get_world_size()
-x = torch.full((4,), float(r + 1), device="cuda")
-dist.all_reduce(x)
-assert x.tolist() == [w * (w + 1) / 2] * 4, x
-if w > 1:
-    y = torch.full((3,), float(r), device="cuda")
-    z = torch.empty(3, device="cuda")
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, y, (r + 1) % w), dist.P2POp(dist.irecv, z, (r - 1) % w)])
-    for q in reqs:
-        q.wait()
-    assert z.tolist() == [float((r - 1) % w)] * 3, z
-torch.cuda.synchronize()
-print(f"rank {r}/{w}: nccl all_reduce{' and ring send/recv' if w > 1 else ''} ok on cuda:{torch.cuda.current_device()}")
-dist.destroy_process_group()
-"""
 
 
 def signal_group(p: subprocess.Popen, sig: int) -> None:

@@ -47,6 +47,9 @@ def test_gpu_check_on_cpu_writes_a_report_of_every_step(tmp_path):
         "nccl-smoke-w1",
         "torchrun-nccl-w1",
         "nccl-multi-rank-per-gpu",
+        "nccl-hostid-w2",
+        "nccl-hostid-w2-sockets",
+        "nccl-hostid-w4",
     ):
         assert steps[name]["outcome"] == "skipped" and "CUDA only" in steps[name]["summary"]
     assert steps["check"]["outcome"] == "skipped" and steps["check"]["summary"] == "not in --only"
@@ -118,3 +121,52 @@ def test_the_probe_step_is_judged_on_the_ops_the_harness_hands_gloo():
     assert on_cuda == {"isend-irecv", "funcol.all_gather_tensor", "funcol.reduce_scatter_tensor"}
     assert all(steps.probe_relied_on(name, "cpu") for name in steps.PROBES)
     assert steps.probe_relied_on("staged funcol.all_gather_tensor", "cuda")
+
+
+def _scripts_module(name: str):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+def test_each_rank_gets_its_own_nccl_host_on_loopback_when_asked(tmp_path):
+    """Issue #45: NCCL refuses two ranks on one GPU of one host. Each rank sets its own
+    NCCL_HOSTID before NCCL starts, so NCCL sees separate nodes and connects them over sockets
+    on lo. The steps run first, bounded, with NCCL's own log kept."""
+    nccl = _scripts_module("gpu_check_nccl")
+    plan = _scripts_module("gpu_check_plan")
+    asked = {nccl.HOSTID_ENV: "1"}
+    envs = [nccl.per_rank_nccl_env(r, asked) for r in range(4)]
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 4
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" for e in envs)
+    assert (
+        nccl.per_rank_nccl_env(1, {**asked, "NCCL_SOCKET_IFNAME": "eth0"})["NCCL_SOCKET_IFNAME"]
+        == "eth0"
+    )
+    assert nccl.per_rank_nccl_env(0, {}) == {}
+    facts = {"gpus": ["H200"], "nccl": "2.28.9"}
+    steps = plan.plan("cuda", tmp_path, facts)
+    names = [s.name for s in steps]
+    assert names[:3] == ["nccl-hostid-w2", "nccl-hostid-w2-sockets", "nccl-hostid-w4"]
+    for s in steps[:3]:
+        assert not s.skip and s.timeout_s <= 60
+        assert s.env[nccl.HOSTID_ENV] == "1" and s.env["NCCL_DEBUG"] == "INFO"
+        assert s.env["SMOKE_GPU"] == "0" and s.argv[-1].endswith("nccl_smoke.py")
+    assert steps[1].env["NCCL_NET"] == "Socket" and steps[1].env["NCCL_P2P_DISABLE"] == "1"
+    assert (
+        "--nproc-per-node" in steps[2].argv
+        and steps[2].argv[steps[2].argv.index("--nproc-per-node") + 1] == "4"
+    )
+    smoke = (tmp_path / "steps" / "nccl_smoke.py").read_text()
+    assert "@SCRIPTS_DIR@" not in smoke and str(ROOT / "scripts") in smoke
+    compile(smoke, "nccl_smoke.py", "exec")
+    # the part before torch: each rank finds the helper and sets its host, from any directory
+    head = smoke.split("import torch")[0] + "print(os.environ['NCCL_HOSTID'])"
+    env = {"LOCAL_RANK": "3", nccl.HOSTID_ENV: "1", "PATH": "/usr/bin:/bin"}
+    got = subprocess.run(
+        [sys.executable, "-c", head], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert got.stdout.strip() == "ring-harness-rank-3", got.stderr
+    assert all(s.skip.startswith("CUDA only") for s in plan.plan("cpu", tmp_path, facts)[:3])

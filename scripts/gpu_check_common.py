@@ -1,0 +1,40 @@
+"""What every step of scripts/gpu_check.py is made of: the Step, and commands they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu_check_steps import PY
+
+
+@dataclass
+class Step:
+    """One bounded step: a command, its time limit, the least budget it needs to start, and when it
+    applies."""
+
+    name: str
+    what: str
+    argv: list[str]
+    timeout_s: float
+    min_s: float = 20.0
+    skip: str = ""  # why it does not apply here ('' = it runs)
+    env: dict[str, str] = field(default_factory=dict)
+    json: str | None = None  # a JSON file the step writes (summarised into the report)
+
+
+def cuda_only(device: str) -> str:
+    """Why a CUDA-only step does not apply ('' on cuda)."""
+    return "" if device == "cuda" else "CUDA only: run with --device cuda on a GPU host"
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """A command under torchrun with `nproc` ranks on this host."""
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *args,
+    ]

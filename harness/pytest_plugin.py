@@ -6,13 +6,24 @@ per pytest process, and `ring_check`, which runs cases and asserts. Marker:
 `@pytest.mark.ring_impl("name")` names the implementation for one test. Case files (*.yaml) under
 the `--ring-cases` folders or the `ring_cases` ini option become test items that replay the recorded
 case.
+
+Which implementation `ring_check` runs: `--ring-impl` when it is given, else the test's marker, else
+`reference`. The command line wins, so a run of a ring under test runs it in every test, the pinned
+ones too. A test whose marker names another ring then runs `--ring-impl`, and pytest says so: a
+`RingImplOverride` warning naming both. The warnings summary shows it once, listing every such
+test. `-W error::harness.pytest_plugin.RingImplOverride` makes those tests errors instead.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
+
+
+class RingImplOverride(UserWarning):
+    """--ring-impl names another ring than a test's ring_impl marker: the test runs --ring-impl."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,7 +84,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "ring_impl(name): run ring_check against this implementation"
+        "markers",
+        "ring_impl(name): run ring_check against this implementation (--ring-impl, when given, wins)",
     )
     config.addinivalue_line(
         "markers", "extra: needs an optional third-party implementation (a case file's ring)"
@@ -253,18 +265,33 @@ class RingChecker:
         return results
 
 
+def chosen_impl(config: pytest.Config, node: pytest.Item) -> str:
+    """The ring a test's `ring_check` runs: --ring-impl, else its ring_impl marker, else reference.
+
+    When both name a ring and they differ, it warns (`RingImplOverride`), naming both. The text is
+    the same for every test with that marker, so the summary lists them under one entry.
+    """
+    given = config.getoption("--ring-impl")
+    marker = node.get_closest_marker("ring_impl")
+    pinned = marker.args[0] if marker and marker.args else None
+    if given and pinned and pinned != given:
+        warnings.warn(
+            RingImplOverride(
+                f"--ring-impl {given} overrides @pytest.mark.ring_impl({pinned!r}): "
+                f"the test runs {given}, not {pinned}"
+            ),
+            stacklevel=1,
+        )
+    return given or pinned or "reference"
+
+
 @pytest.fixture
 def ring_check(request: pytest.FixtureRequest, ring_pool) -> RingChecker:
-    """Run cases against --ring-impl (or the test's ring_impl marker) on the session's rank pool."""
-    marker = request.node.get_closest_marker("ring_impl")
-    impl = (
-        marker.args[0]
-        if marker and marker.args
-        else request.config.getoption("--ring-impl") or "reference"
-    )
+    """Run cases on the session's rank pool against `chosen_impl`: --ring-impl, else the test's
+    ring_impl marker."""
     return RingChecker(
         ring_pool,
-        impl,
+        chosen_impl(request.config, request.node),
         request.config.getoption("--ring-world-size"),
         request.config.getoption("--ring-max-examples"),
         request.config.getoption("--ring-faults"),

@@ -136,6 +136,80 @@ def test_the_pytest_option_runs_the_battery_at_the_shape(tmp_path):
             rc.at_shape("b1,hq32,hkv8,d128,L8192,W8")
 
 
+PINNED_TESTS = f"""
+import pytest
+from harness.case import make_case
+
+
+@pytest.mark.ring_impl("tests.helpers.impls:reference")
+def test_pinned(ring_check):
+    ring_check(make_case(world_size=2, total_len=6, mask={{"kind": "causal"}}))
+
+
+@pytest.mark.ring_impl("tests.helpers.impls:reference")
+def test_pinned_too(ring_check):
+    assert ring_check.impl == {BUGGY!r}
+
+
+def test_unpinned(ring_check):
+    assert ring_check.impl == {BUGGY!r}
+"""
+
+
+def test_ring_impl_on_the_command_line_wins_over_a_marker_and_says_so_once(pytester):
+    """A pinned test runs the ring under test, not the marker's fixed ring: on a buggy --ring-impl
+    it fails. One warnings-summary entry names both rings and lists each overridden test."""
+    pytester.makepyfile(test_pinned=PINNED_TESTS)
+    args = ["-p", "no:randomly", "-p", "no:cacheprovider", "--ring-impl", BUGGY]
+    res = pytester.runpytest(*args, "-rf")
+    res.assert_outcomes(failed=1, passed=2, warnings=2)
+    out = res.stdout.str()
+    assert "FAILED test_pinned.py::test_pinned" in out and "silent-corruption" in out
+    said = (
+        f"RingImplOverride: --ring-impl {BUGGY} overrides "
+        "@pytest.mark.ring_impl('tests.helpers.impls:reference'): "
+        f"the test runs {BUGGY}, not tests.helpers.impls:reference"
+    )
+    assert out.count(said) == 1, out
+    listed = out[out.index("warnings summary") : out.index(said)].splitlines()[1:]
+    assert [ln.strip() for ln in listed if "::" in ln] == [
+        "test_pinned.py::test_pinned",
+        "test_pinned.py::test_pinned_too",
+    ]
+    strict = pytester.runpytest(*args, "-W", "error::harness.pytest_plugin.RingImplOverride")
+    strict.assert_outcomes(errors=2, passed=1)
+
+
+def test_a_marker_is_the_default_without_ring_impl(pytester):
+    pytester.makepyfile(
+        test_marked="""
+import pytest
+
+
+@pytest.mark.ring_impl("tests.helpers.impls:reference")
+def test_marked(ring_check):
+    assert ring_check.impl == "tests.helpers.impls:reference"
+
+
+@pytest.mark.ring_impl("reference")
+def test_same_as_given(ring_check):
+    assert ring_check.impl == "reference"
+
+
+def test_plain(ring_check):
+    assert ring_check.impl == "reference"
+"""
+    )
+    args = ["-p", "no:randomly", "-p", "no:cacheprovider"]
+    pytester.runpytest(*args).assert_outcomes(passed=3)
+    # --ring-impl equal to a marker overrides nothing: no warning
+    same = pytester.runpytest(
+        *args, "--ring-impl", "reference", "test_marked.py::test_same_as_given"
+    )
+    same.assert_outcomes(passed=1)
+    assert "RingImplOverride" not in same.stdout.str()
+
+
 def test_plugin_property_run(ring_check):
     out = ring_check.property(max_examples=5, time_budget_s=60)
     assert out.examples >= 1 and out.passed

@@ -9,4 +9,5 @@ FIGURES = {
     "oracle_growth": "harness.bench.oracle_growth",
     "oracle_split": "harness.bench.oracle_split",
     "check_cost": "harness.bench.check_cost",
+    "report": "harness.bench.report",
 }

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.case import make_case
-from harness.checks import report
+from harness.checks import groups, report
 from harness.checks.options import CheckOptions
 from harness.checks.outcome import CheckOutcome, ExitReason, Failure
 from harness.checks.report import Reporter
@@ -88,6 +88,7 @@ class Check:
         self.reporter = reporter or report.out
         self.resolved = registry.resolve(opts.impl, allow_import=opts.allow_import)
         self.caps: Capabilities = self.resolved.capabilities
+        self.version = str(getattr(self.resolved, "version", "unknown"))  # into saved files
         self.outcome = outcome if outcome is not None else CheckOutcome(impl=opts.impl)
         self.stop_at_first_failure = stop_at_first_failure
         self.accept = accept
@@ -195,15 +196,17 @@ class Check:
         note: str | None = None,
         again: CaseResult | None = None,
         features: tuple[str, ...] = (),
+        cause: tuple[str, ...] | None = None,
     ) -> None:
-        """Save one file per distinct failure (its first case), confirmed on fresh ranks first.
+        """Save one file per failure group (its first case), confirmed on fresh ranks first.
 
         A failure that does not reproduce there is history-dependent. It is saved as the sequence of
         cases that does reproduce it (harness.search.history). `again` is the repeat check's second
         run of the case. `features` are a probe's undeclared features. A probe's finding is grouped
-        with them, in outcome.finding_files.
+        with them, in outcome.finding_files. `cause` overrides the signature: a faulted case that
+        fails the same way without faults is that failure (harness.checks.groups).
         """
-        sig = (*sorted(features), *failure_signature(r))
+        sig = (*sorted(features), *(cause or failure_signature(r)))
         table, what = self.outcome.distinct, "failure"
         if features:
             table, what = self.outcome.finding_files, "finding"
@@ -217,6 +220,7 @@ class Check:
         repeat = again is not None and r.extra.get("repeat", {}).get("identical") is False
         if repeat and again.passed:
             path = self._save_bits_only(r, note)
+            self.outcome.racy.add(sig)
             table[sig] = [path, 1]
             self.reporter(f"        saved {path} (history-dependent: NOT a reproducer on its own)")
             return
@@ -245,7 +249,9 @@ class Check:
                 ],
             )
         )
-        return save_result(r, self.opts.save_dir, backend=self.pool.backend, note=text)
+        return save_result(
+            r, self.opts.save_dir, backend=self.pool.backend, note=text, impl_version=self.version
+        )
 
     def _save_confirmed(
         self, target: CaseResult, sig: tuple[str, ...], note: str | None, leak: bool
@@ -254,6 +260,9 @@ class Check:
         opts, pool = self.opts, self.pool
         found = history.confirm(pool, target, opts.impl, leak=leak, allow_import=opts.allow_import)
         self.outcome.histories[sig] = found
+        if found.history_dependent:
+            # a sequence of cases reproduces it: history, not a race
+            (self.outcome.racy if found.sequence is None else self.outcome.history).add(sig)
         for line in found.lines():
             self.reporter(line)
         if found.sequence is not None:
@@ -262,6 +271,7 @@ class Check:
                 found,
                 failure_path(opts.save_dir, found.reproducer, stem),
                 backend=pool.backend,
+                impl_version=self.version,
                 note=note or "",
             )
         # The fresh run, when it confirmed the failure.
@@ -276,7 +286,18 @@ class Check:
             text += f"; NOT A REPRODUCER: {found.note}"
         text += "".join(f"\nwhere: {f}" for f in loc.findings)
         extra = {"localisation": localise.summary(loc), "signature": " ".join(sig)}
-        return save_result(rec, opts.save_dir, backend=pool.backend, note=text, extra=extra)
+        path = save_result(
+            rec,
+            opts.save_dir,
+            backend=pool.backend,
+            note=text,
+            extra=extra,
+            impl_version=self.version,
+        )
+        if opts.plot and loc.blocks:
+            for p in property_stage.plot(loc, opts.plot, path.stem):
+                self.reporter(f"        heatmap {p}")
+        return path
 
     def stop(self, why: str, *, lap: bool = True) -> bool:
         """End the check after the running stage, with `why` as its `stopped` text.
@@ -306,6 +327,10 @@ class Check:
             )
         outcome.stopped, outcome.seconds = why, time.perf_counter() - self.start
         outcome.exit_reason = self.reason or ExitReason.FINISHED
+        outcome.groups = groups.build(outcome)
+        for line in groups.lines(outcome.groups):
+            self.reporter(line)
+        groups.annotate_saved(outcome.groups)
         return outcome
 
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from harness.judging.run_record import RunRecord
 from harness.judging.verdicts import fault_ok, probe_acceptable
 from harness.result import CaseResult
 
@@ -70,6 +71,14 @@ class CheckOutcome:
     stage_seconds: dict = field(default_factory=dict)
     # the signal that stopped the check (SIGINT, SIGTERM), if one did
     interrupted: str | None = None
+    # fault-stage failures re-run without their faults (harness.checks.groups)
+    clean_reruns: list[RunRecord] = field(default_factory=list)
+    # failure signatures that did not reproduce bit for bit on fresh ranks, nor in a sequence
+    racy: set = field(default_factory=set)
+    # failure signatures that reproduce only after a sequence of earlier cases
+    history: set = field(default_factory=set)
+    # the failure groups, built when the check ends (harness.checks.groups.FailureGroup)
+    groups: list = field(default_factory=list)
 
     @property
     def findings(self) -> list[CaseResult]:

@@ -1,11 +1,11 @@
-"""The summary of a check: its JSON, its counts by stage, distinct failures and verdict line."""
+"""The summary of a check: its JSON, its counts by stage, failure groups and verdict line."""
 
 from __future__ import annotations
 
 from harness.checks.outcome import CheckOutcome
 from harness.checks.stages.property import property_json
 from harness.interrupt import EXIT_CODES
-from harness.judging.verdicts import failure_signature, fault_ok
+from harness.judging.verdicts import fault_ok
 
 
 def outcome_json(res: CheckOutcome) -> dict:
@@ -21,6 +21,7 @@ def outcome_json(res: CheckOutcome) -> dict:
         "stage_seconds": dict(res.stage_seconds),
         "cases_by_stage": dict(stage_counts(res)),
         "distinct_failures": 0 if res.passed else distinct_failures(res),
+        "failure_groups": [g.to_json() for g in res.groups],
         "probes": [r.to_dict() for r in res.probe_results],
         "faults": [r.to_dict() for r in res.fault_results],
         "growth": None if res.growth is None else res.growth.to_dict(),
@@ -56,36 +57,9 @@ def counts_line(res: CheckOutcome) -> str:
     )
 
 
-def _split(sig: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], set[str]]:
-    """A failure signature as (its verdict, its faults, what failed)."""
-    faults = tuple(x for x in sig if x.startswith("faults="))
-    return sig[:1], faults, set(sig[1:]) - set(faults)
-
-
-def _related(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    """Two failure signatures of one bug, as far as counting goes.
-
-    They share the verdict and the faults, and what failed in one is part of what failed in the
-    other. A shrunk case often fails on fewer tensors than the case it came from.
-    """
-    (va, fa, wa), (vb, fb, wb) = _split(a), _split(b)
-    return va == vb and fa == fb and (wa <= wb or wb <= wa)
-
-
 def distinct_failures(res: CheckOutcome) -> int:
-    """Distinct failures: one per saved file of the battery, scale and fault stages.
-
-    The growth check's failure counts as one. The property-based run's counts too, unless it is
-    the same bug as one of those (`_related`).
-    """
-    sigs = [tuple(k) for k in res.distinct]
-    if res.growth is not None and not res.growth.passed:
-        sigs.append(("growth",))
-    if res.prop is not None and not res.prop.passed:
-        found = [failure_signature(r) for r in (res.prop.found, res.prop.shrunk) if r is not None]
-        if not any(_related(f, s) for f in found for s in sigs):
-            sigs.append(found[0])
-    return len(sigs)
+    """Failure groups: one per cause (harness.checks.groups), as the report lists them."""
+    return len(res.groups)
 
 
 def _passed_line(res: CheckOutcome) -> str:
@@ -133,7 +107,7 @@ def _failed_stages(res: CheckOutcome) -> list[str]:
 def verdict_line(res: CheckOutcome) -> str:
     """The last line of a check.
 
-    It says what the exit status means, which stage failed and how many distinct failures there
+    It says what the exit status means, which stage failed and how many failure groups there
     are (one saved file each).
     """
     if res.interrupted:
@@ -146,4 +120,5 @@ def verdict_line(res: CheckOutcome) -> str:
         return _passed_line(res)
     why = f"; {res.stopped}" if res.stopped else ""
     stages = "; ".join(_failed_stages(res))
-    return f"check FAILED (exit 1): {stages}; {distinct_failures(res)} distinct failure(s){why}"
+    n = distinct_failures(res)
+    return f"check FAILED (exit 1): {stages}; {n} failure group(s){why}"

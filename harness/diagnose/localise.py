@@ -1,11 +1,13 @@
 """Where a failing case's errors are: the worst per rank and tensor, and where they concentrate.
 
-They may concentrate on causal-diagonal blocks, rank or chunk boundaries, document boundaries,
-masked blocks or one ring step. The token level is free: the run's error maps say which global
-tokens exceed the tolerance, and whether they sit at edges. The block level costs 2W extra runs of
-the implementation (harness.impls.probe). It splits the error exactly by key block for out and dq,
-and by query block for dk and dv. A bug on one ring step, or in a block the mask hides, then shows
-as one hot column in the heatmap (harness.diagnose.plot).
+They may concentrate on one rank, zigzag chunks, rank or chunk edges, document edges, the diagonal
+block, one ring step, one block, or blocks the mask hides. The token level is free: the run's
+error maps say which global tokens exceed the tolerance. The block level costs 2W extra runs of the
+implementation (harness.impls.probe): V kept on one key block (out, dq), or dout kept on one query
+block (dk, dv). Each (token, block) cell's error is that block's own for out, dk and dv: it is
+measured under the implementation's own lse, so a wrong block does not move the right ones
+(harness.diagnose.split). dq's cells keep the exact split, which no block line reads. The lines and
+their rules are in harness.diagnose.findings; the heatmaps in harness.diagnose.plot.
 """
 
 from __future__ import annotations
@@ -16,21 +18,53 @@ import torch
 
 from harness import inputs
 from harness.case import Case
+from harness.diagnose import split
+from harness.diagnose.findings import SPLIT_TENSORS, block_findings, token_findings
+from harness.diagnose.geometry import (
+    QUERY_TENSORS,
+    block_visibility,
+    by_step,
+    chunk_ids,
+    doc_edges,
+    owners,
+    row_order,
+    shard_edges,
+    step_of,
+)
 from harness.impls import probe
 from harness.oracle.assemble import attention
 from harness.ranks.pool import RankPool
 from harness.result import CaseResult
 from harness.runner import run_case
-from ring_impl.layouts import all_positions, zigzag_chunks
-from ring_impl.mask_eval import full_mask
-from ring_impl.masks import doc_starts_of
+from ring_impl.layouts import all_positions
 
-GRADS = ("dq", "dk", "dv")
-# indexed by query token; dk/dv by key token
-QUERY_TENSORS = ("out", "lse", "dq")
+# the geometry and the findings, as callers have always found them here
+__all__ = [
+    "BLOCK_TENSORS",
+    "QUERY_TENSORS",
+    "SPLIT_TENSORS",
+    "Localisation",
+    "allowed_by_tensor",
+    "block_findings",
+    "block_visibility",
+    "by_step",
+    "chunk_ids",
+    "doc_edges",
+    "lines",
+    "localise",
+    "owners",
+    "probe_blocks",
+    "probe_split",
+    "row_order",
+    "shard_edges",
+    "step_of",
+    "summary",
+    "token_findings",
+    "token_ratios",
+    "worst_checks",
+]
+
 BLOCK_TENSORS = ("out", "dq", "dk", "dv")
-CONCENTRATED = 0.75  # share of the error that makes a finding
-MAX_LISTED = 16
 
 
 @dataclass
@@ -42,98 +76,12 @@ class Localisation:
     worst: list[dict] = field(default_factory=list)
     # tensor -> (N,) worst ratio per token
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)
-    # tensor -> (N, W) ratio per token x block
+    # tensor -> (N, W) ratio per token x block (out, dk, dv: each block's own error, `probe_split`)
     blocks: dict[str, torch.Tensor] = field(default_factory=dict)
     # tensor -> (N, W) bool: block not masked
     visible: dict[str, torch.Tensor] = field(default_factory=dict)
     shares: dict[str, dict] = field(default_factory=dict)
     findings: list[str] = field(default_factory=list)
-
-
-# -- geometry of a case --------------------------------------------------------------------------
-
-
-def owners(case: Case) -> torch.Tensor:
-    """(N,) group rank that holds each global token."""
-    own = torch.empty(case.total_len, dtype=torch.long)
-    for r, pos in enumerate(all_positions(case.layout, case.seq_lens)):
-        own[pos] = r
-    return own
-
-
-def row_order(case: Case) -> torch.Tensor:
-    """Global tokens grouped by rank in local order: the heatmaps' row order."""
-    return torch.cat(all_positions(case.layout, case.seq_lens))
-
-
-def shard_edges(case: Case) -> torch.Tensor:
-    """(N,) bool: the first or last token of a run of tokens that one rank holds.
-
-    These are the rank and zigzag chunk edges.
-    """
-    n = case.total_len
-    own = owners(case)
-    # cut[p]: an edge lies between p - 1 and p
-    cut = torch.zeros(n + 1, dtype=torch.bool)
-    cut[0] = cut[n] = True
-    cut[1:n] = own[1:] != own[:-1]
-    if case.layout == "zigzag":
-        start = 0
-        for _, size in zigzag_chunks(case.seq_lens):
-            start += size
-            cut[min(start, n)] = True
-    return cut[:-1] | cut[1:]
-
-
-def doc_edges(case: Case) -> torch.Tensor:
-    """(N,) bool: the first or last token of a document.
-
-    Documents come from document masks, or from expressions with a document primitive or a
-    per-document combinator. It takes two or more documents.
-    """
-    n = case.total_len
-    edge = torch.zeros(n, dtype=torch.bool)
-    for starts in doc_starts_of(case.mask.expression()):
-        for s in starts[1:]:
-            if s < n:
-                edge[s] = True
-                edge[s - 1] = True
-    return edge
-
-
-def block_visibility(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query x key block, key x query block) bool.
-
-    Whether the mask lets the token see the block, or be seen by it.
-    """
-    n = case.total_len
-    m = full_mask(case.mask, n)
-    if m is None:
-        m = torch.ones(n, n, dtype=torch.bool)
-    pos = all_positions(case.layout, case.seq_lens)
-    by_key = torch.stack([m[:, p].any(dim=1) for p in pos], dim=1)
-    by_query = torch.stack([m[p, :].any(dim=0) for p in pos], dim=1)
-    return by_key, by_query
-
-
-def step_of(case: Case, tensor: str) -> torch.Tensor:
-    """(N, W): the ring step at which each (token, block) cell is computed.
-
-    At step s, rank r holds the keys of rank (r - s) mod W. A query on rank r meets key block b at
-    step (r - b) mod W. A key of rank o meets query block a at step (a - o) mod W.
-    """
-    own = owners(case).view(-1, 1)
-    blk = torch.arange(case.world_size).view(1, -1)
-    w = case.world_size
-    return (own - blk) % w if tensor in QUERY_TENSORS else (blk - own) % w
-
-
-def by_step(case: Case, tensor: str, grid: torch.Tensor) -> torch.Tensor:
-    """Re-index an (N, W) token x block grid as token x ring step."""
-    out = torch.full_like(grid, float("nan"))
-    steps = step_of(case, tensor)
-    out.scatter_(1, steps, grid)
-    return out
 
 
 # -- maps ------------------------------------------------------------------------------------------
@@ -176,134 +124,87 @@ def _token_error(got: torch.Tensor | None, want: torch.Tensor) -> torch.Tensor:
     return (got - want).abs().nan_to_num(nan=float("inf")).amax(dim=(0, 2, 3))
 
 
+def _fill(
+    case: Case,
+    grids: dict[str, torch.Tensor],
+    blk: int,
+    shards: dict,
+    want: dict[str, torch.Tensor],
+    allowed: dict[str, float],
+) -> None:
+    """Column `blk` of each grid: one probe run's error against its references, per token."""
+    for t, ref in want.items():
+        if t in grids:
+            got = _assemble(case, shards, t) if shards else None
+            grids[t][:, blk] = _token_error(got, ref) / allowed[t]
+
+
+def _probe_run(case: Case, pool: RankPool, name: str, kind: str, blk: int) -> dict:
+    """One probe run's shards (empty when it did not complete)."""
+    r = run_case(
+        case, pool, probe.spec(name, kind, blk), allow_import=True, leak=False, keep_shards=True
+    )
+    return r.shards or {}
+
+
 def probe_blocks(
     result: CaseResult, pool: RankPool, impl: str | None = None
 ) -> dict[str, torch.Tensor]:
     """tensor -> (N, W) error / allowed of each (token, block) cell, from 2W probe runs.
 
+    `probe_split` says more.
+    """
+    return probe_split(result, pool, impl)[0]
+
+
+def probe_split(
+    result: CaseResult, pool: RankPool, impl: str | None = None
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """(tensor -> (N, W) error / allowed of each (token, block) cell, renormalised), in 2W runs.
+
     For out and dq, V is kept on key block b (column b). For dk and dv, dout is kept on query block
-    a (column a). The columns of probe runs that did not complete are NaN.
+    a (column a). out, dk and dv are measured against references under the implementation's own
+    lse (harness.diagnose.split), dq against the exact outputs. `renormalised` is False when the
+    implementation gives no lse: then every reference is the exact one. The columns of probe runs
+    that did not complete are NaN.
     """
     case = result.case
     name = impl or result.impl
     n, w = case.total_len, case.world_size
     allowed = allowed_by_tensor(result)
-    g = inputs.make_global(case)
-    own = owners(case)
     grids = {
         t: torch.full((n, w), float("nan"), dtype=torch.float64)
         for t in BLOCK_TENSORS
         if t in allowed
     }
+    kinds = [k for k, ts in (("kv", ("out", "dq")), ("q", ("dk", "dv"))) if set(ts) & set(grids)]
+    g = inputs.make_global(case)
+    own = owners(case)
+    # The implementation's lse is the same in every probe (V does not move it). Its out is a q
+    # probe's (they keep V whole). Runs go one at a time: each holds every rank's outputs.
+    first = {k: _probe_run(case, pool, name, k, 0) for k in kinds[-1:]}
+    whole = next(iter(first.values()), {})
+    exact_out = torch.zeros(())
     for blk in range(w):
         keep = (own == blk).view(1, -1, 1, 1)
-        for kind, tensors in (("kv", ("out", "dq")), ("q", ("dk", "dv"))):
-            if not any(t in grids for t in tensors):
-                continue
-            r = run_case(
-                case,
-                pool,
-                probe.spec(name, kind, blk),
-                allow_import=True,
-                leak=False,
-                keep_shards=True,
-            )
-            v = g["v"] * keep if kind == "kv" else g["v"]
-            dout = g["dout"] * keep if kind == "q" else g["dout"]
-            exact = attention(g["q"], g["k"], v, dout, case.mask, case.scale, compute=torch.float64)
-            for t in tensors:
-                if t in grids:
-                    got = _assemble(case, r.shards, t) if r.shards else None
-                    grids[t][:, blk] = _token_error(got, getattr(exact, t)) / allowed[t]
-    return grids
-
-
-# -- findings ------------------------------------------------------------------------------------
-
-
-def _share(mass: torch.Tensor, where: torch.Tensor) -> float:
-    total = float(mass.sum())
-    return float(mass[where].sum()) / total if total > 0 else 0.0
-
-
-def _excess(ratio: torch.Tensor) -> torch.Tensor:
-    """The part of a ratio grid that counts as error: the cells over the tolerance, or all if none
-    is.
-    """
-    r = ratio.nan_to_num(nan=0.0, posinf=1e30)
-    over = torch.where(r > 1, r, torch.zeros_like(r))
-    return over if float(over.sum()) > 0 else r
-
-
-def token_findings(case: Case, tokens: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
-    """Shares of failing tokens at rank/chunk edges and document edges, against their base rate."""
-    sets = {"rank or chunk boundaries": shard_edges(case), "document boundaries": doc_edges(case)}
-    own = owners(case)
-    shares, words = {}, []
-    for t, ratio in tokens.items():
-        bad = ratio > 1
-        if not bool(bad.any()):
-            continue
-        info = {
-            "failing": f"{int(bad.sum())} of {bad.numel()} tokens",
-            "tokens": bad.nonzero().view(-1).tolist()[:MAX_LISTED],
-            "ranks": sorted(set(own[bad].tolist())),
-        }
-        for label, where in sets.items():
-            if not where.any():
-                continue
-            base = float(where.float().mean())
-            share = float((bad & where).sum()) / int(bad.sum())
-            info[label.replace(" ", "_")] = f"{share:.0%} of failing tokens ({base:.0%} of all)"
-            if where.any() and share >= CONCENTRATED and base <= 0.5:
-                words.append(
-                    f"{t}: {int((bad & where).sum())} of {int(bad.sum())} failing tokens "
-                    f"are at {label} "
-                    f"({base:.0%} of all tokens are)"
-                )
-        if len(info["ranks"]) < case.world_size:
-            words.append(f"{t}: fails only on rank(s) {info['ranks']} of {case.world_size}")
-        shares[t] = info
-    return shares, words
-
-
-def block_findings(
-    case: Case,
-    blocks: dict[str, torch.Tensor],
-    visible: dict[str, torch.Tensor],
-) -> tuple[dict, list[str]]:
-    """Shares of error on the causal-diagonal block, on each ring step, and on masked blocks."""
-    shares, words = {}, []
-    w = case.world_size
-    for t, grid in blocks.items():
-        mass = _excess(grid)
-        if float(mass.sum()) <= 0:
-            continue
-        steps = step_of(case, t)
-        per_step = [_share(mass, steps == s) for s in range(w)]
-        diag = per_step[0]
-        hidden = _share(mass, ~visible[t])
-        what = "key block" if t in ("out", "dq") else "query block"
-        shares[t] = {
-            "per_step": [round(s, 3) for s in per_step],
-            "diagonal": round(diag, 3),
-            "masked_blocks": round(hidden, 3),
-            "axis": what,
-        }
-        if hidden >= 0.05:
-            words.append(
-                f"{t}: {hidden:.0%} of the error is in blocks the mask hides entirely "
-                f"(they must contribute nothing: a mask/causality leak)"
-            )
-        top = max(range(w), key=lambda s: per_step[s])
-        if w >= 2 and per_step[top] >= CONCENTRATED:
-            label = "the causal-diagonal (local) block, step 0" if top == 0 else f"ring step {top}"
-            words.append(
-                f"{t}: {per_step[top]:.0%} of the error is on {label} ({what} = "
-                + ("rank - " if t in ("out", "dq") else "rank + ")
-                + f"{top} mod W)"
-            )
-    return shares, words
+        exact = attention(
+            g["q"], g["k"], g["v"] * keep, g["dout"], case.mask, case.scale, compute=torch.float64
+        )
+        if blk == 0:
+            lse, renormalised = split.row_lse(exact.lse, split.global_lse(case, whole))
+        exact_out = exact_out + exact.out
+        if "kv" in kinds:
+            shards = first.pop("kv") if "kv" in first else _probe_run(case, pool, name, "kv", blk)
+            want = {"out": split.out_reference(exact.out, exact.lse, lse), "dq": exact.dq}
+            _fill(case, grids, blk, shards, want, allowed)
+    if "q" in kinds:
+        impl_out = _assemble(case, whole, "out") if whole else None
+        stats = split.RowStats(lse, split.row_delta(exact_out, g["dout"], impl_out))
+        for blk in range(w):
+            shards = whole if blk == 0 else _probe_run(case, pool, name, "q", blk)
+            dk, dv = split.key_grads(case, g, stats, blk)
+            _fill(case, grids, blk, shards, {"dk": dk, "dv": dv}, allowed)
+    return grids, renormalised
 
 
 def worst_checks(result: CaseResult) -> list[dict]:
@@ -342,10 +243,17 @@ def localise(
     loc.shares.update({f"tokens/{t}": v for t, v in tok_shares.items()})
     loc.findings.extend(tok_words)
     if probes and pool is not None and not result.passed:
-        loc.blocks = probe_blocks(result, pool)
+        loc.blocks, renormalised = probe_split(result, pool)
         by_key, by_query = block_visibility(case)
         loc.visible = {t: by_key if t in QUERY_TENSORS else by_query for t in loc.blocks}
-        blk_shares, blk_words = block_findings(case, loc.blocks, loc.visible)
+        failing = {c.tensor for c in result.failed_checks()}
+        blk_shares, blk_words = block_findings(
+            case,
+            {t: g for t, g in loc.blocks.items() if t in failing},
+            loc.visible,
+            named=SPLIT_TENSORS if renormalised else (),
+            leak=result.leak,
+        )
         loc.shares.update({f"blocks/{t}": v for t, v in blk_shares.items()})
         loc.findings.extend(blk_words)
     return loc

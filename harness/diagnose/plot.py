@@ -4,7 +4,8 @@ One PNG per tensor (out, dq, dk, dv). Left panel: token x block (out/dq: query t
 dk/dv: key token x query block); right panel: the same cells by ring step. Colour is error /
 tolerance on a log scale (above 1 fails); rows are grouped by rank with rank boundaries drawn,
 the causal-diagonal (local) block is outlined, and blocks the mask hides entirely are hatched:
-colour in a hatched cell is a leak.
+colour in a hatched cell is error where the mask allows none. The leak check says whether it is
+a leak (docs/cases.md, "The `where:` lines").
 """
 
 from __future__ import annotations

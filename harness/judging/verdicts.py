@@ -16,6 +16,8 @@ from harness.case import Case
 from harness.faults.schema import BENIGN, FATAL, FaultSpec, parse_faults
 from harness.result import TENSORS, CaseResult, Verdict
 
+FORWARD = ("out", "lse")  # the tensors the forward returns
+
 DEATH_OF = {"exit0": "exit 0", "exit1": "exit 1", "sigkill": "killed by signal 9"}
 
 PROBE_OUTCOMES = {
@@ -90,23 +92,21 @@ def killed_by(r: CaseResult) -> list[str]:
 
 
 def failure_signature(r: CaseResult) -> tuple[str, ...]:
-    """What makes two failures the same bug.
+    """What makes two failures the same bug: its cause, not the tensors it happened to break.
 
-    The check groups failures by it, one saved file per distinct failure. The shrinker uses it too:
-    a candidate that fails differently is a different failure. The signature is the verdict, then:
-    - for a wrong result, the failing tensors and the leak check;
-    - for a fail-stop or diverged run, the root cause's exception type;
-    - for a faulted case, the fault kinds.
+    The check groups failures by it: one group, one saved file each. The shrinker keeps it. The
+    signature is the verdict, then:
+    - wrong numbers: "forward" when out, lse or the leak check fail (the backward then reads them
+      too), else "backward"; "precision" when only the precision grid fails; "send-buffer" when a
+      send buffer was overwritten;
+    - a fail-stop or diverged run: the root cause's exception type;
+    - a run that differs from itself: "repeat";
+    - a faulted case: the fault kinds.
+    `killed_by` names the failing tensors. docs/check.md ("Failure groups") gives the rule.
     """
     sig: list[str] = [str(r.verdict)]
     if r.verdict == Verdict.SILENT_CORRUPTION:
-        sig += sorted({c.tensor for c in r.failed_checks()})
-        # precision lost
-        sig += sorted({f"{c.tensor}@{c.grid}" for c in r.failed_checks() if c.grid})
-        if r.leak is not None and not r.leak.passed:
-            sig.append("leak")
-        if r.extra.get("violations"):
-            sig.append("send-buffer")
+        sig.append(_wrong_part(r))
     elif r.extra.get("repeat", {}).get("identical") is False:
         sig.append("repeat")
     elif r.verdict in (Verdict.FAIL_STOP, Verdict.DIVERGED):
@@ -116,6 +116,18 @@ def failure_signature(r: CaseResult) -> tuple[str, ...]:
     if r.case.faults:
         sig.append("faults=" + "+".join(sorted({f["kind"] for f in r.case.faults})))
     return tuple(sig)
+
+
+def _wrong_part(r: CaseResult) -> str:
+    """Which part of the ring a wrong result points at: forward, backward, precision, send-buffer."""
+    if r.extra.get("violations"):
+        return "send-buffer"
+    failed = r.failed_checks()
+    if failed and all(c.grid for c in failed) and (r.leak is None or r.leak.passed):
+        return "precision"
+    if (r.leak is not None and not r.leak.passed) or any(c.tensor in FORWARD for c in failed):
+        return "forward"
+    return "backward"
 
 
 def adapter_error(r: CaseResult) -> str | None:

@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from harness.case import Case
+from harness.judging.run_record import record_of
 from harness.ranks.pool import RankPool
 from harness.result import CaseResult
 from harness.search import failures
 from harness.search import history as history_mod
+from harness.search.explore import explore
 from harness.search.fresh_ranks import FreshRanks
 from harness.search.outcome import Bug, ExitReason, FuzzOutcome
 from harness.search.shrink import case_size
@@ -89,8 +91,10 @@ class Search:
         impl_version: str,
         backend: str,
         confirming: bool,
+        explore_examples: int = 0,
     ) -> None:
         self.outcome = outcome
+        self.explore_examples = explore_examples
         self.execute = execute
         self.strategy = strategy
         self.budget = budget
@@ -122,6 +126,14 @@ class Search:
         test = self._hypothesis_test()
         try:
             self._run_hypothesis(test)
+            if self.outcome.bugs and self.explore_examples:
+                self.outcome.seen += explore(
+                    self.strategy,
+                    self.execute,
+                    seed=self.outcome.seed,
+                    examples=self.explore_examples,
+                    derandomize=self.budget.derandomize,
+                )
             self.outcome.seconds = time.monotonic() - self.start
             for bug in self.outcome.bugs:
                 self._finish_bug(bug)
@@ -218,6 +230,7 @@ class Search:
         out = self.outcome
         out.runs += 1
         out.verdicts[r.verdict] += 1
+        out.seen.append(record_of(r, "property"))
         out.seconds = time.monotonic() - self.start
         if out.found is None:
             out.examples += 1

@@ -30,7 +30,8 @@ def slug(impl: str) -> str:
 
 
 def failure_note(r: CaseResult, what: str, lines: list[str]) -> str:
-    return "\n".join([f"{what}: {r.verdict}: {r.case.summary()}", r.detail, *lines])
+    """A saved file's leading comment: this file's own case first, then where it came from."""
+    return "\n".join([f"{r.verdict}: {r.case.summary()}", what, r.detail, *lines])
 
 
 def save_failure(

@@ -110,12 +110,15 @@ def fuzz(
     impl_version: str = "unknown",
     backend: str = "gloo",
     confirm: bool = True,
+    explore_examples: int = 0,
 ) -> FuzzOutcome:
     """Search for a failing case of `impl`, shrink it and save it.
 
     `run` replaces `run_case` on `pool`, for tests. `progress(outcome, phase)` is called after every
     run. With `confirm`, failures are confirmed on fresh ranks. That needs a pool that records its
     history, and does not work with `run`. docs/check.md has the order of saving and shrinking.
+    After a failure, `explore_examples` more cases run for the check's shared-feature line
+    (harness.search.explore).
     """
     prof = PROFILES[profile]
     budget = _budget(prof, max_examples, time_budget_s, shrink_budget_s)
@@ -151,6 +154,7 @@ def fuzz(
         impl_version=impl_version,
         backend=backend,
         confirming=confirming,
+        explore_examples=explore_examples,
     )
     return search.run()
 

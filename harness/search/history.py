@@ -47,10 +47,12 @@ def same_failure(got: CaseResult | None, want: CaseResult) -> bool:
 
 
 def outcome(r: CaseResult) -> str:
-    """'pass', or the verdict with what failed: 'silent-corruption (dk, dv)'."""
+    """'pass', or the verdict with its cause and tensors: 'silent-corruption (backward: dk, dv)'."""
     sig = failure_signature(r)
-    what = [p for p in sig[1:] if not p.startswith("faults=")]
-    return f"{sig[0]} ({', '.join(what)})" if what else sig[0]
+    what = ", ".join(p for p in sig[1:] if not p.startswith("faults="))
+    tensors = ", ".join(sorted({c.tensor for c in r.failed_checks()}))
+    what += f": {tensors}" if what and tensors else ""
+    return f"{sig[0]} ({what})" if what else sig[0]
 
 
 def recorded_history(pool: Pool) -> list | None:

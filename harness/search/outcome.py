@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.diagnose import localise as localise_mod
+from harness.judging.run_record import RunRecord
 from harness.result import CaseResult
 from harness.search import history as history_mod
 from harness.search.shrink import case_size
@@ -106,6 +107,8 @@ class FuzzOutcome:
     worst_pass_ratio: dict[str, float] = field(default_factory=dict)
     # dtype -> tensor -> worst ratio
     worst_pass_tensor: dict[str, dict[str, float]] = field(default_factory=dict)
+    # every run, shrinking included, without its tensors (the check's failure groups read them)
+    seen: list[RunRecord] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:

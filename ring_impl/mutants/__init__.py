@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ring_impl.mutants import (
+    by_feature,
     calls,
     comm,
     grads,
@@ -63,6 +64,9 @@ _ALL = [
     calls.inputs_assumed_contiguous,
     calls.dout_assumed_contiguous,
     calls.qk_product_in_input_dtype,
+    by_feature.steps_rounded_to_power_of_two,
+    by_feature.uneven_split_crash_from_three,
+    by_feature.last_rank_own_block_unmasked,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

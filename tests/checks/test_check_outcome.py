@@ -1,4 +1,4 @@
-"""What a failing check tells the user: one saved file per distinct failure (the rest counted),
+"""What a failing check tells the user: one saved file per failure group (the rest counted),
 --maxfail / -x as in pytest, and a last line that states what the exit status means."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from harness.commands.cli import main
 LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: every masked case fails the same few ways
 
 
-def test_one_saved_file_per_distinct_failure(tmp_path):
+def test_one_saved_file_per_failure_group(tmp_path):
     rep = ListReporter()
     res = check(
         CheckOptions(
@@ -40,8 +40,13 @@ def test_one_saved_file_per_distinct_failure(tmp_path):
     assert sum("same failure as" in line for line in rep.lines) == len(failing) - len(res.distinct)
     assert (
         rep.lines[-1].startswith("check FAILED (exit 1): battery ")
-        and "distinct failure(s)" in rep.lines[-1]
+        and f"{len(res.groups)} failure group(s)" in rep.lines[-1]
     )
+    # one group per cause, each listing its saved file, its shared-feature line first
+    assert len(res.groups) == len(res.distinct) >= 1
+    assert {p for g in res.groups for p in g.saved} == {str(p) for p, _ in res.distinct.values()}
+    block = rep.lines.index(next(x for x in rep.lines if " failure group" in x and "(one per" in x))
+    assert rep.lines[block + 1].lstrip().startswith("1. fails ")
 
 
 def test_maxfail_stops_the_check(tmp_path):

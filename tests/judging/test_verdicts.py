@@ -128,7 +128,19 @@ def test_a_failure_signature_names_what_makes_two_failures_the_same_bug():
         checks=[_check("out", True), _check("dk", False)],
         leak=LeakCheck(queries=[1], hidden_keys=[2], leaks=[{"tensor": "dk"}]),
     )
-    assert failure_signature(wrong) == ("silent-corruption", "dk", "leak")
+    # the cause, not the tensors: a leak is the forward's mask
+    assert failure_signature(wrong) == ("silent-corruption", "forward")
+    grads = CaseResult(
+        case=c, impl="x", verdict=Verdict.SILENT_CORRUPTION, checks=[_check("dk", False)]
+    )
+    assert failure_signature(grads) == ("silent-corruption", "backward")
+    both = CaseResult(
+        case=c,
+        impl="x",
+        verdict=Verdict.SILENT_CORRUPTION,
+        checks=[_check("out", False), _check("dk", False)],
+    )
+    assert failure_signature(both) == ("silent-corruption", "forward")
     # a fail-stop is its root cause's exception type, not the errors it caused on the other ranks
     errors = {0: "ConnectionError: peer closed", 1: "RuntimeError: boom"}
     root = {"root_cause": [1]}

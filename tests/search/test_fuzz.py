@@ -249,19 +249,20 @@ def _two_bug_result(c) -> CaseResult:
 
 
 def test_each_signature_is_found_saved_and_shrunk_on_its_own(tmp_path):
-    """Shrinking never slips from one failure to another: bug A stays a W >= 3 causal `out`
-    failure (its head_dim cannot reach 1, where it would fail dq too), bug B is found and shrunk
-    separately."""
+    """Shrinking never slips from one cause to another: bug A stays a W >= 3 causal forward
+    failure (at head_dim 1 it fails dq too: still its cause), bug B (dq alone, the backward) is
+    found and shrunk separately."""
     out = fuzz.fuzz("fake", run=_two_bug_result, save_dir=tmp_path, max_examples=300)
     by_sig = {b.signature.what: b for b in out.bugs}
-    assert {("out",), ("dq",)} <= set(by_sig), [b.signature.label() for b in out.bugs]
-    a, b = by_sig[("out",)], by_sig[("dq",)]
+    # two causes: a wrong forward (out) and gradients alone (dq)
+    assert {("forward",), ("backward",)} <= set(by_sig), [b.signature.label() for b in out.bugs]
+    a, b = by_sig[("forward",)], by_sig[("backward",)]
     assert (a.shrunk.case.world_size, a.shrunk.case.mask.kind, a.shrunk.case.total_len) == (
         3,
         "causal",
         3,
     )
-    assert a.shrunk.case.head_dim == 2 and {c.tensor for c in a.shrunk.failed_checks()} == {"out"}
+    assert a.shrunk.case.head_dim == 1 and "out" in {c.tensor for c in a.shrunk.failed_checks()}
     assert (b.shrunk.case.world_size, b.shrunk.case.head_dim) == (1, 1)
     assert {c.tensor for c in b.shrunk.failed_checks()} == {"dq"}
     for bug in out.bugs:  # each failure its own found and shrunk file, with its signature
@@ -301,14 +302,16 @@ def test_a_planted_two_failure_ring_shrinks_to_both_failures(tmp_path):
             strategy=toy,
         )
     by_sig = {b.signature.what: b for b in out.bugs}
-    assert {("leak",), ("dq",)} <= set(by_sig), [b.signature.label() for b in out.bugs]
-    leak, dq = by_sig[("leak",)].shrunk, by_sig[("dq",)].shrunk
+    # a leak is the forward's mask; dq alone, the backward
+    assert {("forward",), ("backward",)} <= set(by_sig), [b.signature.label() for b in out.bugs]
+    leak, dq = by_sig[("forward",)].shrunk, by_sig[("backward",)].shrunk
     assert leak.case.mask.kind != "none" and leak.leak is not None and not leak.leak.passed
-    assert not leak.failed_checks()  # the leak alone: every tensor within its tolerance
+    # the leak's cause may shrink onto head_dim 1, where dq fails too: still the leak's cause
+    assert {c.tensor for c in leak.failed_checks()} <= {"dq"}
     assert leak.case.world_size == 1 and leak.case.total_len == 2, leak.case.summary()
     assert [c.tensor for c in dq.failed_checks()] == ["dq"] and dq.case.head_dim == 1
     assert (dq.case.world_size, dq.case.mask.kind) == (1, "none"), dq.case.summary()
-    for bug in (by_sig[("leak",)], by_sig[("dq",)]):
+    for bug in (by_sig[("forward",)], by_sig[("backward",)]):
         assert (bug.reference_verdict, bug.second_verdict, bug.disagreement) == (
             "pass",
             "pass",
@@ -335,7 +338,7 @@ def test_a_shrunk_failure_that_the_second_implementation_shares_is_a_harness_dis
     c = case_mod.make_case(world_size=2, total_len=6, heads_q=1, heads_kv=1, head_dim=4, seed=3)
     with RankPool(2) as pool:
         out = fuzz.fuzz("reference", pool, save_dir=tmp_path, strategy=st.just(c), max_examples=5)
-    assert out.found is not None and out.bugs[0].signature.what == ("dv",)
+    assert out.found is not None and out.bugs[0].signature.what == ("backward",)
     assert out.reference_verdict is None and out.second_verdict == "silent-corruption"
     assert out.disagreement
     data = case_mod.load(out.shrunk_path)[1]["result"]

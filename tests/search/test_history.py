@@ -181,5 +181,5 @@ def test_sequence_shrinking_keeps_the_history_and_the_failure(pool):
         and seq.steps[0].case == seq.last
         and history.outcome(found.seq_result) != "pass"
     )
-    assert history.outcome(found.seq_result).startswith("silent-corruption (dk")
+    assert history.outcome(found.seq_result).startswith("silent-corruption (backward: dk")
     assert (seq.last.world_size, seq.last.total_len, seq.last.head_dim) < (2, 9, 8)

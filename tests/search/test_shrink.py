@@ -1,6 +1,6 @@
-"""Greedy shrinking keeps the failure's signature: a candidate that fails differently is a different
-failure, recorded on its own and never the shrink target; signatures map to distinct exception
-types."""
+"""Greedy shrinking keeps the failure's signature (its cause): a candidate that fails for another
+cause is a different failure, recorded on its own and never the shrink target; signatures map to
+distinct exception types."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def _result(c, bad: set[str]) -> CaseResult:
 
 
 def _two_bugs(c) -> CaseResult | None:
-    """A causality leak on causal cases with W >= 2 (and a wrong dk); a dq-only false alarm on any
-    case of at most 2 tokens, a smaller region that the leak's shrinking passes through."""
+    """A causality leak on causal cases with W >= 2 (and a wrong dk); a crash on any case of at
+    most 2 tokens, a smaller region that the leak's shrinking passes through."""
+    if c.total_len <= 2:
+        return CaseResult(case=c, impl="planted", verdict="fail-stop", errors={0: "ValueError: x"})
     bad = {"dk", "leak"} if c.mask.kind == "causal" and c.world_size >= 2 else set()
-    bad |= {"dq"} if c.total_len <= 2 else set()
     r = _result(c, bad)
     return None if r.passed else r
 
@@ -41,13 +42,10 @@ def _two_bugs(c) -> CaseResult | None:
 def test_signature_of_a_result():
     c = make_case(world_size=2, total_len=8, mask={"kind": "causal"})
     sig = Signature.of(_result(c, {"dk", "leak"}))
-    assert (
-        sig.impl == "planted" and sig.verdict == "silent-corruption" and sig.what == ("dk", "leak")
-    )
-    assert (
-        sig.label() == "silent-corruption: dk, leak" and sig.slug() == "silent-corruption-dk+leak"
-    )
-    assert Signature.of(_result(c, {"dk", "leak"})) == sig != Signature.of(_result(c, {"dq"}))
+    assert sig.impl == "planted" and sig.verdict == "silent-corruption" and sig.what == ("forward",)
+    assert sig.label() == "silent-corruption: forward" and sig.slug() == "silent-corruption-forward"
+    # one cause whatever the tensors; a gradient-only failure is another
+    assert Signature.of(_result(c, {"out"})) == sig != Signature.of(_result(c, {"dq"}))
 
 
 def test_each_signature_is_its_own_exception_type():
@@ -63,12 +61,11 @@ def test_greedy_shrinking_keeps_the_signature_and_records_the_other_failure():
     )
     others: dict = {}
     best, tried = shrink(first, _two_bugs, others=others)
-    # still the leak (with dk), never the dq false alarm
+    # still the leak (with dk), never the crash
     assert Signature.of(best) == Signature.of(first)
     assert (best.case.world_size, best.case.total_len, best.case.mask.kind) == (2, 3, "causal")
-    # the 2-token candidate fails both ways: another signature, recorded (smallest) and not shrunk
-    # into
-    assert list(others) == [Signature("planted", ("silent-corruption", "dk", "dq", "leak"))]
+    # the 2-token candidate crashes: another signature, recorded (smallest) and not shrunk into
+    assert list(others) == [Signature("planted", ("fail-stop", "ValueError"))]
     assert next(iter(others.values())).case.total_len == 2
 
 
@@ -79,4 +76,4 @@ def test_without_signatures_the_shrink_slips_to_the_other_failure():
         make_case(world_size=4, total_len=40, mask={"kind": "causal"}, heads_q=2, heads_kv=2)
     )
     best, _ = shrink(first, _two_bugs, signature=lambda r: Signature(r.impl, ("failed",)))
-    assert best.case.total_len <= 2 and "dq" in {c.tensor for c in best.failed_checks()}
+    assert best.case.total_len <= 2 and best.verdict == "fail-stop"

@@ -14,6 +14,7 @@ from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, Check
 from harness.context import Capabilities
 from harness.faults.schema import make_fault
 from harness.impls.capabilities import adapt
+from harness.judging.run_record import record_of
 from harness.judging.verdicts import fault_ok
 from harness.result import Verdict
 from harness.runner import run_case
@@ -99,6 +100,22 @@ def _cases(check: Check, kinds: tuple[str, ...]) -> list[Case]:
     return [c for c in cases if c.world_size >= lo]
 
 
+def _clean_cause(check: Check, c: Case) -> tuple[str, ...] | None:
+    """The same case without its faults: its signature when it fails too, else None.
+
+    A ring that fails without faults is not racy: its faulted failure belongs to that failure's
+    group (harness.checks.groups). One run, about the ring's own time.
+    """
+    opts = check.opts
+    r = run_case(c.replace(faults=()), check.pool, opts.impl, allow_import=opts.allow_import)
+    rec = record_of(r, "fault-free re-run")
+    check.outcome.clean_reruns.append(rec)
+    if rec.passed:
+        return None
+    check.reporter(f"        the same case without faults fails too: {r.verdict} ({rec.cause[-1]})")
+    return rec.cause
+
+
 def run(check: Check) -> bool:
     """Run the fault stage into `check.outcome`. True: the check stops at one of its failures."""
     opts, out = check.opts, check.reporter
@@ -122,7 +139,7 @@ def run(check: Check) -> bool:
                 out(f"        -> {r.detail[:300]}")
             else:
                 out(f"        -> {r.verdict}, expected pass")
-            check.save_failure(r)
+            check.save_failure(r, cause=_clean_cause(check, c))
             if check.record_failure(name, r):
                 n, failing = len(check.outcome.fault_results), len(check.outcome.failures)
                 return check.stop(f"stopped at fault stage case {n} ({failing} failing)")

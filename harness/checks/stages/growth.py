@@ -306,6 +306,9 @@ def growth_check(
     )
     figures = any(c.worst for c in res.cases)
     verdict = "pass" if figures else "no figure (runs did not complete)"
+    if res.skipped:
+        # a run failed on its own: the growth figures that came before it are no verdict
+        verdict = "stopped, no verdict (a run failed on its own: see the failure groups)"
     if not res.passed:
         verdict = f"FAIL ({len(res.failures)} case(s))"
     figure = f"; worst x{worst[2]:.2f} ({worst[1]} at W{worst[0]}, {worst[3]})" if worst else ""

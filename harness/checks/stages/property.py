@@ -15,8 +15,8 @@ from harness.checks.options import CheckOptions
 from harness.checks.progress import FuzzProgress
 from harness.checks.report import Reporter
 from harness.diagnose import localise
-from harness.result import CaseResult, Verdict
-from harness.search import fuzz, strategies
+from harness.result import Verdict
+from harness.search import explore, fuzz, strategies
 
 if TYPE_CHECKING:
     from harness.checks.check import Check
@@ -38,8 +38,7 @@ def run(check: Check) -> bool:
     """
     outcome = check.outcome
     before, t0 = outcome.cases, check.elapsed()
-    failed = [r for r in outcome.results if not r.passed]
-    p = outcome.prop = run_property(check.opts, check.pool, failed, reporter=check.reporter)
+    p = outcome.prop = run_property(check.opts, check.pool, reporter=check.reporter)
     outcome.cases += p.examples
     if p.found is not None:
         check.record_failure(name, p.found, p.shrunk)
@@ -49,13 +48,11 @@ def run(check: Check) -> bool:
     return False
 
 
-def run_property(
-    opts: CheckOptions, pool, failed: list[CaseResult] = (), reporter: Reporter | None = None
-) -> fuzz.FuzzOutcome:
+def run_property(opts: CheckOptions, pool, reporter: Reporter | None = None) -> fuzz.FuzzOutcome:
     """The property-based part of `check`, with progress and a report.
 
-    With opts.plot, it writes heatmaps of the shrunk failure. When the search found none, it plots
-    the first failed battery case instead (`failed`).
+    With opts.plot, it writes heatmaps of each cause's shrunk failure. The other stages plot their
+    saved failures as they save them (harness.checks.check).
     """
     out_line = reporter or report.out
     impl, allow_import, backend = opts.impl, opts.allow_import, pool.backend
@@ -93,15 +90,15 @@ def run_property(
             progress=bar,
             impl_version=version,
             backend=backend,
+            explore_examples=explore.EXAMPLES,
         )
     out_line(f"property-based: profile {out.profile}, seed {out.seed}{seed_note}")
     for line in outcome_lines(out):
         out_line(line)
     paths: list[Path] = []
-    if opts.plot and out.localisation is not None and out.localisation.blocks:
-        paths = plot(out.localisation, opts.plot, out.shrunk_path.stem)
-    elif opts.plot and failed:
-        paths = plot_result(failed[0], pool, opts.plot, f"battery-{failed[0].case.key()}")
+    for bug in out.bugs if opts.plot else ():
+        if bug.localisation is not None and bug.localisation.blocks:
+            paths += plot(bug.localisation, opts.plot, bug.shrunk_path.stem)
     for p in paths:
         out_line(f"        heatmap {p}")
     return out
@@ -123,7 +120,7 @@ def outcome_lines(out: fuzz.FuzzOutcome) -> list[str]:
         f"{out.first_failure_s:.1f} s"
     )
     which = (
-        f" (of {len(out.bugs)} distinct failures, the one that shrank smallest)"
+        f" (of {len(out.bugs)} failure causes, the one that shrank smallest)"
         if len(out.bugs) > 1
         else ""
     )
@@ -190,9 +187,3 @@ def plot(loc: localise.Localisation, directory: str | Path, stem: str) -> list[P
     from harness.diagnose.plot import heatmaps
 
     return heatmaps(loc, directory, stem)
-
-
-def plot_result(r: CaseResult, pool, directory: str | Path, stem: str) -> list[Path]:
-    """Localise one failing result with probes and write its heatmaps."""
-    loc = localise.localise(r, pool)
-    return plot(loc, directory, stem) if loc.blocks else []

@@ -10,7 +10,7 @@ The public Python API is re-exported here. The imports are lazy, so a rank proce
 
 - One call for your own tests: `assert_ring_close(impl, case=None)`.
 - Checks: `check`, `replay`, `selftest`, `fault_battery`, each with its options dataclass.
-  `Reporter` says where their lines go.
+  `Reporter` says where their lines go. `profile(*impls)`: does a ring keep its promises.
 - Your own adapter: `Impl`, `Capabilities`, `RunContext`. Your own cases: `Case`, `make_case`.
 - Results: `CaseResult`, `Verdict`. Errors: `HarnessError` for bad input, `RingHarnessError` the
   root.
@@ -43,6 +43,7 @@ _EXPORTS = {
     "RingHarnessError": "harness.errors",
     "run_case": "harness.runner",
     "assert_ring_close": "harness.checks.assertion",
+    "profile": "harness.profiling.report",
 }
 __all__ = sorted(_EXPORTS)
 

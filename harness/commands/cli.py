@@ -30,6 +30,10 @@ COMMANDS = {
         "harness.commands.bench",
         "benchmark the harness and the reference ring (ratios, targets, MET/MISSED)",
     ),
+    "profile": (
+        "harness.commands.profile",
+        "does a ring keep its promises: memory O(n/W), bytes at the minimum, overlap",
+    ),
 }
 
 

@@ -107,6 +107,9 @@ class Interposer:
         self.pending_path = pending_path
         self.down: set[tuple] = set()  # (group, peer, tag) channels a drop took down
         self.orig = originals()
+        # ("post" | "wait" | "done", op index, phase, seconds) in program order, when `profile`
+        # listens (harness.ranks.instrument); None otherwise
+        self.events: list[tuple] | None = None
         if pending_path and os.path.exists(pending_path):
             overwrite(pending_path, "")  # blanked in place: cheaper than unlink + create per case
 
@@ -134,6 +137,8 @@ class Interposer:
         self._check_watch()
         op = Op(len(self.ops), kind, direction, peer, nbytes(tensors), self.phase)
         self.ops.append(op)
+        if self.events is not None:
+            self.events.append(("post", op.index, self.phase, time.perf_counter()))
         hits, hold = self.schedule.select(op, direction)
         return op, hits, hold
 
@@ -313,6 +318,8 @@ class Interposer:
         scheduled."""
         if fw.done:
             return True
+        if self.events is not None:
+            self.events.append(("wait", fw.op.index, self.phase, time.perf_counter()))
         self._stretch()
         self._check_watch()
         self.flush()
@@ -349,6 +356,8 @@ class Interposer:
             )
         fw.done = True
         op.state = "done"
+        if self.events is not None:
+            self.events.append(("done", op.index, self.phase, time.perf_counter()))
         self.pending.pop(op.index, None)
         for fn in fw.after:
             fn()
@@ -366,6 +375,13 @@ class Interposer:
             pass
 
     # -- results -----------------------------------------------------------------------------------
+    def note_functional(self, kind: str, nbytes: int) -> int:
+        """Log a functional collective (torch's `_c10d_functional` ops, which skip the Python calls
+        this interposer wraps); `profile` sees them in its dispatch mode. Returns its op index."""
+        op = Op(len(self.ops), kind, "collective", None, nbytes, self.phase, state="done")
+        self.ops.append(op)
+        return op.index
+
     def report(self) -> dict:
         """Which faults fired (fault id -> times), send-buffer violations, ops still pending."""
         return {

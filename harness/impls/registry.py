@@ -249,7 +249,10 @@ def _resolve_mutant(name: str) -> Impl:
     try:
         return mutant(name)
     except KeyError:
-        known = ", ".join(n.partition(":")[2] for n in mutant_names())
+        from harness.impls.adapters.reference import profile_mutant_names
+
+        names = mutant_names() + profile_mutant_names()
+        known = ", ".join(n.partition(":")[2] for n in names)
         raise ImplError(f"unknown mutant {name!r}; known: {known}") from None
 
 

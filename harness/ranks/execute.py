@@ -27,6 +27,7 @@ from harness.faults import interpose, schema
 from harness.impls import registry
 from harness.impls.adapters._common import kernel_label
 from harness.oracle import shares
+from harness.ranks import instrument
 from harness.ranks.protocol import (
     DIVERGED,
     ERROR,
@@ -378,10 +379,14 @@ def handle_case(
         kernel = kernel_label(impls[spec])
         if kernel:
             reply["kernel"] = kernel
-        with interpose.active(ip):
-            reply.update(
-                run_on_rank(case, impls[spec], group, device, msg.get("leak", True), ip.set_phase)
-            )
+        profile = bool(msg.get("profile", False))
+        watch = instrument.profiled(ip, device) if profile else contextlib.nullcontext(None)
+        with interpose.active(ip), watch as measured:
+            # a profiled call runs once: no leak run
+            leak = msg.get("leak", True) and not profile
+            reply.update(run_on_rank(case, impls[spec], group, device, leak, ip.set_phase))
+        if measured is not None:
+            reply["profile"] = measured
         reply["status"] = OK
     except ShapeError as e:
         reply.update(status=DIVERGED, error=_error_text(e), error_time=time.time())

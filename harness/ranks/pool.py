@@ -225,6 +225,7 @@ class RankPool:
         allow_import: bool = False,
         leak: bool = True,
         whole_world: bool = False,
+        profile: bool = False,
     ) -> LocalTicket:
         """Send a case to every rank, restarting the pool if needed. The deadline starts now.
 
@@ -240,6 +241,7 @@ class RankPool:
             impl=impl or case.impl,
             allow_import=allow_import,
             leak=leak,
+            profile=profile,
             case_id=self._case_id,
             fresh_group=self.fresh_group and not restarted,
         )

@@ -87,6 +87,8 @@ class RunMessage(_RunRequired, total=False):
 
     # build new process groups first (the last case raised mid-ring); local pool only
     fresh_group: bool
+    # `ring-harness profile`: log compute between comm ops and the peak memory; no leak run
+    profile: bool
 
 
 class _OracleRequired(TypedDict):
@@ -164,6 +166,8 @@ class ResultMessage(_ResultRequired, total=False):
     traceback: str  # error: the tail of the traceback
     comm: list[list]  # op log, one [kind, peer, bytes, phase, state] per call (not for idle)
     faults: FaultReport  # not for idle
+    # profile: "events" (harness.profiling.measure.RankProfile), "start", "peak_bytes"
+    profile: dict[str, Any]
 
 
 class _OracleResultRequired(TypedDict):
@@ -252,9 +256,11 @@ class Pool(Protocol[TicketT]):
         allow_import: bool = False,
         leak: bool = True,
         whole_world: bool = False,
+        profile: bool = False,
     ) -> TicketT:
         """Start `case` on every rank (the case's own impl unless `impl`); the deadline starts now.
-        `whole_world`: the implementation needs the ring to be every rank of the pool."""
+        `whole_world`: the implementation needs the ring to be every rank of the pool. `profile`:
+        each rank also measures the call (harness.ranks.instrument)."""
         ...
 
     def collect(self, ticket: TicketT) -> PoolReply:

@@ -129,6 +129,7 @@ class TorchrunPool:
         allow_import: bool = False,
         leak: bool = True,
         whole_world: bool = False,
+        profile: bool = False,
     ) -> TorchrunTicket:
         """Broadcast the case and run rank 0's share of it now (under the case's watchdog)."""
         self.ensure(case.pool_size, exact=whole_world)
@@ -139,6 +140,7 @@ class TorchrunPool:
             impl=impl or case.impl,
             allow_import=allow_import,
             leak=leak,
+            profile=profile,
             case_id=self._case_id,
         )
         self._broadcast(msg)

@@ -80,6 +80,14 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     "--rdzv-id ring-harness-1 -m harness check --launcher torchrun --world-size 16 --impl "
     "ring-flash-attn-zigzag": ("skip: two GPU nodes", None, None),
     "ring-harness impls": ("fast", 0, None),
+    # the README's all-gather ring is O(n): exit 1 (tests/profiling/test_profile.py asserts the
+    # verdict itself); run at W <= 4 and without the straggler timing, to stay cheap
+    "ring-harness profile --impl myring:my_ring --impl reference --trace profile/": (
+        "fast",
+        1,
+        "ring-harness profile --impl myring:my_ring --impl reference --trace profile/ "
+        "--max-world-size 4 --straggler 0",
+    ),
     # no GPU here: both are refused in one line, exit 2 (tests/commands/test_gpu_check.py runs the
     # script on CPU)
     "ring-harness check --device cuda --world-size 8": ("fast", 2, None),

@@ -61,10 +61,18 @@ def mutant_names() -> list[str]:
     return [MUTANT_PREFIX + n for n in MUTANTS]
 
 
+def profile_mutant_names() -> list[str]:
+    """`mutant:NAME` for the mutants of `profile` (ring_impl.mutants.profile): right numbers."""
+    from ring_impl.mutants.profile import PROFILE_MUTANTS
+
+    return [MUTANT_PREFIX + n for n in PROFILE_MUTANTS]
+
+
 def mutant(name: str) -> Impl:
     """The bug variant `mutant:NAME` (or bare NAME) wrapped exactly like the reference; KeyError if
-    unknown."""
+    unknown. The profile mutants resolve too; selftest never lists them."""
     from ring_impl.mutants import MUTANTS
+    from ring_impl.mutants.profile import PROFILE_MUTANTS
 
     short = name.removeprefix(MUTANT_PREFIX)
-    return wrap(MUTANTS[short], MUTANT_PREFIX + short)
+    return wrap({**MUTANTS, **PROFILE_MUTANTS}[short], MUTANT_PREFIX + short)

@@ -1,0 +1,68 @@
+"""One profiled call on the ranks: each rank's event stream, op log and peak live bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.case import Case
+from harness.errors import HarnessError
+from harness.ranks.protocol import IDLE, OK, Pool
+from harness.runner import needs_whole_world
+
+
+@dataclass
+class RankProfile:
+    """What one rank measured: events in program order, its op log, its peak live tensor bytes.
+
+    An event is ("post" | "wait" | "done", op index, phase, seconds) or ("compute", flops, phase,
+    seconds); seconds are perf_counter readings, `start` the first. An op log entry is [kind, peer,
+    bytes, phase, state] (harness.faults.oplog).
+    """
+
+    rank: int
+    events: list[list]
+    ops: list[list]
+    peak_bytes: int
+    start: float = 0.0
+
+
+@dataclass
+class CallProfile:
+    """Every ring rank's profile of one call of `impl` on `case`."""
+
+    case: Case
+    impl: str
+    ranks: list[RankProfile] = field(default_factory=list)
+
+
+def profile_call(case: Case, pool: Pool, impl: str, *, allow_import: bool = False) -> CallProfile:
+    """Run `case` once on every rank, instrumented. A call that raises, hangs or dies is no profile:
+    HarnessError names the rank and what happened (`check` says whether the ring is right)."""
+    ticket = pool.submit(
+        case,
+        impl,
+        allow_import=allow_import,
+        leak=False,
+        whole_world=needs_whole_world(impl),
+        profile=True,
+    )
+    reply = pool.collect(ticket)
+    stuck = {**reply.hung, **reply.dead}
+    if stuck:
+        rank, why = min(stuck.items())
+        raise HarnessError(f"{impl}: rank {rank} did not finish the profiled call: {why[:200]}")
+    out = CallProfile(case, impl)
+    for rank, msg in sorted(reply.replies.items()):
+        if msg.get("status") == IDLE:
+            continue
+        if msg.get("status") != OK or "profile" not in msg:
+            error = msg.get("error", msg.get("status"))
+            raise HarnessError(
+                f"{impl}: rank {rank} failed the profiled call ({case.summary()}): {error}; "
+                "profile measures a ring that works: run `ring-harness check` first"
+            )
+        p = msg["profile"]
+        out.ranks.append(
+            RankProfile(rank, p["events"], msg.get("comm", []), p["peak_bytes"], p["start"])
+        )
+    return out

@@ -1,0 +1,110 @@
+"""`ring-harness profile`: each promise's verdict on rings whose answer is known.
+
+The reference keeps every promise. Each profile mutant (ring_impl.mutants.profile) returns the
+reference's numbers and breaks one promise, and the README's all-gather ring gathers K/V. About 15 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.commands.cli import main
+from harness.profiling import timeline
+from harness.profiling.overlap import PhaseOverlap
+from harness.profiling.report import profile_ring
+from harness.profiling.traffic import wire_bytes
+
+POOL_SIZE = 4  # ranks of the module's `pool` (tests/conftest.py): W = 1, 2, 4
+TOKENS = 32
+
+
+def _profile(pool, impl: str, allow_import: bool = False):
+    return profile_ring(impl, pool, tokens_per_rank=TOKENS, allow_import=allow_import)
+
+
+def test_the_reference_keeps_every_promise(pool):
+    p = _profile(pool, "reference")
+    assert p.kept and p.broken() == []
+    assert p.memory.verdict == "O(n/W)" and p.memory.held_copies < 0.1
+    assert sorted(p.memory.peaks) == [1, 2, 4] and p.world_size == 4
+    fwd, bwd = p.traffic["forward"], p.traffic["backward"]
+    assert fwd.ratio == pytest.approx(1.0) and bwd.ratio == pytest.approx(1.0)
+    assert (fwd.messages, fwd.hops) == (3, 3) and fwd.rounds <= fwd.hops
+    assert {o.verdict for o in p.overlap.values()} == {"overlapped"}
+    assert p.overlap["forward"].hidden == p.overlap["forward"].receives == 12
+    # causal work: the contiguous layout loads the last rank, zigzag and striped even it out
+    assert p.balance["contiguous"] > 1.4 and p.balance["zigzag"] == pytest.approx(1.0, abs=0.05)
+    # the timeline: a valid trace-event file, a track per rank, and its Gantt chart
+    data = timeline.trace(p.call)
+    assert timeline.valid(data) == []
+    assert {"compute", "wait", "post"} <= {e.get("cat") for e in data["traceEvents"]}
+    assert {e["pid"] for e in data["traceEvents"]} == {0, 1, 2, 3}
+    assert timeline.valid({"traceEvents": [{"ph": "X", "name": "a"}]})  # the validator bites
+
+
+def test_a_ring_that_waits_before_computing_is_named(pool):
+    p = _profile(pool, "mutant:wait-before-compute")
+    assert not p.kept and p.memory.kept
+    assert {o.verdict for o in p.overlap.values()} == {"waits before computing"}
+    assert all(t.ratio == pytest.approx(1.0) for t in p.traffic.values())
+
+
+def test_k_and_v_in_separate_unbatched_hops_are_named(pool):
+    p = _profile(pool, "mutant:split-unbatched-hops")
+    fwd = p.traffic["forward"]
+    assert (fwd.messages, fwd.rounds, fwd.hops) == (6, 6, 3) and not fwd.kept
+    assert fwd.ratio == pytest.approx(1.0)  # the same bytes, twice the messages
+    assert "2.0 a hop" in fwd.line() and not p.kept
+
+
+def test_rings_that_gather_k_and_v_are_o_of_n(pool, tmp_path):
+    p = _profile(pool, "mutant:all-gather-kv")
+    assert p.memory.verdict == "O(n): gathers K/V" and p.memory.held_copies >= 1.0
+    assert p.overlap["forward"].verdict == "waits before computing" and not p.kept
+    # the README's own example ring (torch's differentiable all_gather), from its own directory
+    from tests.commands.test_readme_commands import my_ring_example
+
+    (tmp_path / "myring.py").write_text(my_ring_example())
+    argv = ["--max-world-size", "4", "--tokens-per-rank", str(TOKENS), "--impl", "myring:my_ring"]
+    run = subprocess.run(
+        [sys.executable, "-m", "harness", "profile", *argv, "--json", "out.json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    (mine,) = json.loads((tmp_path / "out.json").read_text())["rings"]
+    assert mine["memory"]["verdict"] == "O(n): gathers K/V" and mine["broken"][0].startswith(
+        "memory"
+    )
+
+
+def test_verdict_rules_without_ranks():
+    assert PhaseOverlap("forward").verdict == "no communication"
+    assert PhaseOverlap("forward", receives=4, hidden=1).verdict == "partly overlapped"
+    assert PhaseOverlap("forward", receives=4, hidden=2).verdict == "overlapped"
+    # a ring algorithm's bytes for a collective whose input is 100 bytes, W = 4
+    assert [wire_bytes(k, 100, 4) for k in ("all_gather", "reduce_scatter", "all_reduce")] == [
+        300,
+        75,
+        150,
+    ]
+
+
+def test_the_command_exits_1_naming_the_ring_that_breaks_a_promise(capsys, tmp_path):
+    """The command end to end at W <= 2: the table, the straggler line, the trace files, exit 1."""
+    argv = ["profile", "--max-world-size", "2", "--tokens-per-rank", "16", "--straggler", "3"]
+    argv += ["--impl", "reference", "--impl", "mutant:wait-before-compute"]
+    code = main([*argv, "--trace", str(tmp_path), "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert code == 1 and "mutant:wait-before-compute break(s) a promise" in out
+    assert "straggler at W2 (reported, not judged; noisy below ~100 ms): one rank x3" in out
+    assert (tmp_path / "reference.trace.json").exists()
+    rings = json.loads((tmp_path / "p.json").read_text())["rings"]
+    assert [r["kept"] for r in rings] == [True, False]
+    assert main(["profile", "--tokens-per-rank", "0"]) == 2

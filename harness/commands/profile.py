@@ -12,7 +12,8 @@ from harness.checks import report
 from harness.errors import HarnessError
 from harness.profiling import timeline
 from harness.profiling.report import TOKENS_PER_RANK, WORLD_SIZES, profile_ring, table
-from harness.ranks.launch import open_pool  # the command shares one pool across rings
+from harness.ranks.launch import open_pool
+from harness.search.failures import slug  # the command shares one pool across rings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,8 +70,7 @@ def run(args: argparse.Namespace) -> int:
             for line in ring.lines():
                 report.out(line)
             if args.trace and ring.call is not None:
-                stem = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-                for path in timeline.write(ring.call, args.trace, stem):
+                for path in timeline.write(ring.call, args.trace, slug(name)):
                     report.out(f"    wrote {path}")
     for line in table(rings):
         report.out(line)

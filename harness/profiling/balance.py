@@ -22,7 +22,8 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 SHAPE = dict(heads_q=2, heads_kv=2, head_dim=32, batch=1, dtype="fp32", seed=7)
 
 
-def _case(impl: str, w: int, tokens: int, layout: str, mask: str) -> Case:
+def profile_case(impl: str, w: int, tokens: int, layout: str, mask: str) -> Case:
+    """The one shape every profiled call uses: an even split of `tokens` a rank, fp32."""
     return make_case(
         world_size=w,
         total_len=tokens * w,
@@ -40,7 +41,7 @@ def work_balance(
     caps = registry.resolve(impl, allow_import=allow_import).capabilities
     out = {}
     for layout in LAYOUTS:
-        c = adapt(caps, _case(impl, w, tokens, layout, "causal"))
+        c = adapt(caps, profile_case(impl, w, tokens, layout, "causal"))
         if c is None or c.layout != layout or c.mask.kind != "causal":
             continue
         call = profile_call(c, pool, impl, allow_import=allow_import)
@@ -76,7 +77,7 @@ def straggler(
 ) -> tuple[float, float]:
     """(median plain seconds, median seconds with rank W - 1 `factor` times slower in compute)."""
     caps = registry.resolve(impl, allow_import=allow_import).capabilities
-    plain = adapt(caps, _case(impl, w, tokens, "contiguous", "none"))
+    plain = adapt(caps, profile_case(impl, w, tokens, "contiguous", "none"))
     if plain is None:
         return float("nan"), float("nan")
     slow = plain.replace(faults=(make_fault("straggler", rank=w - 1, factor=factor),))

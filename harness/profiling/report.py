@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.case import Case, make_case
+from harness.case import Case
 from harness.errors import HarnessError
 from harness.impls import registry
 from harness.impls.capabilities import adapt
@@ -19,11 +19,9 @@ from harness.profiling.memory import MemoryClass, kv_token_bytes
 from harness.profiling.overlap import PhaseOverlap, overlap
 from harness.profiling.traffic import PhaseTraffic, traffic
 from harness.ranks.protocol import Pool
-from ring_impl.masks import MaskSpec
 
 WORLD_SIZES = (1, 2, 4, 8)
 TOKENS_PER_RANK = 64
-SHAPE = dict(heads_q=2, heads_kv=2, head_dim=32, batch=1)
 
 
 @dataclass
@@ -105,16 +103,7 @@ def plan(impl: str, pool_size: int, tokens_per_rank: int, allow_import: bool) ->
     for w in WORLD_SIZES:
         if not lo <= w <= min(hi, pool_size):
             continue
-        c = make_case(
-            world_size=w,
-            total_len=tokens_per_rank * w,
-            layout="contiguous",
-            mask=MaskSpec("none"),
-            dtype="fp32",
-            seed=7,
-            impl=impl,
-            **SHAPE,
-        )
+        c = balance.profile_case(impl, w, tokens_per_rank, "contiguous", "none")
         adapted = adapt(caps, c)
         if adapted is not None and adapted.world_size == w:
             out.append(adapted)

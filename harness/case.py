@@ -125,7 +125,9 @@ def make_case(total_len: int | None = None, **fields: Any) -> Case:
 # -- dict / YAML -----------------------------------------------------------------------------
 
 CASE_KEYS = {f.name for f in dataclasses.fields(Case)}
-FILE_KEYS = CASE_KEYS | {"format", "total_len", "result", "note", "expect"}
+# impl_version: the library release a case needs (a bug at the version it shipped in,
+# ci/historical). The suite skips the case under any other release.
+FILE_KEYS = CASE_KEYS | {"format", "total_len", "result", "note", "expect", "impl_version"}
 # What replaying a saved case must give, stated once (the pytest plugin's corpus items and
 # `replay`): - pass (the default): a saved failure is a regression test: it fails while the bug is
 # there and passes once it is fixed; the recorded `result:` is history, shown when it fails; -
@@ -178,6 +180,10 @@ def from_dict(d: Any) -> Case:
     if d.get("expect", "pass") not in EXPECT:
         raise HarnessError(
             f"case field 'expect': must be one of {', '.join(EXPECT)}, got {d.get('expect')!r}"
+        )
+    if not isinstance(d.get("impl_version", ""), str):
+        raise HarnessError(
+            f"case field 'impl_version': must be a quoted release string, got {d['impl_version']!r}"
         )
     fmt = d.get("format", FORMAT)
     if fmt != FORMAT:

@@ -372,6 +372,13 @@ class CaseItem(pytest.Item):
             pytest.skip(f"{self.path.name}: {e}")
         except registry.ImplError as e:  # an unknown name
             raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
+        needs = None if given else case_mod.load(self.path)[1].get("impl_version")
+        installed = registry.resolve(impl, allow_import=allow_import).version if needs else None
+        if needs and installed != needs:
+            pytest.skip(
+                f"{self.path.name}: needs {impl} at release {needs} (installed: {installed}); "
+                "ci/historical/run.py installs it"
+            )
         # its own: as recorded (probe findings too)
         missing = unsupported(caps, case) if impl != case.impl else []
         if missing:

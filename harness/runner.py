@@ -44,14 +44,15 @@ _BASELINES_MAX = 64
 
 
 @functools.lru_cache(maxsize=64)
-def needs_whole_world(impl: str) -> bool:
+def needs_whole_world(impl: str, allow_import: bool = False) -> bool:
     """Whether an implementation declares that it cannot run inside a subgroup.
 
-    Its ring must then be global ranks 0..W-1, so the pool is sized exactly W. A name that does not
-    resolve says False, and the worker reports the real error.
+    Its ring must then be global ranks 0..W-1, so the pool is sized exactly W. A user's ring, a
+    module path, is read when `allow_import`. A name that does not resolve says False, and the
+    worker reports the real error.
     """
     try:
-        return not registry.resolve(impl, allow_import=False).capabilities.subgroups
+        return not registry.resolve(impl, allow_import=allow_import).capabilities.subgroups
     except Exception:
         return False
 
@@ -120,7 +121,11 @@ def run_case(
     baseline = baseline_for(case, pool, name, allow_import) if case.faults else None
     t_submit = time.perf_counter()
     ticket = pool.submit(
-        case, name, allow_import=allow_import, leak=leak, whole_world=needs_whole_world(name)
+        case,
+        name,
+        allow_import=allow_import,
+        leak=leak,
+        whole_world=needs_whole_world(name, allow_import),
     )
     t0 = time.perf_counter()
     threads = torch.get_num_threads()

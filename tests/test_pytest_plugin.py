@@ -65,6 +65,18 @@ def test_a_case_whose_extra_is_missing_is_skipped_naming_it_unless_its_ring_is_g
     assert "cannot run on te-cp-p2p" in given.stdout.str() and "Traceback" not in given.stdout.str()
 
 
+def test_a_case_for_another_release_of_its_library_is_skipped_naming_both(pytester):
+    """A real bug's case (ci/historical) replays only at the release it was found in. Under any
+    other release the suite skips it, naming the release it needs and the one installed (#44)."""
+    text = case_mod.dumps(make_case(world_size=2, total_len=4), expect="reproduce")
+    pytester.makefile(".yaml", old=text + 'impl_version: "0.0.1"\n')
+    res = pytester.runpytest("-p", "no:randomly", "--ring-cases", str(pytester.path), "-rs")
+    res.assert_outcomes(skipped=1)
+    out = res.stdout.str()
+    installed = registry.resolve("reference").version
+    assert f"needs reference at release 0.0.1 (installed: {installed})" in out, out
+
+
 def test_cases_saved_against_a_buggy_ring_run_on_the_fixed_one_given_by_ring_impl(pytester, pool):
     """`pytest --ring-cases DIR --ring-impl mypkg:fixed` runs (and passes) what was saved against
     mypkg:buggy; on the buggy ring the same cases fail; a case the given ring does not declare

@@ -113,7 +113,9 @@ class Check:
         if not self.resolved.declared:
             self.reporter(f"note: {opts.impl} {BARE_FUNCTION_NOTE}")
         self.preflight()
-        ranks = f"{pool.backend} ranks ({opts.launcher}, {pool.size} ranks{placement_text(pool)})"
+        ranks = (
+            f"{pool.backend} ranks ({opts.launcher}, {pool.capacity} ranks{placement_text(pool)})"
+        )
         if opts.shape is not None:
             self.reporter(f"ring-harness check --shape: impl {opts.impl}, {ranks}")
             shape.run(self)
@@ -121,7 +123,7 @@ class Check:
         cases, too_big = battery.fitting(self)
         if too_big:
             self.reporter(
-                f"skipping {too_big} case(s) that need more than the {pool.size} ranks started"
+                f"skipping {too_big} case(s) that need more than the {pool.capacity} ranks started"
             )
         self.reporter(f"ring-harness check: {len(cases)} cases, impl {opts.impl}, {ranks}")
         self.mark = time.perf_counter()
@@ -142,7 +144,7 @@ class Check:
         """
         opts = self.opts
         c = adapt(self.caps, make_case(impl=opts.impl, **PREFLIGHT))
-        if c is None or c.pool_size > self.pool.size:
+        if c is None or c.pool_size > self.pool.capacity:
             return None
         if opts.deadline is not None:
             c = c.replace(deadline_s=opts.deadline)

@@ -26,6 +26,22 @@ def outcome_json(res: CheckOutcome) -> dict:
         "faults": [r.to_dict() for r in res.fault_results],
         "growth": None if res.growth is None else res.growth.to_dict(),
         "property": None if res.prop is None else property_json(res.prop),
+        "first_failure": first_failure_json(res),
+    }
+
+
+def first_failure_json(res: CheckOutcome) -> dict | None:
+    """The check's first failing case: its stage, count and time. None when nothing failed."""
+    if not res.failures:
+        return None
+    f = min(res.failures, key=lambda x: x.seconds)
+    r = f.result
+    return {
+        "stage": f.stage,
+        "cases": f.cases,
+        "seconds": round(f.seconds, 1),
+        "verdict": r.verdict,
+        "case": r.case.summary(),
     }
 
 

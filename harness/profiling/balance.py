@@ -54,7 +54,11 @@ def work_balance(
 def _call_seconds(c: Case, pool: Pool, impl: str, allow_import: bool) -> float:
     """The slowest rank's forward + backward seconds of one plain (unprofiled) call."""
     ticket = pool.submit(
-        c, impl, allow_import=allow_import, leak=False, whole_world=needs_whole_world(impl)
+        c,
+        impl,
+        allow_import=allow_import,
+        leak=False,
+        whole_world=needs_whole_world(impl, allow_import),
     )
     reply = pool.collect(ticket)
     times = [

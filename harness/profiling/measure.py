@@ -43,7 +43,7 @@ def profile_call(case: Case, pool: Pool, impl: str, *, allow_import: bool = Fals
         impl,
         allow_import=allow_import,
         leak=False,
-        whole_world=needs_whole_world(impl),
+        whole_world=needs_whole_world(impl, allow_import),
         profile=True,
     )
     reply = pool.collect(ticket)

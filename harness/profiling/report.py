@@ -3,6 +3,7 @@
 Each ring runs the same cases: the contiguous layout, no mask (every block is computed, so nothing
 confounds overlap), fp32, an even split of `tokens_per_rank` tokens, at W = 1, 2, 4, 8 as declared
 and as the ranks allow. Memory reads every W. Traffic and overlap read the largest W up to 4.
+The length sweep (memory.LengthSweep) runs the two largest W again at 2 and 4 times the tokens.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from harness.impls import registry
 from harness.impls.capabilities import adapt
 from harness.profiling import balance, timeline
 from harness.profiling.measure import CallProfile, profile_call
-from harness.profiling.memory import MemoryClass, kv_token_bytes
+from harness.profiling.memory import LengthSweep, MemoryClass, kv_token_bytes
 from harness.profiling.overlap import PhaseOverlap, overlap
 from harness.profiling.traffic import PhaseTraffic, traffic
 from harness.ranks.protocol import Pool
 
 WORLD_SIZES = (1, 2, 4, 8)
 TOKENS_PER_RANK = 64
+LENGTHS = (1, 2, 4)  # the length sweep's tokens a rank, in multiples of `tokens_per_rank`
 
 
 @dataclass
@@ -46,8 +48,8 @@ class RingProfile:
     def broken(self) -> list[str]:
         """The promises it breaks, in words."""
         out = []
-        if self.memory is not None and not self.memory.kept:
-            out.append(f"memory {self.memory.verdict}")
+        if self.memory is not None:
+            out += self.memory.broken()
         out += [f"{t.phase} traffic: {t.line()}" for t in self.traffic.values() if not t.kept]
         out += [f"{o.phase}: {o.verdict}" for o in self.overlap.values() if not o.kept]
         return out
@@ -56,6 +58,8 @@ class RingProfile:
         out = [f"{self.impl}: {'keeps' if self.kept else 'BREAKS'} ring attention's promises"]
         if self.memory is not None:
             out.append(f"    {self.memory.line()}")
+            if self.memory.length is not None:
+                out.append(f"    {self.memory.length.line()}")
         w = f"at W{self.world_size}"
         out += [f"    traffic {w}: {t.line()}" for t in self.traffic.values()]
         out += [f"    overlap {w}: {o.line()}" for o in self.overlap.values()]
@@ -78,13 +82,7 @@ class RingProfile:
             "impl": self.impl,
             "kept": self.kept,
             "broken": self.broken(),
-            "memory": None
-            if self.memory is None
-            else {
-                "verdict": self.memory.verdict,
-                "peaks": self.memory.peaks,
-                "held_copies": self.memory.held_copies,
-            },
+            "memory": None if self.memory is None else self.memory.to_json(),
             "world_size": self.world_size,
             "traffic": {p: vars(t) | {"ratio": t.ratio} for p, t in self.traffic.items()},
             "overlap": {p: vars(o) | {"verdict": o.verdict} for p, o in self.overlap.items()},
@@ -95,18 +93,23 @@ class RingProfile:
         }
 
 
+def _case(impl: str, w: int, tokens: int, allow_import: bool) -> Case | None:
+    """The profile case at W and `tokens` a rank, adapted to the ring; None if that changes W."""
+    caps = registry.resolve(impl, allow_import=allow_import).capabilities
+    c = adapt(caps, balance.profile_case(impl, w, tokens, "contiguous", "none"))
+    return c if c is not None and c.world_size == w else None
+
+
 def plan(impl: str, pool_size: int, tokens_per_rank: int, allow_import: bool) -> list[Case]:
     """The ring's cases, one per W it declares and the ranks allow."""
-    caps = registry.resolve(impl, allow_import=allow_import).capabilities
-    lo, hi = caps.world_sizes
+    lo, hi = registry.resolve(impl, allow_import=allow_import).capabilities.world_sizes
     out = []
     for w in WORLD_SIZES:
         if not lo <= w <= min(hi, pool_size):
             continue
-        c = balance.profile_case(impl, w, tokens_per_rank, "contiguous", "none")
-        adapted = adapt(caps, c)
-        if adapted is not None and adapted.world_size == w:
-            out.append(adapted)
+        c = _case(impl, w, tokens_per_rank, allow_import)
+        if c is not None:
+            out.append(c)
     if not out:
         raise HarnessError(
             f"{impl}: declares no ring size of {WORLD_SIZES} that {pool_size} ranks run"
@@ -123,19 +126,13 @@ def profile_ring(
     straggler: float = 0.0,
 ) -> RingProfile:
     """Run and judge one ring; with `straggler` > 1, also time one rank that much slower."""
-    cases = plan(impl, pool.size, tokens_per_rank, allow_import)
-    calls = [profile_call(c, pool, impl, allow_import=allow_import) for c in cases]
+    cases = plan(impl, pool.capacity, tokens_per_rank, allow_import)
     out = RingProfile(impl)
-    peaks = {c.case.world_size: max(r.peak_bytes for r in c.ranks) for c in calls}
-    # Each case runs twice. An async collective's buffer may be freed a little later on a busy
-    # host: the peak is the smaller of the two (torch's all-to-all ring varied by one K/V block).
-    # The second call is warm (its connections made), so its timeline is the one shown.
-    warm = [profile_call(c, pool, impl, allow_import=allow_import) for c in cases]
-    for again in warm:
-        peak = max(r.peak_bytes for r in again.ranks)
-        peaks[again.case.world_size] = min(peaks[again.case.world_size], peak)
+    found, warm = _peaks(cases, pool, impl, allow_import)
+    peaks = {c.world_size: p for c, p in zip(cases, found, strict=True)}
     kv = {c.world_size: kv_token_bytes(c) for c in cases}
     out.memory = MemoryClass(tokens_per_rank, peaks, kv)
+    out.memory.length = _length_sweep(impl, pool, peaks, tokens_per_rank, allow_import)
     at = [c for c in warm if c.case.world_size <= 4][-1]
     out.world_size, out.call = at.case.world_size, at
     out.traffic, out.overlap = traffic(at), overlap(at)
@@ -152,6 +149,45 @@ def profile_ring(
     return out
 
 
+def _peaks(
+    cases: list[Case], pool: Pool, impl: str, allow_import: bool
+) -> tuple[list[int], list[CallProfile]]:
+    """Each case's peak bytes per rank (the largest over ranks), and its second call.
+
+    Each case runs twice. An async collective's buffer may be freed a little later on a busy host:
+    the peak is the smaller of the two (torch's all-to-all ring varied by one K/V block). The
+    second call is warm (its connections made), so its timeline is the one shown.
+    """
+    first = [profile_call(c, pool, impl, allow_import=allow_import) for c in cases]
+    warm = [profile_call(c, pool, impl, allow_import=allow_import) for c in cases]
+    peaks = [
+        min(max(r.peak_bytes for r in a.ranks), max(r.peak_bytes for r in b.ranks))
+        for a, b in zip(first, warm, strict=True)
+    ]
+    return peaks, warm
+
+
+def _length_sweep(
+    impl: str, pool: Pool, peaks: dict[int, int], tokens: int, allow_import: bool
+) -> LengthSweep | None:
+    """The two largest W >= 2 of the W sweep again, at each of LENGTHS times `tokens` a rank.
+
+    The first length is the W sweep's own call. None below two such W, or if the ring's adapter
+    changes a case (its W or its length).
+    """
+    ws = sorted(w for w in peaks if w >= 2)[-2:]
+    if len(ws) < 2:
+        return None
+    want = [(w, k * tokens) for w in ws for k in LENGTHS[1:]]
+    cases = [_case(impl, w, t, allow_import) for w, t in want]
+    if any(c is None or c.total_len != w * t for c, (w, t) in zip(cases, want, strict=True)):
+        return None
+    found = iter(_peaks(cases, pool, impl, allow_import)[0])
+    grown = {w: [peaks[w]] + [next(found) for _ in LENGTHS[1:]] for w in ws}
+    kv = {c.world_size: kv_token_bytes(c) for c in cases}
+    return LengthSweep([k * tokens for k in LENGTHS], grown, kv)
+
+
 def _bytes_cell(p: RingProfile, phase: str) -> str:
     """'x1.00', '~x1.75' (estimated), 'none seen' (compute but no message logged) or '-'."""
     t = p.traffic.get(phase)
@@ -164,9 +200,11 @@ def _bytes_cell(p: RingProfile, phase: str) -> str:
 
 
 def table(rings: list[RingProfile]) -> list[str]:
-    """One row per ring: memory, bytes against the minimum, rounds a hop, overlap per phase."""
+    """One row per ring: memory (W sweep, length sweep), bytes against the minimum, rounds a hop,
+    overlap per phase."""
     head = (
-        f"{'ring':<28} {'memory':<18} {'fwd bytes':>9} {'bwd bytes':>9} {'rounds/hop':>10}  overlap"
+        f"{'ring':<28} {'memory':<18} {'over length':<18} {'fwd bytes':>9} {'bwd bytes':>9} "
+        f"{'rounds/hop':>10}  overlap"
     )
     rows = [head]
     for p in rings:
@@ -175,7 +213,10 @@ def table(rings: list[RingProfile]) -> list[str]:
         rounds = f"{'~' if any(t.estimated for t in p.traffic.values()) else ''}{rounds:.1f}"
         ov = ", ".join(f"{o.phase} {o.verdict}" for o in p.overlap.values()) or "-"
         mem = p.memory.verdict if p.memory else "-"
-        rows.append(f"{p.impl:<28} {mem:<18} {ratio[0]:>9} {ratio[1]:>9} {rounds:>10}  {ov}")
+        grown = p.memory.length.verdict if p.memory and p.memory.length else "-"
+        rows.append(
+            f"{p.impl:<28} {mem:<18} {grown:<18} {ratio[0]:>9} {ratio[1]:>9} {rounds:>10}  {ov}"
+        )
     return rows
 
 

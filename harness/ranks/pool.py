@@ -78,6 +78,7 @@ class RankPool:
         placement: Placement | None = None,
     ) -> None:
         self.size = size
+        self.capacity = size  # the largest size asked for: Pool.capacity
         self.backend = backend
         # the ranks' device and P2P staging (default: $RING_HARNESS_DEVICE, $RING_HARNESS_STAGE_P2P)
         self.placement = placement or Placement.from_env()
@@ -202,6 +203,7 @@ class RankPool:
         if not self.broken and fits and all(p.poll() is None for p in self.procs):
             return False
         self.size = size if exact else max(self.size, size)
+        self.capacity = max(self.capacity, self.size)
         self.start()
         return True
 

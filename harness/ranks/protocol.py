@@ -243,7 +243,10 @@ class Pool(Protocol[TicketT]):
     pytest plugin) use. `RankPool` is a `Pool[LocalTicket]`, `TorchrunPool` a
     `Pool[TorchrunTicket]`; callers treat the ticket as opaque and annotate with plain `Pool`."""
 
-    size: int  # ranks started (the largest ring a case can use)
+    size: int  # ranks running now
+    # the largest ring a case can use. A whole-world case restarts a local pool at its own size,
+    # so `size` may shrink; the checks plan their cases with `capacity`, which never does.
+    capacity: int
     backend: str  # "gloo" or "nccl"
     broken: bool  # the next submit() restarts the ranks (a rank died or hung)
     fresh_group: bool  # the next case runs on fresh process groups (the last one raised mid-ring)

@@ -86,6 +86,7 @@ class TorchrunPool:
             )
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
+        self.capacity = self.size  # torchrun's world never changes
         self.ctrl = dist.new_group(backend="gloo")
         self.groups = Groups(self.backend)
         self.impls: dict = {}

@@ -104,7 +104,7 @@ class FreshRanks:
                     name,
                     allow_import=imp,
                     leak=step.leak,
-                    whole_world=needs_whole_world(name),
+                    whole_world=needs_whole_world(name, imp),
                 )
             )
             if reply.hung or reply.dead:

@@ -137,7 +137,7 @@ def fuzz(
             return run_case(c, pool, impl, allow_import=allow_import)
 
     if strategy is None:
-        size = pool.size if pool is not None else 8
+        size = pool.capacity if pool is not None else 8
         strategy = strategies.cases(
             caps, impl=impl, pool_size=size, max_world=size, sizes=prof.sizes
         )

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import json
+
 from harness import CheckOptions, check
 from harness.checks.report import ListReporter
 from harness.commands.cli import main
 
 LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: every masked case fails the same few ways
+WHOLE_WORLD = "tests.helpers.impls:whole_world_leaky"  # the same, and its ring is the whole world
 
 
 def test_one_saved_file_per_failure_group(tmp_path):
@@ -249,3 +252,33 @@ def test_every_file_saved_for_a_history_bug_replays_its_recorded_verdict_on_fres
             f.name,
             rp.result.detail,
         )
+
+
+def test_a_whole_world_ring_is_checked_at_every_ring_size_and_the_json_names_the_first_failure(
+    tmp_path,
+):
+    """A ring that must be the whole world restarts the pool at each case's size. The check plans
+    with the pool's capacity, not its size of the moment. Before, after a W=2 case, it skipped
+    every larger case, and the property run drew W=1 and crashed (#44, ring-attention-pytorch).
+    The JSON's `first_failure` gives the stage and seconds that ci/historical tabulates."""
+    js = tmp_path / "out.json"
+    rep = ListReporter()
+    res = check(
+        CheckOptions(
+            impl=WHOLE_WORLD,
+            world_size=4,
+            max_examples=3,
+            fault_stage=(),
+            scale=False,
+            growth=False,
+            repeat=False,
+            save_dir=str(tmp_path / "saved"),
+            json=str(js),
+        ),
+        reporter=rep,
+    )
+    assert not res.passed and not any("skipping" in line for line in rep.lines), rep.lines[:3]
+    assert {r.case.world_size for r in res.results} > {2}
+    assert res.prop is not None and res.prop.examples >= 1
+    first = json.loads(js.read_text())["first_failure"]
+    assert first["stage"] == "battery" and first["seconds"] > 0 and first["cases"] >= 1

@@ -114,6 +114,17 @@ narrow = Impl(
 )
 
 
+# Ignores the mask, and declares what ring-attention-pytorch does: the ring is the whole world,
+# W >= 2. Its cases restart the pool at their own size: the check must still plan for every rank.
+whole_world_leaky = Impl(
+    "tests-whole-world-leaky",
+    _leaky,
+    capabilities=Capabilities(
+        masks=frozenset({"none", "causal"}), world_sizes=(2, 8), subgroups=False
+    ),
+)
+
+
 _STALE: dict = {}
 
 

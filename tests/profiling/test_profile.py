@@ -1,7 +1,8 @@
 """`ring-harness profile`: each promise's verdict on rings whose answer is known.
 
 The reference keeps every promise. Each profile mutant (ring_impl.mutants.profile) returns the
-reference's numbers and breaks one promise, and the README's all-gather ring gathers K/V. About 15 s.
+reference's numbers and breaks one promise, and the README's all-gather ring gathers K/V. The
+memory fit over length is tested on synthetic peaks too. About 25-50 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from harness.commands.cli import main
 from harness.profiling import timeline
+from harness.profiling.memory import UNKNOWN, LengthSweep, MemoryClass
 from harness.profiling.overlap import PhaseOverlap
 from harness.profiling.report import profile_ring
 from harness.profiling.traffic import wire_bytes
@@ -31,6 +33,9 @@ def test_the_reference_keeps_every_promise(pool):
     assert p.kept and p.broken() == []
     assert p.memory.verdict == "O(n/W)" and p.memory.held_copies < 0.1
     assert sorted(p.memory.peaks) == [1, 2, 4] and p.world_size == 4
+    grown = p.memory.length  # W = 2 and 4 at 32, 64, 128 tokens a rank
+    assert grown.verdict == "O(n/W)" and grown.held_copies < 0.1 and grown.tokens == [32, 64, 128]
+    assert grown.growth > 1.0  # its own growth (score blocks): one W's slope cannot judge it
     fwd, bwd = p.traffic["forward"], p.traffic["backward"]
     assert fwd.ratio == pytest.approx(1.0) and bwd.ratio == pytest.approx(1.0)
     assert (fwd.messages, fwd.hops) == (3, 3) and fwd.rounds <= fwd.hops
@@ -64,6 +69,8 @@ def test_k_and_v_in_separate_unbatched_hops_are_named(pool):
 def test_rings_that_gather_k_and_v_are_o_of_n(pool, tmp_path):
     p = _profile(pool, "mutant:all-gather-kv")
     assert p.memory.verdict == "O(n): gathers K/V" and p.memory.held_copies >= 1.0
+    assert p.memory.length.verdict == "O(n): gathers K/V" and p.memory.length.held_copies >= 1.0
+    assert p.broken()[:2] == ["memory O(n): gathers K/V", "memory over length O(n): gathers K/V"]
     assert p.overlap["forward"].verdict == "waits before computing" and not p.kept
     # the README's own example ring (torch's differentiable all_gather), from its own directory
     from tests.commands.test_readme_commands import my_ring_example
@@ -82,6 +89,7 @@ def test_rings_that_gather_k_and_v_are_o_of_n(pool, tmp_path):
     assert mine["memory"]["verdict"] == "O(n): gathers K/V" and mine["broken"][0].startswith(
         "memory"
     )
+    assert mine["memory"]["length"]["verdict"] == "O(n): gathers K/V"
 
 
 def test_verdict_rules_without_ranks():
@@ -96,6 +104,36 @@ def test_verdict_rules_without_ranks():
     ]
 
 
+def test_the_length_fit_without_ranks():
+    """Synthetic peaks at W = 4 and 8: the part of the growth that grows with n is judged."""
+    kv, tokens = 512, [64, 128, 256]
+
+    def own(m: int, w: int) -> int:  # inputs, gradients, blocks, (n/W)^2 scores, a W constant
+        return 200_000 + 30 * kv * m + 6 * m * m + 1000 * w
+
+    def sweep(extra) -> LengthSweep:
+        return LengthSweep(
+            tokens, {w: [own(m, w) + extra(m, w) for m in tokens] for w in (4, 8)}, {4: kv, 8: kv}
+        )
+
+    ring = sweep(lambda m, w: 0)
+    assert ring.held_copies == pytest.approx(0.0) and ring.verdict == "O(n/W)"
+    assert ring.growth > 4  # one W's slope would call the ring O(n)
+    gather = sweep(lambda m, w: w * m * kv)  # a K/V copy of every global token
+    assert gather.held_copies == pytest.approx(1.0) and gather.verdict == "O(n): gathers K/V"
+    assert gather.growth == pytest.approx(ring.growth + 1.0)
+    assert "1.00 with n" in gather.line() and "W8 " in gather.line()
+    # one more block of its own K/V at the larger W: 1 / (8 - 4) copies, still O(n/W)
+    block = sweep(lambda m, w: (w == 8) * m * kv)
+    assert block.held_copies == pytest.approx(0.25) and block.verdict == "O(n/W)"
+    # edges: one ring size or one length is unknown; the length sweep alone breaks the promise
+    assert LengthSweep(tokens, {4: [1, 2, 3]}, {4: kv}).verdict == UNKNOWN
+    assert LengthSweep(tokens[:1], {4: [1], 8: [1]}, {4: kv, 8: kv}).held_copies is None
+    flat = MemoryClass(64, {4: 100_000, 8: 100_000}, {4: kv, 8: kv}, length=gather)
+    assert flat.verdict == "O(n/W)" and not flat.kept
+    assert flat.broken() == ["memory over length O(n): gathers K/V"]
+
+
 def test_the_command_exits_1_naming_the_ring_that_breaks_a_promise(capsys, tmp_path):
     """The command end to end at W <= 2: the table, the straggler line, the trace files, exit 1."""
     argv = ["profile", "--max-world-size", "2", "--tokens-per-rank", "16", "--straggler", "3"]
@@ -105,6 +143,7 @@ def test_the_command_exits_1_naming_the_ring_that_breaks_a_promise(capsys, tmp_p
     assert code == 1 and "mutant:wait-before-compute break(s) a promise" in out
     assert "straggler at W2 (reported, not judged; noisy below ~100 ms): one rank x3" in out
     assert (tmp_path / "reference.trace.json").exists()
+    assert "over length" in out  # the table's column; W <= 2 runs no length sweep: "-"
     rings = json.loads((tmp_path / "p.json").read_text())["rings"]
     assert [r["kept"] for r in rings] == [True, False]
     assert main(["profile", "--tokens-per-rank", "0"]) == 2

@@ -71,7 +71,7 @@ def unprobed(caps: Capabilities, opts: CheckOptions) -> list[str]:
 def fitting(check: Check) -> tuple[list[Case], int]:
     """(the battery's cases that fit the pool, how many do not). The check's header counts both."""
     cases, _ = plan(check.opts, check.caps)
-    fit = [c for c in cases if c.pool_size <= check.pool.size]
+    fit = [c for c in cases if c.pool_size <= check.pool.capacity]
     return fit, len(cases) - len(fit)
 
 

@@ -93,7 +93,7 @@ def _cases(check: Check, kinds: tuple[str, ...]) -> list[Case]:
         kinds,
         opts.impl,
         caps,
-        max_world=min(hi, check.pool.size),
+        max_world=min(hi, check.pool.capacity),
         deadline_s=deadline,
         dtype=opts.dtype,
     )

@@ -66,8 +66,8 @@ def run_property(opts: CheckOptions, pool, reporter: Reporter | None = None) -> 
     strategy = strategies.cases(
         caps,
         impl=impl,
-        pool_size=pool.size,
-        max_world=pool.size,
+        pool_size=pool.capacity,
+        max_world=pool.capacity,
         deadline_s=opts.deadline or 60.0,
         sizes=prof.sizes if opts.scale else None,
         model_calls=opts.model_calls,

@@ -39,10 +39,12 @@ def run(check: Check) -> bool:
     cases = plan(opts, caps)
     if not cases:
         return False
-    fit = [c for c in cases if c.pool_size <= pool.size]
+    fit = [c for c in cases if c.pool_size <= pool.capacity]
     if len(fit) < len(cases):
         n = len(cases) - len(fit)
-        out(f"scale stage: skipping {n} case(s) that need more than the {pool.size} ranks started")
+        out(
+            f"scale stage: skipping {n} case(s) that need more than the {pool.capacity} ranks started"
+        )
     tiles = ", ".join(map(str, caps.tiles))
     out(
         f"scale stage: {len(fit)} cases at training sizes (kernel tiles {tiles}: local lengths "

@@ -74,9 +74,10 @@ class SequenceParallelMpu:
 def init_deepspeed(group: object) -> None:
     """DeepSpeed's comm over the existing process group, with the ring as its SP group.
 
-    The op compatibility table is set empty, so no CPU all-reduce op gets JIT-compiled.
+    The comm ops are marked incompatible, so no CPU all-reduce op gets JIT-compiled.
     That compile takes minutes and would rendezvous every world rank, hanging subgroups.
     Ulysses needs only all_to_all_single. Why: docs/third-party.md, `deepspeed-ulysses`.
+    Releases differ: 0.16 reads the table's entry and finds the shm op compatible.
     """
     import deepspeed
     import deepspeed.comm as dc
@@ -84,7 +85,10 @@ def init_deepspeed(group: object) -> None:
     import torch.distributed as dist
     from deepspeed.utils import groups
 
-    if "__compatible_ops__" not in vars(deepspeed.ops):
+    ops = vars(deepspeed.ops).get("__compatible_ops__")
+    if isinstance(ops, dict):  # read at each init: mark the comm ops (shm, ccl) off in place
+        ops.update({name: False for name in ops if name.endswith("_comm")})
+    else:
         deepspeed.ops.__compatible_ops__ = {}
     if not dc.is_initialized():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)

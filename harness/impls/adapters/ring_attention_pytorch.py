@@ -2,12 +2,17 @@
 
 The adapter permutes the query heads to the library's GQA convention and folds our softmax scale
 into q. It declares what the library can run: fp32 only, equal shards, no subgroup, W >= 2.
+Releases before 0.5 take equal head counts only, and keep their rank helpers in `ring`, not
+`distributed`: the adapter reads the installed release (ci/historical runs 0.2.10 and 0.2.11).
 docs/third-party.md says how each argument is mapped, and why.
 """
 
 from __future__ import annotations
 
+import importlib
+import re
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -54,26 +59,39 @@ def library_args(ctx: RunContext, local_len: int) -> dict:
     }
 
 
+def release(version: str) -> tuple[int, ...]:
+    """'0.2.10' -> (0, 2, 10): enough to order this library's releases."""
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
 def make(name: str) -> Impl:
     """The adapter. It imports the library, and raises ImportError when it is not installed."""
     caps = variant(VARIANTS, name).capabilities
-    # its beartype hints warn on import (PEP 585 deprecations)
+    version = installed_version("ring-attention-pytorch")
+    old = release(version) < (0, 5)
+    if old:  # before 0.5: q, k and v with the same heads
+        caps = replace(caps, gqa=False)
+    # its beartype hints warn on import (PEP 585 deprecations); old ones use torch.cuda.amp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        from ring_attention_pytorch import distributed as lib_dist
+        warnings.simplefilter("ignore", FutureWarning)
         from ring_attention_pytorch import ring_flash_attn
+
+        lib_dist = importlib.import_module(
+            "ring_attention_pytorch." + ("ring" if old else "distributed")
+        )
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: RunContext) -> torch.Tensor:
         require_supported(name, ctx, caps, q, k)
         require_whole_world(name, ctx)
         # its rank / world size are lru-cached on first use; read them fresh for this process group
-        lib_dist.get_rank.cache_clear()
-        lib_dist.get_world_size.cache_clear()
+        for helper in ("get_rank", "get_world_size", "is_distributed"):
+            fn = getattr(lib_dist, helper, None)
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
         kv_heads = k.shape[2]
         qs = grouped_to_tiled(q * q_prescale(ctx.softmax_scale, q.shape[-1]), kv_heads)
         out = ring_flash_attn(qs, k, v, **library_args(ctx, q.shape[1]))
         return tiled_to_grouped(out, kv_heads)
 
-    return Impl(
-        name=name, run=run, capabilities=caps, version=installed_version("ring-attention-pytorch")
-    )
+    return Impl(name=name, run=run, capabilities=caps, version=version)

@@ -369,6 +369,9 @@ class CaseItem(pytest.Item):
         except registry.MissingDependency as e:
             if given or registry.extra_of(impl) is None:
                 raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
+            needs = case_mod.load(self.path)[1].get("impl_version")
+            if needs:  # the latest release would not run it either
+                e = f"{e}; this case needs release {needs}: ci/historical/run.py installs it"
             pytest.skip(f"{self.path.name}: {e}")
         except registry.ImplError as e:  # an unknown name
             raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None

@@ -87,9 +87,24 @@ def load_bugs(path: Path = BUGS) -> list[Bug]:
 
 
 def env_dir(bug: Bug, version: str, cache: Path) -> Path:
-    """The virtualenv of one release: named by the package, the version and a hash of the pins."""
-    pins = hashlib.sha1(" ".join(sorted(bug.pins)).encode()).hexdigest()[:8]
-    return cache.expanduser() / f"{bug.package}-{version}-{pins}"
+    """The virtualenv of one release: named by the package, the version and a hash of the pins
+    and of the base environment it stacks on, so two checkouts never share one."""
+    key = " ".join([*sorted(bug.pins), sysconfig.get_paths()["purelib"]])
+    return (
+        cache.expanduser() / f"{bug.package}-{version}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    )
+
+
+def base_problem() -> str:
+    """Why this interpreter cannot be the base ('' when it can): torch and ring-harness must import."""
+    for module in ("torch", "harness", "yaml"):
+        try:
+            __import__(module)
+        except ImportError as e:
+            return (
+                f"{sys.executable} cannot import {module} ({e}): run it in the README's environment"
+            )
+    return ""
 
 
 def ensure_env(bug: Bug, version: str, cache: Path) -> Path:
@@ -118,6 +133,13 @@ def ensure_env(bug: Bug, version: str, cache: Path) -> Path:
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 raise RuntimeError(f"pip install {' '.join(what)}: {done.stderr.strip()[-300:]}")
+    # ready only when the adapter is: `ring-harness impls` lists it as such
+    impls = subprocess.run(
+        [py, "-m", "harness", "impls"], capture_output=True, text=True, env=_env(bug), cwd=ROOT
+    )
+    row = next((x for x in impls.stdout.splitlines() if x.split()[:1] == [bug.impl]), "")
+    if " ready " not in row:
+        raise RuntimeError(f"{bug.impl} not runnable in {d}: {row or impls.stderr.strip()[-300:]}")
     (d / ".ready").write_text(" ".join([f"{bug.package}=={version}", *bug.pins]) + "\n")
     return d
 
@@ -132,6 +154,10 @@ def run_check(bug: Bug, version: str, a: argparse.Namespace) -> CheckRun:
     With `a.reuse`, a check already run into `a.out` is read back, not run again.
     """
     run = CheckRun(version=version)
+    print(
+        f"{bug.package} {version}: virtualenv, then `ring-harness check --impl {bug.impl}`",
+        flush=True,
+    )
     try:
         d = ensure_env(bug, version, a.cache)
     except (RuntimeError, subprocess.CalledProcessError) as e:
@@ -157,7 +183,7 @@ def run_check(bug: Bug, version: str, a: argparse.Namespace) -> CheckRun:
             except subprocess.TimeoutExpired:
                 run.problem = f"the check passed its {a.timeout:.0f} s limit (log: {log})"
         run.wall_s = time.perf_counter() - t0
-        if run.exit not in (0, 1) and not run.problem:
+        if (run.exit not in (0, 1) or not js.exists()) and not run.problem:
             run.problem = f"exit {run.exit}: {_last_line(log)}"
         meta.write_text(
             json.dumps({"exit": run.exit, "wall_s": run.wall_s, "problem": run.problem})
@@ -251,7 +277,12 @@ HEADER = [
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Bug ids: ci/historical/bugs.yaml. The cache may also be set by "
+        "$RING_HARNESS_HISTORICAL_CACHE.",
+    )
     p.add_argument(
         "--only", action="append", help="a bug id of ci/historical/bugs.yaml (repeatable)"
     )
@@ -265,6 +296,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    problem = base_problem()
+    if problem:
+        print(f"historical: {problem}")
+        return 2
     bugs = load_bugs()
     unknown = set(a.only or []) - {b.id for b in bugs}
     if unknown:
@@ -281,13 +316,17 @@ def main(argv: list[str] | None = None) -> int:
             if key not in checks:
                 checks[key] = run_check(b, v, a)
             runs.append(checks[key])
+        print(f"{b.id}: replaying {b.case} at {b.buggy} and {b.fixed}", flush=True)
         row = Row(b, *runs, replay(b, b.buggy, a), replay(b, b.fixed, a))
         bad_rows += not (row.found and row.fixed)
         lines.append("| " + " | ".join(c.replace("|", "/") for c in row.cells()) + " |")
-        print(lines[-1], flush=True)
+        verdict = (
+            f"{'found' if row.found else 'NOT FOUND'}, {'fixed' if row.fixed else 'NOT FIXED'}"
+        )
+        print(f"{b.id}: {verdict}", flush=True)
     wall = time.perf_counter() - t0
     lines.append(f"\n{len(bugs)} bug(s), {bad_rows} not found-then-fixed; wall {wall:.0f} s")
-    print(lines[-1])
+    print("\n".join(lines))
     if a.table:
         a.table.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 1 if bad_rows else 0

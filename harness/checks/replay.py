@@ -9,6 +9,7 @@ restarted first) and its last case is judged and compared with the record."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,10 +48,30 @@ class Replay:
     hash_note: str = ""
     localisation: object | None = None  # harness.diagnose.localise.Localisation of a failing replay
     sequence: int = 0  # cases in a sequence file (0: a single case)
+    recorded_errors: dict = field(default_factory=dict)  # rank -> the recorded one-line error
 
     @property
     def verdict_reproduced(self) -> bool:
-        return self.recorded_verdict is None or self.result.verdict == self.recorded_verdict
+        """The recorded verdict again, and for a raising ring an error of a recorded class.
+
+        A fail-stop from an import error is not the recorded RuntimeError (#44: a release that
+        needs an environment variable to import).
+        """
+        if self.recorded_verdict is None:
+            return True
+        if self.result.verdict != self.recorded_verdict:
+            return False
+        was, now = error_classes(self.recorded_errors), error_classes(self.result.errors)
+        return not was or not now or bool(was & now)
+
+
+def error_classes(errors: dict) -> set[str]:
+    """The exception class names that start the one-line errors ('RuntimeError: ...')."""
+    found = (
+        re.match(r"([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)):", str(e))
+        for e in errors.values()
+    )
+    return {m.group(1) for m in found if m}
 
 
 def compare_hashes(recorded: dict, result: CaseResult) -> tuple[int, list[str]]:
@@ -92,6 +113,7 @@ def replay_on(
         result=res,
         recorded_verdict=recorded.get("verdict") if impl in (None, case.impl) else None,
         sequence=n,
+        recorded_errors=dict(recorded.get("errors") or {}),
     )
     if out.recorded_verdict is not None and recorded.get("hashes"):
         out.hashes_compared, out.hash_mismatches = compare_hashes(recorded["hashes"], res)
@@ -321,6 +343,12 @@ def _verdict_line(rp: Replay) -> str:
         return f"verdict: {r.verdict}"
     if rp.verdict_reproduced:
         return f"verdict: {r.verdict}: reproduces the recorded verdict"
+    if r.verdict == rp.recorded_verdict:
+        was, now = error_classes(rp.recorded_errors), error_classes(r.errors)
+        return (
+            f"verdict: {r.verdict}: does NOT reproduce the recorded error "
+            f"(recorded {', '.join(sorted(was))}; now {', '.join(sorted(now))})"
+        )
     return f"verdict: {r.verdict}: does NOT reproduce the recorded verdict {rp.recorded_verdict}"
 
 

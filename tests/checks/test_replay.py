@@ -151,3 +151,24 @@ def test_hashes_must_match_only_on_the_torch_and_cpu_platform_they_were_recorded
     assert "not recorded" in hash_note({"torch": here["torch"]})
     assert "information only" in hash_note({**here, "torch": "0.0"})
     assert cpu_platform().count(" ") >= 2  # architecture, vendor, torch's CPU capability
+
+
+def test_a_fail_stop_of_another_exception_class_does_not_reproduce():
+    """A recorded RuntimeError replayed as an import's IndexError is not the bug again (#44:
+    yunchang 0.6.3.post1 without TORCH_CUDA_ARCH_LIST). Messages may differ; the class may not."""
+    from harness.case import make_case
+    from harness.checks.replay import Replay, error_classes
+    from harness.result import CaseResult, Verdict
+
+    recorded = {0: "RuntimeError: expected 14, got 13 (at graph.py:979)", 1: "RuntimeError: x"}
+    assert error_classes(recorded) == {"RuntimeError"}
+
+    def replay(errors: dict) -> Replay:
+        r = CaseResult(case=make_case(), impl="x", verdict=Verdict.FAIL_STOP, errors=errors)
+        return Replay(result=r, recorded_verdict="fail-stop", recorded_errors=recorded)
+
+    assert replay({0: "RuntimeError: other words", 1: "died (signal 6)"}).verdict_reproduced
+    assert not replay(
+        {0: "IndexError: list index out of range (at cpp_extension.py)"}
+    ).verdict_reproduced
+    assert replay({0: "died (signal 6)"}).verdict_reproduced  # no class to compare

@@ -249,16 +249,14 @@ def growth_check(
     """
     start = time.perf_counter()
     res = GrowthOutcome(impl=opts.impl)
-    worlds, plans = (
-        planned if planned is not None else plan(caps, pool.capacity, opts.dtype, opts.impl)
-    )
+    size = pool.capacity
+    worlds, plans = planned if planned is not None else plan(caps, size, opts.dtype, opts.impl)
     res.world_sizes = worlds
     if not plans:
         res.skipped = (
             "needs fp16 or bf16 (rounding to fp32 is exact)"
             if len(worlds) >= 2
-            else f"needs two ring sizes of {WORLD_SIZES} (declared {caps.world_sizes}, "
-            f"pool {pool.capacity})"
+            else f"needs two ring sizes of {WORLD_SIZES} (declared {caps.world_sizes}, pool {size})"
         )
         reporter(f"growth check: skipped ({res.skipped})")
         return res

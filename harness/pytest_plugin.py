@@ -353,7 +353,8 @@ class CaseItem(pytest.Item):
         from harness.impls import registry
         from harness.impls.capabilities import feature_words, unsupported
 
-        case, _ = case_mod.load(self.path)
+        case, data = case_mod.load(self.path)
+        needs = data.get("impl_version")  # the library release a historical case needs
         given = self.config.getoption("--ring-impl")
         impl = given or case.impl
         if registry.is_module_path(impl) and not given:
@@ -365,22 +366,20 @@ class CaseItem(pytest.Item):
             )
         allow_import = registry.is_module_path(impl)
         try:
-            caps = registry.resolve(impl, allow_import=allow_import).capabilities
+            resolved = registry.resolve(impl, allow_import=allow_import)
         except registry.MissingDependency as e:
             if given or registry.extra_of(impl) is None:
                 raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
-            needs = case_mod.load(self.path)[1].get("impl_version")
             if needs:  # the latest release would not run it either
                 e = f"{e}; this case needs release {needs}: ci/historical/run.py installs it"
             pytest.skip(f"{self.path.name}: {e}")
         except registry.ImplError as e:  # an unknown name
             raise CaseReplayFailed(f"cannot run on {impl}: {e}") from None
-        needs = None if given else case_mod.load(self.path)[1].get("impl_version")
-        installed = registry.resolve(impl, allow_import=allow_import).version if needs else None
-        if needs and installed != needs:
+        caps = resolved.capabilities
+        if needs and not given and resolved.version != needs:
             pytest.skip(
-                f"{self.path.name}: needs {impl} at release {needs} (installed: {installed}); "
-                "ci/historical/run.py installs it"
+                f"{self.path.name}: needs {impl} at release {needs} "
+                f"(installed: {resolved.version}); ci/historical/run.py installs it"
             )
         # its own: as recorded (probe findings too)
         missing = unsupported(caps, case) if impl != case.impl else []

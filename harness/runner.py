@@ -57,6 +57,25 @@ def needs_whole_world(impl: str, allow_import: bool = False) -> bool:
         return False
 
 
+def submit(
+    pool: Pool,
+    case: Case,
+    impl: str,
+    *,
+    allow_import: bool = False,
+    leak: bool = True,
+    profile: bool = False,
+) -> object:
+    """Start `case` on the pool's ranks, whole-world when the ring declares it must be.
+
+    Every caller goes through here, so a user's ring (`allow_import`) is read the same way.
+    """
+    whole = needs_whole_world(impl, allow_import)
+    return pool.submit(
+        case, impl, allow_import=allow_import, leak=leak, whole_world=whole, profile=profile
+    )
+
+
 def baseline_for(case: Case, pool: Pool, impl: str, allow_import: bool = False) -> dict | None:
     """The cached fault-free run of a case whose faults must not change results.
 
@@ -120,13 +139,7 @@ def run_case(
     check_memory(case, mode)
     baseline = baseline_for(case, pool, name, allow_import) if case.faults else None
     t_submit = time.perf_counter()
-    ticket = pool.submit(
-        case,
-        name,
-        allow_import=allow_import,
-        leak=leak,
-        whole_world=needs_whole_world(name, allow_import),
-    )
+    ticket = submit(pool, case, name, allow_import=allow_import, leak=leak)
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(oracle_threads(case.world_size))

@@ -15,7 +15,7 @@ from harness.impls import registry
 from harness.impls.capabilities import adapt
 from harness.profiling.measure import profile_call
 from harness.ranks.protocol import OK, Pool
-from harness.runner import needs_whole_world
+from harness.runner import submit
 from ring_impl.masks import MaskSpec
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -53,13 +53,7 @@ def work_balance(
 
 def _call_seconds(c: Case, pool: Pool, impl: str, allow_import: bool) -> float:
     """The slowest rank's forward + backward seconds of one plain (unprofiled) call."""
-    ticket = pool.submit(
-        c,
-        impl,
-        allow_import=allow_import,
-        leak=False,
-        whole_world=needs_whole_world(impl, allow_import),
-    )
+    ticket = submit(pool, c, impl, allow_import=allow_import, leak=False)
     reply = pool.collect(ticket)
     times = [
         m["timings"]["forward_s"] + m["timings"]["backward_s"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from harness.case import Case
 from harness.errors import HarnessError
 from harness.ranks.protocol import IDLE, OK, Pool
-from harness.runner import needs_whole_world
+from harness.runner import submit
 
 
 @dataclass
@@ -38,14 +38,7 @@ class CallProfile:
 def profile_call(case: Case, pool: Pool, impl: str, *, allow_import: bool = False) -> CallProfile:
     """Run `case` once on every rank, instrumented. A call that raises, hangs or dies is no profile:
     HarnessError names the rank and what happened (`check` says whether the ring is right)."""
-    ticket = pool.submit(
-        case,
-        impl,
-        allow_import=allow_import,
-        leak=False,
-        whole_world=needs_whole_world(impl, allow_import),
-        profile=True,
-    )
+    ticket = submit(pool, case, impl, allow_import=allow_import, leak=False, profile=True)
     reply = pool.collect(ticket)
     stuck = {**reply.hung, **reply.dead}
     if stuck:

@@ -79,7 +79,7 @@ class FreshRanks:
         member's own. `allow_import(name)` says whether a module path may be imported, by default
         never.
         """
-        from harness.runner import _BASELINES, baseline_for, needs_whole_world, run_case
+        from harness.runner import _BASELINES, baseline_for, run_case, submit
 
         pool = self._restart(seq.pool_size)
         self.runs += 1
@@ -98,15 +98,7 @@ class FreshRanks:
                 _BASELINES.pop((last_name, plain.key()), None)
                 baseline_for(last.case, pool, last_name, imp)
                 continue
-            reply = pool.collect(
-                pool.submit(
-                    step.case,
-                    name,
-                    allow_import=imp,
-                    leak=step.leak,
-                    whole_world=needs_whole_world(name, imp),
-                )
-            )
+            reply = pool.collect(submit(pool, step.case, name, allow_import=imp, leak=step.leak))
             if reply.hung or reply.dead:
                 return None
         return run_case(

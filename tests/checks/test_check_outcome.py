@@ -13,19 +13,18 @@ LEAKY = "tests.helpers.impls:leaky"  # ignores the mask: every masked case fails
 WHOLE_WORLD = "tests.helpers.impls:whole_world_leaky"  # the same, and its ring is the whole world
 
 
+def battery_only(impl: str, save_dir, **more) -> CheckOptions:
+    """The battery alone at W = 2: no property run, fault stage, scale stage, growth or repeat."""
+    base = dict(
+        world_size=2, max_examples=0, fault_stage=(), scale=False, growth=False, repeat=False
+    )
+    return CheckOptions(impl=impl, save_dir=str(save_dir), **{**base, **more})
+
+
 def test_one_saved_file_per_failure_group(tmp_path):
     rep = ListReporter()
     res = check(
-        CheckOptions(
-            impl=LEAKY,
-            world_size=2,
-            max_examples=0,
-            fault_stage=(),
-            scale=False,
-            growth=False,
-            repeat=False,
-            save_dir=str(tmp_path),
-        ),
+        battery_only(LEAKY, tmp_path),
         reporter=rep,
     )
     failing = [r for r in res.results if not r.passed]
@@ -55,17 +54,7 @@ def test_one_saved_file_per_failure_group(tmp_path):
 def test_maxfail_stops_the_check(tmp_path):
     rep = ListReporter()
     res = check(
-        CheckOptions(
-            impl=LEAKY,
-            world_size=2,
-            max_examples=0,
-            fault_stage=(),
-            scale=False,
-            growth=False,
-            repeat=False,
-            save_dir=str(tmp_path),
-            maxfail=2,
-        ),
+        battery_only(LEAKY, tmp_path, maxfail=2),
         reporter=rep,
     )
     assert len(res.failures) == 2 and sum(not r.passed for r in res.results) == 2
@@ -264,17 +253,7 @@ def test_a_whole_world_ring_is_checked_at_every_ring_size_and_the_json_names_the
     js = tmp_path / "out.json"
     rep = ListReporter()
     res = check(
-        CheckOptions(
-            impl=WHOLE_WORLD,
-            world_size=4,
-            max_examples=3,
-            fault_stage=(),
-            scale=False,
-            growth=False,
-            repeat=False,
-            save_dir=str(tmp_path / "saved"),
-            json=str(js),
-        ),
+        battery_only(WHOLE_WORLD, tmp_path / "saved", world_size=4, max_examples=3, json=str(js)),
         reporter=rep,
     )
     assert not res.passed and not any("skipping" in line for line in rep.lines), rep.lines[:3]

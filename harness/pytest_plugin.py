@@ -414,7 +414,7 @@ def _session_pool(session: pytest.Session):
     """Case items share one pool per pytest process, closed when the session ends."""
     pool = getattr(session, "_ring_harness_pool", None)
     if pool is None:
-        from harness.checks.options import placement_of
+        from harness.ranks.backend import placement_of
         from harness.ranks.pool import RankPool
 
         opt = session.config.getoption

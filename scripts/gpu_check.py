@@ -36,6 +36,7 @@ from gpu_check_plan import Step, plan
 from gpu_check_steps import (
     PY,
     env_facts,
+    group_alive,
     probe_collectives,
     probe_one,
     run_cases,
@@ -110,19 +111,32 @@ def run_step(step: Step, out: Path, left_s: float) -> Outcome:
             except subprocess.TimeoutExpired:
                 signal_group(p, signal.SIGKILL)
                 rc = p.wait()
-        signal_group(p, signal.SIGKILL)  # anything the step left in its group
+        # anything the step left in its group: reported, then killed
+        left = not timed_out and group_alive(p)
+        signal_group(p, signal.SIGKILL)
     secs = time.monotonic() - t0
-    outcome = "timed out" if timed_out else RC_OUTCOMES.get(rc, "error")
+    outcome = "timed out" if timed_out else _outcome(rc, step.expect)
     o = Outcome(
         step.name, step.what, outcome, round(secs, 1), cmd, rc, log=str(log.relative_to(out))
     )
-    o.summary = _summary(log, timed_out, limit)
+    o.summary = ("left processes running (killed); " if left else "") + _summary(
+        log, timed_out, limit
+    )
     if step.json and os.path.exists(step.json):
         try:
             o.details = _details(json.loads(Path(step.json).read_text()))
         except (OSError, ValueError) as e:
             o.details = {"unreadable": str(e)}
     return o
+
+
+def _outcome(rc: int, expect: tuple[int, ...]) -> str:
+    """What an exit status means for a step: a broken ring's step expects its failure."""
+    if rc in expect:
+        return "passed" if rc == 0 else f"as expected (exit {rc})"
+    if expect != (0,) and rc == 0:
+        return "failed (expected a failure)"
+    return RC_OUTCOMES.get(rc, "error")
 
 
 def _summary(log: Path, timed_out: bool, limit: float) -> str:
@@ -138,6 +152,9 @@ def _summary(log: Path, timed_out: bool, limit: float) -> str:
         "ok on cuda",
         "refused",
         "probes:",
+        "verdict hang",
+        "fail-stop",
+        "rank",
     )
     telling = [ln for ln in lines if any(k in ln for k in keys)]
     text = " | ".join((telling or lines)[-3:])[:600]
@@ -329,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     outcomes = _run_plan(a, out, facts, outcomes, started, t0)
     write_report(out, a.device, facts, outcomes, started, time.monotonic() - t0)
-    bad = [o for o in outcomes if o.outcome in ("failed", "error", "timed out")]
+    bad = [o for o in outcomes if o.outcome.startswith(("failed", "error", "timed out"))]
     # one file: the GPU tool returns few
     archive = shutil.make_archive(str(out), "gztar", out.parent, out.name)
     print(

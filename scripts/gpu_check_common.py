@@ -20,6 +20,8 @@ class Step:
     skip: str = ""  # why it does not apply here ('' = it runs)
     env: dict[str, str] = field(default_factory=dict)
     json: str | None = None  # a JSON file the step writes (summarised into the report)
+    # exit statuses that mean the step showed what it should (a broken ring's step exits non-zero)
+    expect: tuple[int, ...] = (0,)
 
 
 def cuda_only(device: str) -> str:

@@ -6,34 +6,32 @@ NCCL at W = 1, NCCL's own two-ranks-per-GPU opt-in, and each rank its own NCCL h
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from gpu_check_common import Step, cuda_only, torchrun
 from gpu_check_steps import SCRIPT, nccl_at_least
+
+if str(SCRIPT.parents[1]) not in sys.path:  # a plain checkout: harness is not installed
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+from harness.ranks.backend import nccl_host_per_rank  # noqa: E402
 
 # Asks the NCCL smoke script to give each rank its own NCCL host (issue #45).
 HOSTID_ENV = "SMOKE_HOSTID_PER_RANK"
 
 
 def per_rank_nccl_env(local_rank: int, environ: dict[str, str]) -> dict[str, str]:
-    """What one rank sets before NCCL starts, so that NCCL takes it for a node of its own.
-
-    NCCL folds NCCL_HOSTID into the host hash its duplicate-GPU check compares. With one ID per
-    rank, two ranks on one GPU look like two nodes. NCCL then connects them over sockets on
-    loopback. Nothing is set unless HOSTID_ENV asks for it.
-    """
+    """What one smoke rank sets before NCCL starts: `--share-gpu`'s environment, if HOSTID_ENV asks."""
     if not environ.get(HOSTID_ENV):
         return {}
-    return {
-        "NCCL_HOSTID": f"ring-harness-rank-{local_rank}",
-        "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", "lo"),
-    }
+    return nccl_host_per_rank(local_rank, environ)
 
 
 # The smoke script imports per_rank_nccl_env from this folder (SCRIPTS_DIR is filled in).
 SMOKE = r"""
 import os, sys
 sys.path.insert(0, "@SCRIPTS_DIR@")
+sys.path.insert(0, "@ROOT@")
 from gpu_check_nccl import per_rank_nccl_env
 os.environ.update(per_rank_nccl_env(int(os.environ["LOCAL_RANK"]), dict(os.environ)))
 import torch, torch.distributed as dist
@@ -96,8 +94,11 @@ def nccl_steps(device: str, out: Path, facts: dict) -> list[Step]:
         )
     )
     steps += _hostid_steps(smoke, no_cuda)
+    steps += shared_gpu_steps(out, no_cuda)
     smoke.parent.mkdir(parents=True, exist_ok=True)
-    smoke.write_text(SMOKE.replace("@SCRIPTS_DIR@", str(SCRIPT.parent)))
+    smoke.write_text(
+        SMOKE.replace("@SCRIPTS_DIR@", str(SCRIPT.parent)).replace("@ROOT@", str(SCRIPT.parents[1]))
+    )
     return steps
 
 
@@ -135,4 +136,119 @@ def _hostid_steps(smoke: Path, no_cuda: str) -> list[Step]:
             skip=no_cuda,
             env=dict(HOSTID_BASE),
         ),
+    ]
+
+
+# The check under `--share-gpu` (issue #45): NCCL's warnings only, its INFO is in the smoke steps.
+SHARED_ENV = {"NCCL_DEBUG": "WARN"}
+# name, W, what, extra check flags, time limit (s); the three broken rings expect exit 1 (torchrun's)
+SHARED_CHECKS = [
+    (
+        "nccl-shared-check-w2",
+        2,
+        "the reference's default check: battery, fault stage (delay, early-read, send-reuse), "
+        "5 property-based examples",
+        ["--fault-stage", "delay,early-read,send-reuse", "--max-examples", "5", "--no-scale"],
+        120,
+    ),
+    (
+        "nccl-shared-check-w4",
+        4,
+        "the reference's default check, as at W = 2",
+        ["--fault-stage", "delay,early-read,send-reuse", "--max-examples", "5", "--no-scale"],
+        150,
+    ),
+    (
+        "nccl-shared-torch-cp",
+        2,
+        "torch's context_parallel (SDPA, allgather rotation): battery, fault stage",
+        ["--impl", "torch-cp", "--max-examples", "0", "--no-scale"],
+        120,
+    ),
+    (
+        "nccl-shared-raise",
+        2,
+        "rank 1 raises as rank 0 waits on it: a fail-stop naming rank 1",
+        ["--impl", "tests.helpers.impls:raise_on_rank1", "--max-examples", "0", "--deadline", "20"],
+        60,
+    ),
+    (
+        "nccl-shared-hang",
+        2,
+        "rank 1 never enters the ring: the watchdog names the rank and ends the job (exit 124)",
+        ["--impl", "tests.helpers.impls:hang_on_rank1", "--max-examples", "0", "--deadline", "10"],
+        60,
+    ),
+    (
+        "nccl-shared-signal",
+        2,
+        "rank 1 is killed by SIGKILL as rank 0 waits on it: reported, nothing left running",
+        [
+            "--impl",
+            "tests.helpers.impls:killed_on_rank1",
+            "--max-examples",
+            "0",
+            "--deadline",
+            "20",
+        ],
+        60,
+    ),
+]
+
+
+# One fault kind at a time: which of them the fault stage's NCCL timeouts come from.
+SHARED_CHECKS += [
+    (
+        f"nccl-shared-faults-{kind}",
+        2,
+        f"the fault stage with {kind} alone, battery before it",
+        ["--fault-stage", kind, "--max-examples", "0", "--no-scale", "--maxfail", "3"],
+        60,
+    )
+    for kind in ("delay", "early-read", "send-reuse")
+]
+
+
+BROKEN = ("nccl-shared-raise", "nccl-shared-hang", "nccl-shared-signal")
+
+
+def shared_check_command(world_size: int, flags: list[str], out: Path, name: str) -> list[str]:
+    """`check` under torchrun with NCCL, every rank on the visible GPUs (`--share-gpu`)."""
+    return torchrun(
+        world_size,
+        "-m",
+        "harness",
+        "check",
+        "--launcher",
+        "torchrun",
+        "--backend",
+        "nccl",
+        "--share-gpu",
+        "--world-size",
+        str(world_size),
+        "--no-growth",
+        "--no-repeat",
+        *flags,
+        "--json",
+        str(out / "steps" / f"{name}.json"),
+        "--save-dir",
+        str(out / f"failures-{name}"),
+    )
+
+
+def shared_gpu_steps(out: Path, no_cuda: str) -> list[Step]:
+    """The check at W = 2 and 4 with every NCCL rank on one GPU, and three ways a rank fails."""
+    return [
+        Step(
+            name,
+            f"W = {w}, NCCL, --share-gpu: {what}",
+            shared_check_command(w, flags, out, name),
+            limit,
+            min_s=40,
+            skip=no_cuda,
+            env=dict(SHARED_ENV),
+            json=str(out / "steps" / f"{name}.json"),
+            expect=(1,) if name in BROKEN else (0,),
+        )
+        for name, w, what, flags, limit in SHARED_CHECKS
     ]

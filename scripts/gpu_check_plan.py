@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gpu_check_common import Step, cuda_only, torchrun
 from gpu_check_nccl import nccl_steps
+from gpu_check_profile import profile_steps
 from gpu_check_steps import PY, SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,16 @@ STEP_ORDER = [
     "nccl-hostid-w2",
     "nccl-hostid-w2-sockets",
     "nccl-hostid-w4",
+    "nccl-shared-check-w2",
+    "nccl-shared-raise",
+    "nccl-shared-hang",
+    "nccl-shared-signal",
+    "nccl-shared-check-w4",
+    "nccl-shared-torch-cp",
+    "nccl-shared-faults-delay",
+    "nccl-shared-faults-early-read",
+    "nccl-shared-faults-send-reuse",
+    "profile-cuda",
     "gloo-collectives",
     "reference-cases",
     "torch-cp",
@@ -53,6 +64,7 @@ def plan(device: str, out: Path, facts: dict) -> list[Step]:
         *_torchrun_steps(device, out, facts),
         *_deepspeed_steps(device, out, facts),
         *nccl_steps(device, out, facts),
+        *profile_steps(device, out, facts),
     ]
     return sorted(steps, key=lambda s: STEP_ORDER.index(s.name))
 

@@ -413,6 +413,15 @@ def _probe_verdict(codes: list[int | None]) -> str:
     return f"error (exit {codes})"
 
 
+def group_alive(p: subprocess.Popen) -> bool:
+    """Whether a process of the group `p` led is still running (after `p` itself has ended)."""
+    try:
+        os.killpg(p.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def signal_group(p: subprocess.Popen, sig: int) -> None:
     """Send `sig` to the process group `p` leads, if it is still there."""
     try:

@@ -399,7 +399,7 @@ def check(opts: CheckOptions | None = None, reporter: Reporter | None = None) ->
     out = reporter or report.out
     caps = registry.resolve(opts.impl, allow_import=opts.allow_import).capabilities
     size = pool_size(opts, caps)
-    with open_pool(opts.launcher, opts.backend, size, opts.placement) as pool:
+    with open_pool(opts.launcher, opts.backend, size, opts.placement, opts.share_gpu) as pool:
         # A torchrun follower rank: rank 0 reports.
         if pool is None:
             return CheckOutcome(impl=opts.impl, follower=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import KINDS
-from harness.ranks.backend import DEVICES, Placement
+from harness.ranks.backend import DEVICES, Placement, placement_of, require_cuda
 
 # Faults that must not change results; the default check runs the first two on every rank, both
 # phases.
@@ -82,12 +82,6 @@ def _check_common(
         raise HarnessError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 
-def placement_of(device: str | None, stage_p2p: bool) -> Placement:
-    """The local pool's device and staging: the options over the environment's defaults."""
-    env = Placement.from_env()
-    return Placement(device or env.device, stage_p2p or env.stage_p2p)
-
-
 def _check_placement(device: str | None, launcher: str) -> None:
     if device is None:
         return
@@ -99,12 +93,17 @@ def _check_placement(device: str | None, launcher: str) -> None:
             "under torchrun each rank takes cuda:LOCAL_RANK"
         )
     if device == "cuda":
-        import torch
+        require_cuda("--device cuda")
 
-        if not torch.cuda.is_available():
-            raise HarnessError(
-                "--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)"
-            )
+
+def _check_share_gpu(share_gpu: bool, launcher: str, backend: str | None) -> None:
+    if share_gpu and launcher != "torchrun":
+        raise HarnessError(
+            "--share-gpu is for ranks torchrun started: add --launcher torchrun "
+            "(a local pool shares GPUs with --device cuda)"
+        )
+    if share_gpu and backend == "gloo":
+        raise HarnessError("--share-gpu is for NCCL ranks; gloo ranks share a GPU already")
 
 
 def _check_oracle(oracle: str) -> None:
@@ -163,6 +162,8 @@ class CheckOptions:
     device: str | None = None
     # P2P through host buffers on CPU too, as on cuda (or $RING_HARNESS_STAGE_P2P)
     stage_p2p: bool = False
+    # torchrun's NCCL ranks share the visible GPUs, each rank a node of its own to NCCL
+    share_gpu: bool = False
 
     @property
     def allow_import(self) -> bool:
@@ -179,6 +180,7 @@ class CheckOptions:
         _check_common(self.impl, self.world_size, self.deadline, self.launcher, self.backend)
         _check_oracle(self.oracle)
         _check_placement(self.device, self.launcher)
+        _check_share_gpu(self.share_gpu, self.launcher, self.backend)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise HarnessError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.profile not in PROFILES:

@@ -82,6 +82,13 @@ def _add_ranks(p: argparse.ArgumentParser) -> None:
         help="local: a pool of worker processes on this host; torchrun: the ranks "
         "torchrun started" + hint(CheckOptions, "launcher"),
     )
+    p.add_argument(
+        "--share-gpu",
+        action="store_true",
+        default=S,
+        help="under torchrun with NCCL: more ranks than GPUs. Each rank poses as a node of its "
+        "own (NCCL_HOSTID) and NCCL links them by sockets on loopback. Correctness only: slow",
+    )
 
 
 def _add_stopping(p: argparse.ArgumentParser) -> None:

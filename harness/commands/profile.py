@@ -12,6 +12,7 @@ from harness.checks import report
 from harness.errors import HarnessError
 from harness.profiling import timeline
 from harness.profiling.report import TOKENS_PER_RANK, WORLD_SIZES, profile_ring, table
+from harness.ranks.backend import placement_of, require_cuda
 from harness.ranks.launch import open_pool
 from harness.search.failures import slug  # the command shares one pool across rings
 
@@ -49,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="write each ring's timeline here: a Chrome/Perfetto trace JSON and a Gantt PNG",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="where the ranks compute: cpu (gloo), or cuda (W gloo ranks on the visible GPUs, "
+        "round-robin, P2P staged through pinned host memory, as `check --device cuda`): peaks from "
+        "max_memory_allocated, waits timed with CUDA events (default cpu, or $RING_HARNESS_DEVICE)",
+    )
     p.add_argument("--json", metavar="FILE", help="write every ring's figures here")
 
 
@@ -56,8 +64,11 @@ def run(args: argparse.Namespace) -> int:
     names = args.impl or ["reference"]
     if args.tokens_per_rank < 1:
         raise HarnessError(f"--tokens-per-rank must be >= 1, got {args.tokens_per_rank}")
+    placement = placement_of(args.device)
+    if placement.device == "cuda":
+        require_cuda("--device cuda")
     rings = []
-    with open_pool("local", None, args.max_world_size) as pool:
+    with open_pool("local", None, args.max_world_size, placement) as pool:
         for name in names:
             ring = profile_ring(
                 name,

@@ -215,6 +215,13 @@ class Interposer:
         self.pending[op.index] = op
         if self.stage:
             post = functools.partial(staging.post_recv, post)
+        if self.deferred:
+            # behind a held send: NCCL runs a peer's ops in the order posted, so a receive posted
+            # before the send it follows would wait on the peer's held send (a deadlock at W = 2)
+            op.state = "deferred"
+            self.deferred.append(Deferred(fw, target, post, None, receive=True))
+            self._close(t_open)
+            return fw
         fw.real, fw.keep = post(target), target
         if fw.real is None:
             fw.done = True
@@ -223,11 +230,11 @@ class Interposer:
         return fw
 
     def flush(self) -> None:
-        """Hand every held send to the transport with its buffer as it is now (this rank is about to
-        block)."""
+        """Hand every held op to the transport in the order posted, a send with its buffer as it is
+        now (this rank is about to block)."""
         items, self.deferred = self.deferred, []
         for d in items:
-            payload = d.tensor.clone()
+            payload = d.tensor if d.receive else d.tensor.clone()
             if d.corrupt is not None:
                 d.corrupt(payload)
             d.work.op.state = "posted"

@@ -79,12 +79,13 @@ class FaultWork:
 @dataclass
 class Deferred:
     """A send held back until this rank next blocks (send-reuse): the transport reads the buffer
-    late."""
+    late. Ops posted after it are held too (`receive` for a receive), so the order stays."""
 
     work: FaultWork
     tensor: torch.Tensor
     post: Callable[[torch.Tensor], Any]
     corrupt: Callable[[torch.Tensor], None] | None
+    receive: bool = False
 
 
 # -- tensor helpers --------------------------------------------------------------------------------

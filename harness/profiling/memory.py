@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from harness.case import Case
 from harness.dtypes import TORCH_DTYPES
+from harness.profiling.measure import LIVE_BYTES
 
 GATHERS = 0.75  # a rank that holds this share of a K/V copy of every global token gathers K/V
 UNKNOWN = "unknown (needs two ring sizes >= 2)"
@@ -46,7 +47,7 @@ def verdict(held: float | None) -> str:
 
 @dataclass
 class LengthSweep:
-    """Peak live bytes per rank (the largest over ranks) at two W, over growing tokens a rank."""
+    """Peak bytes per rank (the largest over ranks) at two W, over growing tokens a rank."""
 
     tokens: list[int]  # tokens a rank, ascending
     peaks: dict[int, list[int]]  # W -> bytes at each of `tokens`
@@ -105,7 +106,8 @@ class LengthSweep:
 
 @dataclass
 class MemoryClass:
-    """Peak live bytes per rank (the largest over ranks) at each W, at a fixed length a rank."""
+    """Peak bytes per rank (the largest over ranks) at each W, at a fixed length a rank: live
+    tensor bytes, or the device allocator's on CUDA ranks (`instrument`)."""
 
     tokens_per_rank: int
     peaks: dict[int, int]  # W -> bytes
@@ -113,6 +115,7 @@ class MemoryClass:
     # divide them), so each W's peak is read in K/V tokens of its own case.
     kv_bytes: dict[int, int]
     length: LengthSweep | None = None  # the length sweep, when it ran
+    instrument: str = LIVE_BYTES  # what measured the peaks (harness.profiling.measure)
 
     @property
     def held_copies(self) -> float | None:
@@ -149,11 +152,16 @@ class MemoryClass:
         fit = "" if held is None else f"; it holds {held:.2f} K/V copies of each global token"
         return (
             f"memory {self.verdict}: peak KiB per rank at {self.tokens_per_rank} tokens a rank: "
-            f"{peaks}{fit}"
+            f"{peaks}{fit}; peak: {self.instrument}"
         )
 
     def to_json(self) -> dict:
-        out = {"verdict": self.verdict, "peaks": self.peaks, "held_copies": self.held_copies}
+        out = {
+            "verdict": self.verdict,
+            "peaks": self.peaks,
+            "held_copies": self.held_copies,
+            "instrument": self.instrument,
+        }
         if self.length is not None:
             s = self.length
             out["length"] = {

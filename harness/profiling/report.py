@@ -14,7 +14,7 @@ from harness.case import Case
 from harness.errors import HarnessError
 from harness.impls import registry
 from harness.impls.capabilities import adapt
-from harness.profiling import balance, timeline
+from harness.profiling import balance, devicetime, timeline
 from harness.profiling.measure import CallProfile, profile_call
 from harness.profiling.memory import LengthSweep, MemoryClass, kv_token_bytes
 from harness.profiling.overlap import PhaseOverlap, overlap
@@ -54,6 +54,10 @@ class RingProfile:
         out += [f"{o.phase}: {o.verdict}" for o in self.overlap.values() if not o.kept]
         return out
 
+    def device_times(self) -> list[devicetime.RankTimes]:
+        """The timeline's call timed with CUDA events, per rank; empty on CPU ranks."""
+        return [] if self.call is None else devicetime.device_times(self.call)
+
     def lines(self) -> list[str]:
         out = [f"{self.impl}: {'keeps' if self.kept else 'BREAKS'} ring attention's promises"]
         if self.memory is not None:
@@ -65,6 +69,7 @@ class RingProfile:
         out += [f"    overlap {w}: {o.line()}" for o in self.overlap.values()]
         if self.call is not None:
             out.append(f"    {timeline.summary(self.call)}")
+            out += [f"    {x}" for x in devicetime.lines(self.device_times())]
         if self.balance:
             said = ", ".join(f"{k} x{v:.2f}" for k, v in self.balance.items())
             out.append(f"    work balance {w}, causal (max / mean FLOPs a rank): {said}")
@@ -86,6 +91,7 @@ class RingProfile:
             "world_size": self.world_size,
             "traffic": {p: vars(t) | {"ratio": t.ratio} for p, t in self.traffic.items()},
             "overlap": {p: vars(o) | {"verdict": o.verdict} for p, o in self.overlap.items()},
+            "cuda_times": [t.to_json() for t in self.device_times()] or None,
             "work_balance": self.balance,
             "straggler": None
             if self.straggler is None
@@ -131,7 +137,7 @@ def profile_ring(
     found, warm = _peaks(cases, pool, impl, allow_import)
     peaks = {c.world_size: p for c, p in zip(cases, found, strict=True)}
     kv = {c.world_size: kv_token_bytes(c) for c in cases}
-    out.memory = MemoryClass(tokens_per_rank, peaks, kv)
+    out.memory = MemoryClass(tokens_per_rank, peaks, kv, instrument=warm[-1].instrument)
     out.memory.length = _length_sweep(impl, pool, peaks, tokens_per_rank, allow_import)
     at = [c for c in warm if c.case.world_size <= 4][-1]
     out.world_size, out.call = at.case.world_size, at
@@ -161,7 +167,7 @@ def _peaks(
     first = [profile_call(c, pool, impl, allow_import=allow_import) for c in cases]
     warm = [profile_call(c, pool, impl, allow_import=allow_import) for c in cases]
     peaks = [
-        min(max(r.peak_bytes for r in a.ranks), max(r.peak_bytes for r in b.ranks))
+        min(max(r.peak for r in a.ranks), max(r.peak for r in b.ranks))
         for a, b in zip(first, warm, strict=True)
     ]
     return peaks, warm
@@ -226,14 +232,21 @@ def profile(
     max_world_size: int = max(WORLD_SIZES),
     straggler: float = 0.0,
     allow_import: bool = True,
+    device: str | None = None,
 ) -> list[RingProfile]:
     """`ring-harness profile` as a library call: each ring's verdicts, on a pool of its own.
 
     `RingProfile.kept` says whether a ring keeps every promise judged here; `.broken()` which not.
+    `device`: "cpu" or "cuda" (the visible GPUs, as `ring-harness profile --device cuda`); None:
+    $RING_HARNESS_DEVICE or cpu, as the command.
     """
+    from harness.ranks.backend import placement_of, require_cuda
     from harness.ranks.launch import open_pool
 
-    with open_pool("local", None, max_world_size) as pool:
+    placement = placement_of(device)
+    if placement.device == "cuda":
+        require_cuda("device cuda")
+    with open_pool("local", None, max_world_size, placement) as pool:
         return [
             profile_ring(
                 name,

@@ -4,8 +4,9 @@ Each rank is a track, on one clock: perf_counter is the machine's monotonic cloc
 rank processes, and the call's first rank to start is 0. Compute is a span from the rank's previous
 event to the end of the ops that computed, with their FLOPs. A wait is a span from the wait call to
 the op's completion: exposed communication. A post is an instant with its bytes. Times are
-reported, never judged: they depend on the machine's load. The trace opens in chrome://tracing or
-ui.perfetto.dev.
+reported, never judged: they depend on the machine's load. On CUDA ranks each wait also carries
+the GPU's milliseconds on it, from CUDA events (harness.profiling.devicetime), as `cuda_ms`. The
+trace opens in chrome://tracing or ui.perfetto.dev.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Span:
     dur_us: float
     label: str
     phase: str
+    cuda_ms: float | None = None  # a wait on a CUDA rank: the GPU's time on it, from CUDA events
 
 
 def spans(
@@ -50,6 +52,7 @@ def spans(
     out: list[Span] = []
     posts: list[tuple[float, str]] = []
     waiting: dict[int, float] = {}
+    gpu = {w[0]: w[2] for w in rank.cuda_waits}
     last = rank.start
     zero = rank.start if origin is None else origin
 
@@ -69,7 +72,8 @@ def spans(
         elif kind == "done" and value in waiting:
             t0 = waiting.pop(value)
             op = rank.ops[value] if value < len(rank.ops) else ["?"]
-            out.append(Span("wait", us(t0), us(t) - us(t0), f"wait {op[0]} #{value}", phase))
+            label = f"wait {op[0]} #{value}"
+            out.append(Span("wait", us(t0), us(t) - us(t0), label, phase, gpu.get(value)))
         last = t
     return out, posts
 
@@ -104,7 +108,8 @@ def trace(call: CallProfile) -> dict:
                     "dur": s.dur_us,
                     "pid": pid,
                     "tid": 0,
-                    "args": {"phase": s.phase},
+                    "args": {"phase": s.phase}
+                    | ({} if s.cuda_ms is None else {"cuda_ms": s.cuda_ms}),
                 }
             )
         events += [

@@ -5,9 +5,12 @@ torchrun, or gloo ranks sharing the visible GPUs with P2P staged through host bu
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from harness.errors import HarnessError
 
 DEVICES = ("cpu", "cuda")
 DEVICE_ENV = "RING_HARNESS_DEVICE"  # the pool's default device: cpu or cuda
@@ -48,6 +51,20 @@ class Placement:
         return "cpu, P2P staged through host buffers" if self.stage_p2p else "cpu"
 
 
+def placement_of(device: str | None, stage_p2p: bool = False) -> Placement:
+    """The local pool's device and staging: the options over the environment's defaults."""
+    env = Placement.from_env()
+    return Placement(device or env.device, stage_p2p or env.stage_p2p)
+
+
+def require_cuda(flag: str) -> None:
+    """One clear line (HarnessError) when `flag` asks for CUDA and this torch sees none."""
+    if not torch.cuda.is_available():
+        raise HarnessError(
+            f"{flag}: this torch sees no CUDA device (torch.cuda.is_available() is False)"
+        )
+
+
 def rank_device(placement: Placement, rank: int) -> torch.device:
     """The device of pool rank `rank`: the CPU, or cuda:(rank mod visible GPUs), made current."""
     if placement.device != "cuda":
@@ -70,10 +87,34 @@ def choose_backend(requested: str | None = None) -> str:
     return "gloo"
 
 
-def device_for(backend: str) -> torch.device:
-    """CPU for gloo; cuda:LOCAL_RANK for nccl (one rank per GPU)."""
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+def device_for(backend: str, share_gpu: bool = False) -> torch.device:
+    """CPU for gloo; cuda:LOCAL_RANK for nccl (one rank per GPU).
+
+    `share_gpu`: rank r takes cuda:(r mod visible GPUs), so that W ranks fit on fewer GPUs.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if share_gpu and count:
+        local %= count
+    elif local >= count:
+        raise HarnessError(
+            f"rank with LOCAL_RANK {local} has no GPU of its own ({count} visible); "
+            "NCCL refuses two ranks on one GPU: add --share-gpu"
+        )
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def nccl_host_per_rank(local_rank: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment that makes NCCL take one rank for a node of its own (`--share-gpu`).
+
+    NCCL folds NCCL_HOSTID into the host hash its duplicate-GPU check compares. With one ID per
+    rank, ranks on one GPU look like separate nodes. NCCL then connects them with its socket
+    transport, on loopback unless NCCL_SOCKET_IFNAME says otherwise. docs/gpu.md has what ran.
+    """
+    return {
+        "NCCL_HOSTID": f"ring-harness-rank-{local_rank}",
+        "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", "lo"),
+    }

@@ -6,8 +6,9 @@ runs, and `torch.utils.flop_counter.flop_registry` gives each matmul-like op its
 interposer logs when each op is posted and waited (`Interposer.events`). Both append to one list, in
 program order: a rank is one thread. `torch.distributed._tools.mem_tracker.MemTracker` tracks the
 bytes of live tensors the call creates, so the peak does not depend on the allocator (RSS would).
-On CUDA, `torch.cuda.max_memory_allocated` says the same for the device. The parent reads the
-events and the peak (harness.profiling).
+On CUDA, `torch.cuda.max_memory_allocated` says the same for the device, and CUDA events on the
+current stream time each wait and the whole call (`CudaMarks`). The parent reads the events, the
+peaks and the times (harness.profiling).
 """
 
 from __future__ import annotations
@@ -102,6 +103,40 @@ class ComputeLog(TorchDispatchMode):
         return out
 
 
+class CudaMarks(list):
+    """The event list of a CUDA rank. Each "wait" and "done" appended also records a CUDA event on
+    the current stream: just before and just after the wait. The time between them is what the GPU
+    spent on that wait: exposed communication."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marks: list[tuple[str, int, str, Any]] = []  # (kind, op index, phase, CUDA event)
+
+    def append(self, event: Any) -> None:
+        super().append(event)
+        if event[0] in ("wait", "done"):
+            self.marks.append((event[0], event[1], event[2], _cuda_event()))
+
+    def elapsed(self) -> list[list]:
+        """[op index, phase, ms] per wait that completed, in program order (after a synchronize)."""
+        began: dict[int, tuple[str, Any]] = {}
+        out = []
+        for kind, op, phase, ev in self.marks:
+            if kind == "wait":
+                began[op] = (phase, ev)
+            elif op in began:
+                ph, start = began.pop(op)
+                out.append([op, ph, float(start.elapsed_time(ev))])
+        return out
+
+
+def _cuda_event() -> Any:
+    """A timing CUDA event, recorded now on the current stream."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
 def _peak(tracker: Any) -> int:
     """The tracker's peak of live tensor bytes, over every device it saw."""
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -110,16 +145,19 @@ def _peak(tracker: Any) -> int:
 
 @contextlib.contextmanager
 def profiled(ip: Any, device: torch.device) -> Iterator[dict]:
-    """Profile what runs inside: the dict it yields gets `events` and `peak_bytes` at the end."""
+    """Profile what runs inside: the dict it yields gets `events` and `peak_bytes` at the end; on
+    CUDA also `cuda_peak_bytes`, `cuda_call_ms` and `cuda_waits` ([op index, phase, ms])."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     report: dict = {}
-    events: list = []
+    cuda = device.type == "cuda"
+    events: list = CudaMarks() if cuda else []
     ip.events = events
     tracker = MemTracker()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+        begin = _cuda_event()
     start = time.perf_counter()
     try:
         with tracker, ComputeLog(events, ip):
@@ -129,5 +167,9 @@ def profiled(ip: Any, device: torch.device) -> Iterator[dict]:
     report["events"] = [list(e) for e in events]
     report["start"] = start
     report["peak_bytes"] = _peak(tracker)
-    if device.type == "cuda":
+    if cuda:
+        end = _cuda_event()
         report["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - base)
+        torch.cuda.synchronize(device)
+        report["cuda_call_ms"] = float(begin.elapsed_time(end))
+        report["cuda_waits"] = events.elapsed()

@@ -23,9 +23,10 @@ def open_pool(
     backend: str | None = None,
     size: int = 4,
     placement: Placement | None = None,
+    share_gpu: bool = False,
 ) -> Iterator[Pool | None]:
     """The ranks for a command: `size` local workers (`local`, on `placement`), or torchrun's
-    processes."""
+    processes. `share_gpu`: torchrun's NCCL ranks share the visible GPUs (TorchrunPool)."""
     if launcher == "local":
         from harness.ranks.pool import RankPool
 
@@ -42,7 +43,7 @@ def open_pool(
             "torchrun --nproc-per-node 8 -m harness check --launcher torchrun"
         )
     torch_threads_for_rank()
-    pool = TorchrunPool(backend)
+    pool = TorchrunPool(backend, share_gpu)
     try:
         if pool.rank == 0:
             yield pool

@@ -166,7 +166,8 @@ class ResultMessage(_ResultRequired, total=False):
     traceback: str  # error: the tail of the traceback
     comm: list[list]  # op log, one [kind, peer, bytes, phase, state] per call (not for idle)
     faults: FaultReport  # not for idle
-    # profile: "events" (harness.profiling.measure.RankProfile), "start", "peak_bytes"
+    # profile: "events" (harness.profiling.measure.RankProfile), "start", "peak_bytes"; on CUDA
+    # also "cuda_peak_bytes", "cuda_call_ms", "cuda_waits" (harness.ranks.instrument.profiled)
     profile: dict[str, Any]
 
 

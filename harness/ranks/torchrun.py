@@ -20,7 +20,7 @@ import time
 import torch
 
 from harness import case as case_mod
-from harness.ranks.backend import choose_backend, device_for
+from harness.ranks.backend import choose_backend, device_for, nccl_host_per_rank, require_cuda
 from harness.ranks.execute import Groups, handle_case, handle_oracle
 from harness.ranks.protocol import (
     OK,
@@ -66,15 +66,45 @@ class _Watchdog:
         self.timer.cancel()
 
 
+def _say_error(rank: int, reply: dict) -> None:
+    """Print this rank's own error at once: under NCCL a blocked peer may never gather it."""
+    if isinstance(reply, dict) and reply.get("error"):
+        sys.stderr.write(f"ring-harness: rank {rank}: {reply['error']}\n")
+        sys.stderr.flush()
+
+
+def _lost_peer(rank: int, case_id: int, e: BaseException) -> None:
+    """A peer ended while the ranks gathered a case's results: torchrun cannot restart it."""
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    sys.stderr.write(
+        f"ring-harness: rank {rank}: a peer rank ended during case {case_id} "
+        f"(gathering its results: {first}); torchrun's summary names the rank and its exit status\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _share_gpu(backend: str) -> None:
+    """Make this rank a node of its own to NCCL before NCCL starts (`--share-gpu`)."""
+    from harness.errors import HarnessError
+
+    if backend != "nccl":
+        raise HarnessError(f"--share-gpu is for NCCL ranks on one GPU; the backend is {backend}")
+    require_cuda("--share-gpu")
+    os.environ.update(nccl_host_per_rank(int(os.environ["LOCAL_RANK"]), os.environ))
+
+
 class TorchrunPool:
     """The `Pool` interface (harness.ranks.protocol) over torchrun's processes: use on rank 0; the
     other ranks call `follow`. A `Pool[TorchrunTicket]`."""
 
-    def __init__(self, backend: str | None = None) -> None:
+    def __init__(self, backend: str | None = None, share_gpu: bool = False) -> None:
         import torch.distributed as dist
 
         self.backend = choose_backend(backend)
-        self.device = device_for(self.backend)
+        if share_gpu:
+            _share_gpu(self.backend)
+        self.device = device_for(self.backend, share_gpu)
         # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn exists
         if self.backend == "gloo":
             from harness.kernels import flash_standin
@@ -105,10 +135,15 @@ class TorchrunPool:
         return box[0]
 
     def _gather(self, reply):
+        """Every rank's reply on rank 0. A rank that ended ends the job: one line, exit 1."""
         import torch.distributed as dist
 
+        _say_error(self.rank, reply)
         out = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(reply, out, dst=0, group=self.ctrl)
+        try:
+            dist.gather_object(reply, out, dst=0, group=self.ctrl)
+        except RuntimeError as e:
+            _lost_peer(self.rank, self._case_id, e)
         return out
 
     def ensure(self, size: int, exact: bool = False) -> bool:

@@ -170,3 +170,29 @@ def test_each_rank_gets_its_own_nccl_host_on_loopback_when_asked(tmp_path):
     )
     assert got.stdout.strip() == "ring-harness-rank-3", got.stderr
     assert all(s.skip.startswith("CUDA only") for s in plan.plan("cpu", tmp_path, facts)[:3])
+
+
+def test_the_shared_gpu_steps_run_the_check_under_share_gpu_and_expect_the_broken_rings(tmp_path):
+    """Issue #45: after the NCCL_HOSTID smoke steps, the check at W = 2 and 4 with NCCL on one GPU
+    (`--share-gpu`), and three broken rings whose step passes only when the job fails."""
+    from harness.commands.cli import build_parser
+
+    plan = _scripts_module("gpu_check_plan")
+    gpu_check = _scripts_module("gpu_check")
+    steps = {s.name: s for s in plan.plan("cuda", tmp_path, {"gpus": ["H200"], "nccl": "2.28.9"})}
+    shared = [s for n, s in steps.items() if n.startswith("nccl-shared-")]
+    assert {"nccl-shared-check-w2", "nccl-shared-check-w4", "nccl-shared-signal"} <= {
+        s.name for s in shared
+    }
+    for s in shared:
+        argv = s.argv
+        harness_args = argv[argv.index("harness") + 1 :]
+        opts = build_parser().parse_args(harness_args)
+        assert opts.share_gpu and opts.backend == "nccl" and opts.launcher == "torchrun"
+        assert argv[argv.index("--nproc-per-node") + 1] == str(opts.world_size)
+        broken = s.name in ("nccl-shared-raise", "nccl-shared-hang", "nccl-shared-signal")
+        assert s.expect == ((1,) if broken else (0,))
+    assert gpu_check._outcome(1, (1,)) == "as expected (exit 1)"
+    assert gpu_check._outcome(0, (1,)) == "failed (expected a failure)"
+    assert gpu_check._outcome(1, (0,)) == "failed"
+    assert gpu_check._outcome(0, (0,)) == "passed"

@@ -91,6 +91,15 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     # no GPU here: both are refused in one line, exit 2 (tests/commands/test_gpu_check.py runs the
     # script on CPU)
     "ring-harness check --device cuda --world-size 8": ("fast", 2, None),
+    "ring-harness profile --device cuda --impl myring:my_ring --impl reference "
+    "--max-world-size 4": ("fast", 2, None),
+    "torchrun --standalone --nproc-per-node 4 -m harness check --launcher torchrun --backend nccl "
+    "--share-gpu --world-size 4": (
+        "skip: NCCL ranks on a GPU; a lent H200 ran it (docs/gpu/2026-11-28-h200-nccl/), and its "
+        "refusals run in tests/ranks/test_share_gpu.py",
+        None,
+        None,
+    ),
     "python scripts/gpu_check.py --out gpu-report --device cuda": (
         "fast",
         2,

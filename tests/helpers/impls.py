@@ -3,6 +3,8 @@ tests.helpers.impls:NAME)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
@@ -91,7 +93,16 @@ def _hang_on_rank1(q, k, v, ctx):
     return _reference(q, k, v, ctx)
 
 
+def _killed_on_rank1(q, k, v, ctx):
+    """Rank 1 dies of SIGKILL as the others wait for it in the ring (an OOM killer's way)."""
+    if ctx.rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _reference(q, k, v, ctx)
+
+
 raise_on_rank1 = Impl("tests-raise-on-rank1", _raise_on_rank1)
+killed_on_rank1 = Impl("tests-killed-on-rank1", _killed_on_rank1)
 hang_on_rank1 = Impl("tests-hang-on-rank1", _hang_on_rank1)
 
 

@@ -69,7 +69,11 @@ def test_benign_fault_stage_under_torchrun_with_four_processes(tmp_path):
         "fault stage: 9 cases, early-read, send-reuse" in p.stdout
         and "fault stage 9" in p.stdout.splitlines()[-1]
     )
-    bad = _run(args + ["--impl", "mutant:read-before-wait"], nproc=4, timeout=400)
+    # Its battery may catch the bug too, by timing: gloo fills the buffer before or after the read.
+    # --maxfail lets the run reach the fault stage either way, which must catch it every time.
+    bad = _run(
+        args + ["--impl", "mutant:read-before-wait", "--maxfail", "1000"], nproc=4, timeout=400
+    )
     assert bad.returncode == 1 and "fault stage 9/9 cases" in bad.stdout.splitlines()[-1], (
         bad.stdout[-3000:]
     )
@@ -120,3 +124,55 @@ def test_world_size_above_the_processes_started_is_exit_2():
     p = _run(["check", "--launcher", "torchrun", "--max-examples", "0"], timeout=120)
     assert p.returncode != 0
     assert "--world-size 4 needs 4 ranks but torchrun started 2" in p.stderr
+
+
+def test_a_rank_killed_by_a_signal_ends_the_job_in_one_line_naming_it():
+    """Rank 1 dies of SIGKILL mid-ring: rank 0 names its failed op and the lost peer, no traceback
+    of ours, and torchrun's summary names the signal. Nothing hangs to a deadline."""
+    p = _run(
+        [
+            "check",
+            "--launcher",
+            "torchrun",
+            "--world-size",
+            "2",
+            "--impl",
+            "tests.helpers.impls:killed_on_rank1",
+            "--max-examples",
+            "0",
+            "--no-growth",
+            "--deadline",
+            "60",
+        ],
+        timeout=120,
+    )
+    assert p.returncode != 0
+    assert "isend to peer rank 1" in p.stderr or "recv from peer rank 1" in p.stderr, p.stderr[
+        -2000:
+    ]
+    assert "a peer rank ended during case 1" in p.stderr
+    assert "[rank0]: Traceback" not in p.stderr
+    assert "Signal 9 (SIGKILL)" in p.stderr
+
+
+def test_a_ranks_own_error_is_printed_by_that_rank():
+    """Under NCCL a peer blocked in the ring may never gather it: rank 1 prints its error itself."""
+    p = _run(
+        [
+            "check",
+            "--launcher",
+            "torchrun",
+            "--world-size",
+            "2",
+            "--impl",
+            "tests.helpers.impls:raise_on_rank1",
+            "--max-examples",
+            "0",
+            "--no-growth",
+            "--maxfail",
+            "1",
+        ],
+        timeout=120,
+    )
+    assert p.returncode == 1
+    assert "ring-harness: rank 1: ValueError: deliberate shape mix-up on rank 1" in p.stderr

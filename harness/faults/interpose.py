@@ -41,7 +41,7 @@ from harness.faults.work import (
     shares_storage,
     tensors_of,
 )
-from harness.faults.wrappers import COLLECTIVE_ARGS, P2P, WRAPPED, originals
+from harness.faults.wrappers import COLLECTIVE_ARGS, P2P, ROOTED, WRAPPED, originals
 from harness.faults.wrappers import wrappers as make_wrappers
 
 # what other code imports from here (the mechanism's entry points), wherever it is defined now
@@ -282,7 +282,9 @@ class Interposer:
         blocking = not args.get("async_op", False)
         self.flush()  # a collective may block: held sends must be on the wire first
         t_open = time.monotonic()
-        op, hits, hold = self._open(kind, "collective", None, ins or outs)
+        op, hits, hold = self._open(
+            kind, "collective", None, ins if kind in ROOTED else ins or outs
+        )
         self._check_overlap(outs, op)
         fw = FaultWork(self, op, outputs=outs, hold=hold)
         call = dict(args, async_op=True)

@@ -32,7 +32,13 @@ COLLECTIVE_ARGS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "broadcast": ("tensor", ("tensor",)),
     "all_reduce": ("tensor", ("tensor",)),
     "barrier": (None, ()),
+    # rooted: only the root's list is given (gloo's differentiable all-to-all scatters)
+    "scatter": ("tensor", ("scatter_list",)),
+    "gather": ("gather_list", ("tensor",)),
+    "reduce": ("tensor", ("tensor",)),
 }
+# what a rank of these sends is its inputs alone: none on a scatter's other ranks
+ROOTED = frozenset({"scatter", "gather", "reduce"})
 # names vary across versions
 COLLECTIVE_ARGS = {k: v for k, v in COLLECTIVE_ARGS.items() if hasattr(c10d, k)}
 WRAPPED = P2P + tuple(COLLECTIVE_ARGS)

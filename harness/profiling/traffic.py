@@ -70,9 +70,12 @@ def _minimum(c: Case, phase: str) -> tuple[int, int]:
 def wire_bytes(kind: str, nbytes: int, w: int) -> int:
     """What a rank sends in a ring algorithm's collective whose input is `nbytes`: an all-gather
     sends its shard W - 1 times; a reduce-scatter or all-to-all, (W - 1) / W of its whole input;
-    an all-reduce twice that. Any other collective: its input once."""
+    an all-reduce twice that; a scatter's root, all but its own share of its list. Any other
+    collective: its input once."""
     if kind.startswith("all_gather"):
         return (w - 1) * nbytes
+    if kind == "scatter":
+        return (w - 1) * nbytes // w
     if kind.startswith(("reduce_scatter", "all_to_all")):
         return (w - 1) * nbytes // w
     if kind == "all_reduce":

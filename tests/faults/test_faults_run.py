@@ -160,6 +160,9 @@ def test_every_wrapped_operation_logs_and_delivers_under_early_read(pool):
         "broadcast",
         "all_to_all_single",
         "reduce_scatter_tensor",
+        "scatter",
+        "gather",
+        "reduce",
         "barrier",
         "send",
         "recv",
@@ -167,6 +170,12 @@ def test_every_wrapped_operation_logs_and_delivers_under_early_read(pool):
         # nested calls (all_gather_into_tensor -> all_gather_single) log once
         assert fwd[kind] == 1, kind
     assert fwd["isend"] == fwd["irecv"] == 3  # batch_isend_irecv's pair + the ring's W-1 hops
+    # a rooted collective's bytes are what the rank hands in: none on a scatter's other ranks
+    sizes = {
+        g: {k: b for k, _p, b, ph, _s in log if ph == "forward"}
+        for g, log in r.extra["comm"].items()
+    }
+    assert sizes[0]["scatter"] == 3 * 2 * 4 and sizes[1]["scatter"] == 0
 
 
 def test_comm_log_counts_the_ring_hops(pool):

@@ -128,6 +128,7 @@ def _tour_ops(ctx, read_early: bool) -> torch.Tensor:
     o1 = torch.empty(1)
     dist.reduce_scatter_tensor(o1, torch.arange(w, dtype=f32), group=g, async_op=True).wait()
     _expect("reduce_scatter_tensor", o1, torch.tensor([float(w * r)]))
+    _rooted_ops(ctx)
     dist.barrier(group=g)
     buf = torch.empty(2)
     if r % 2 == 0:
@@ -146,6 +147,25 @@ def _tour_ops(ctx, read_early: bool) -> torch.Tensor:
         work.wait()
     _expect("batch_isend_irecv", buf2, torch.full((2,), float((r - 1) % w)))
     return early
+
+
+def _rooted_ops(ctx) -> None:
+    """scatter, gather and reduce with group rank 0 as the root, async, waited, then checked."""
+    g, w, r = ctx.group, ctx.world_size, ctx.rank
+    root = ctx.global_ranks[0]
+    f32 = torch.float32
+    part = torch.empty(2)
+    chunks = [torch.full((2,), float(j)) for j in range(w)] if r == 0 else None
+    dist.scatter(part, chunks, src=root, group=g, async_op=True).wait()
+    _expect("scatter", part, torch.full((2,), float(r)))
+    got = [torch.empty(1) for _ in range(w)] if r == 0 else None
+    dist.gather(torch.full((1,), float(r)), got, dst=root, group=g, async_op=True).wait()
+    if r == 0:
+        _expect("gather", torch.cat(got), torch.arange(w, dtype=f32))
+    red = torch.full((1,), float(r + 1))
+    dist.reduce(red, dst=root, group=g, async_op=True).wait()
+    if r == 0:
+        _expect("reduce", red, torch.tensor([float(w * (w + 1) // 2)]))
 
 
 def _tour(read_early: bool):

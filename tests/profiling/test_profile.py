@@ -90,6 +90,8 @@ def test_rings_that_gather_k_and_v_are_o_of_n(pool, tmp_path):
         "memory"
     )
     assert mine["memory"]["length"]["verdict"] == "O(n): gathers K/V"
+    # its backward: gloo's differentiable all-to-all, W scatters a rank, each root sending 3/4
+    assert mine["traffic"]["backward"]["messages"] == 8 and mine["traffic"]["backward"]["sent"] > 0
 
 
 def test_verdict_rules_without_ranks():
@@ -102,6 +104,8 @@ def test_verdict_rules_without_ranks():
         75,
         150,
     ]
+    # a scatter's root logs its whole list and keeps its own share; the other ranks log none
+    assert (wire_bytes("scatter", 100, 4), wire_bytes("scatter", 0, 4)) == (75, 0)
 
 
 def test_the_length_fit_without_ranks():

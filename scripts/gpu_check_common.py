@@ -40,3 +40,20 @@ def torchrun(nproc: int, *args: str) -> list[str]:
         str(nproc),
         *args,
     ]
+
+
+def torchrun_check(world_size: int, *flags: str) -> list[str]:
+    """`harness check` under torchrun with NCCL, `world_size` ranks on this host, then `flags`."""
+    return torchrun(
+        world_size,
+        "-m",
+        "harness",
+        "check",
+        "--launcher",
+        "torchrun",
+        "--backend",
+        "nccl",
+        "--world-size",
+        str(world_size),
+        *flags,
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpu_check_common import Step, cuda_only, torchrun
+from gpu_check_common import Step, cuda_only, torchrun, torchrun_check
 from gpu_check_steps import SCRIPT, nccl_at_least
 
 if str(SCRIPT.parents[1]) not in sys.path:  # a plain checkout: harness is not installed
@@ -214,18 +214,9 @@ BROKEN = ("nccl-shared-raise", "nccl-shared-hang", "nccl-shared-signal")
 
 def shared_check_command(world_size: int, flags: list[str], out: Path, name: str) -> list[str]:
     """`check` under torchrun with NCCL, every rank on the visible GPUs (`--share-gpu`)."""
-    return torchrun(
+    return torchrun_check(
         world_size,
-        "-m",
-        "harness",
-        "check",
-        "--launcher",
-        "torchrun",
-        "--backend",
-        "nccl",
         "--share-gpu",
-        "--world-size",
-        str(world_size),
         "--no-growth",
         "--no-repeat",
         *flags,

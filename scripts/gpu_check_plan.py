@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpu_check_common import Step, cuda_only, torchrun
+from gpu_check_common import Step, cuda_only, torchrun_check
 from gpu_check_nccl import nccl_steps
 from gpu_check_profile import profile_steps
 from gpu_check_steps import PY, SCRIPT
@@ -243,21 +243,7 @@ def _check_steps(device: str, out: Path) -> list[Step]:
 
 def _torchrun_check(world_size: int) -> list[str]:
     """The check under torchrun with NCCL at `world_size`: 5 property-based examples, no growth."""
-    return torchrun(
-        world_size,
-        "-m",
-        "harness",
-        "check",
-        "--launcher",
-        "torchrun",
-        "--backend",
-        "nccl",
-        "--world-size",
-        str(world_size),
-        "--max-examples",
-        "5",
-        "--no-growth",
-    )
+    return torchrun_check(world_size, "--max-examples", "5", "--no-growth")
 
 
 def _torchrun_steps(device: str, out: Path, facts: dict) -> list[Step]:

@@ -103,7 +103,10 @@ def _check_share_gpu(share_gpu: bool, launcher: str, backend: str | None) -> Non
             "(a local pool shares GPUs with --device cuda)"
         )
     if share_gpu and backend == "gloo":
-        raise HarnessError("--share-gpu is for NCCL ranks; gloo ranks share a GPU already")
+        raise HarnessError(
+            "--share-gpu is for NCCL ranks; for gloo ranks on a GPU, run the local pool "
+            "with --device cuda"
+        )
 
 
 def _check_oracle(oracle: str) -> None:

@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         except Interrupted as e:
             code = interrupt.EXIT_CODES.get(e.signal, 1)
         except HarnessError as e:
-            print(f"ring-harness: error: {e}", file=sys.stderr)
+            # under torchrun every rank says it: name the rank (torchrun's own status is 1)
+            rank = f"rank {os.environ['RANK']}: " if "TORCHELASTIC_RUN_ID" in os.environ else ""
+            print(f"ring-harness: {rank}error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("ring-harness: interrupted", file=sys.stderr)

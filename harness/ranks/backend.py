@@ -60,8 +60,9 @@ def placement_of(device: str | None, stage_p2p: bool = False) -> Placement:
 def require_cuda(flag: str) -> None:
     """One clear line (HarnessError) when `flag` asks for CUDA and this torch sees none."""
     if not torch.cuda.is_available():
+        build = "a CPU build: install a CUDA build" if torch.version.cuda is None else "no GPU seen"
         raise HarnessError(
-            f"{flag}: this torch sees no CUDA device (torch.cuda.is_available() is False)"
+            f"{flag}: this torch sees no CUDA device (torch {torch.__version__}, {build})"
         )
 
 
@@ -90,13 +91,14 @@ def choose_backend(requested: str | None = None) -> str:
 def device_for(backend: str, share_gpu: bool = False) -> torch.device:
     """CPU for gloo; cuda:LOCAL_RANK for nccl (one rank per GPU).
 
-    `share_gpu`: rank r takes cuda:(r mod visible GPUs), so that W ranks fit on fewer GPUs.
+    `share_gpu`: each rank takes cuda:(LOCAL_RANK mod visible GPUs), so W ranks fit on fewer GPUs.
     """
     if backend != "nccl":
         return torch.device("cpu")
+    require_cuda("NCCL ranks")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
-    if share_gpu and count:
+    if share_gpu:
         local %= count
     elif local >= count:
         raise HarnessError(
@@ -107,14 +109,15 @@ def device_for(backend: str, share_gpu: bool = False) -> torch.device:
     return torch.device("cuda", local)
 
 
-def nccl_host_per_rank(local_rank: int, environ: Mapping[str, str]) -> dict[str, str]:
+def nccl_host_per_rank(rank: int, environ: Mapping[str, str]) -> dict[str, str]:
     """The environment that makes NCCL take one rank for a node of its own (`--share-gpu`).
 
     NCCL folds NCCL_HOSTID into the host hash its duplicate-GPU check compares. With one ID per
     rank, ranks on one GPU look like separate nodes. NCCL then connects them with its socket
-    transport, on loopback unless NCCL_SOCKET_IFNAME says otherwise. docs/gpu.md has what ran.
+    transport, on loopback unless NCCL_SOCKET_IFNAME says otherwise. `rank` is the global rank, so
+    IDs differ across nodes too. docs/gpu.md has what ran.
     """
     return {
-        "NCCL_HOSTID": f"ring-harness-rank-{local_rank}",
+        "NCCL_HOSTID": f"ring-harness-rank-{rank}",
         "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", "lo"),
     }

@@ -88,10 +88,13 @@ def _share_gpu(backend: str) -> None:
     """Make this rank a node of its own to NCCL before NCCL starts (`--share-gpu`)."""
     from harness.errors import HarnessError
 
-    if backend != "nccl":
-        raise HarnessError(f"--share-gpu is for NCCL ranks on one GPU; the backend is {backend}")
     require_cuda("--share-gpu")
-    os.environ.update(nccl_host_per_rank(int(os.environ["LOCAL_RANK"]), os.environ))
+    if backend != "nccl":
+        raise HarnessError(
+            f"--share-gpu is for NCCL ranks; the backend is {backend} "
+            "(gloo ranks on a GPU: the local pool's --device cuda)"
+        )
+    os.environ.update(nccl_host_per_rank(int(os.environ["RANK"]), os.environ))
 
 
 class TorchrunPool:

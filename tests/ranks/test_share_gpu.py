@@ -29,6 +29,7 @@ def test_each_rank_gets_its_own_nccl_host_on_loopback():
 
 def test_shared_ranks_take_their_index_modulo_the_gpus(monkeypatch):
     seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", seen.append)
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -37,6 +38,7 @@ def test_shared_ranks_take_their_index_modulo_the_gpus(monkeypatch):
 
 
 def test_more_ranks_than_gpus_without_share_gpu_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(HarnessError, match="add --share-gpu"):
@@ -55,19 +57,23 @@ def test_share_gpu_outside_torchrun_nccl_is_refused(opts, message):
         CheckOptions(**opts).validate()
 
 
-def test_share_gpu_needs_nccl_and_a_gpu(monkeypatch):
-    with pytest.raises(HarnessError, match="for NCCL ranks"):
-        _share_gpu("gloo")
+def test_share_gpu_needs_a_gpu_then_nccl(monkeypatch):
+    """No CUDA comes first: without it the backend falls back to gloo, which is not the cause."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(HarnessError, match=r"no CUDA device \(torch .*\)"):
+        _share_gpu("gloo")
     with pytest.raises(HarnessError, match="no CUDA device"):
-        _share_gpu("nccl")
+        backend.device_for("nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(HarnessError, match="--device cuda"):
+        _share_gpu("gloo")
 
 
 def test_share_gpu_sets_the_rank_environment_before_nccl_starts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("RANK", "6")  # the global rank: IDs differ across nodes too
     # set first, so that monkeypatch restores both after the test
     monkeypatch.setenv("NCCL_HOSTID", "before")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
     _share_gpu("nccl")
-    assert os.environ["NCCL_HOSTID"] == "ring-harness-rank-2"
+    assert os.environ["NCCL_HOSTID"] == "ring-harness-rank-6"

@@ -26,6 +26,12 @@ def _run(args, timeout=240, nproc=2):
     )
 
 
+def _check_impl(impl: str, *extra: str, timeout: int = 120):
+    """The check of `impl` on two torchrun ranks."""
+    args = ["check", "--launcher", "torchrun", "--world-size", "2", "--impl", impl, *extra]
+    return _run(args, timeout=timeout)
+
+
 def test_check_under_torchrun_passes(tmp_path):
     p = _run(
         [
@@ -80,20 +86,7 @@ def test_benign_fault_stage_under_torchrun_with_four_processes(tmp_path):
 
 
 def test_hang_under_torchrun_is_reported_and_ends_the_job(tmp_path):
-    p = _run(
-        [
-            "check",
-            "--launcher",
-            "torchrun",
-            "--world-size",
-            "2",
-            "--impl",
-            "tests.helpers.impls:hang",
-            "--deadline",
-            "4",
-        ],
-        timeout=120,
-    )
+    p = _check_impl("tests.helpers.impls:hang", "--deadline", "4")
     assert p.returncode != 0
     assert "verdict hang" in p.stderr and "_hang" in p.stderr
     # the first run (the growth check's) keeps --deadline
@@ -129,22 +122,13 @@ def test_world_size_above_the_processes_started_is_exit_2():
 def test_a_rank_killed_by_a_signal_ends_the_job_in_one_line_naming_it():
     """Rank 1 dies of SIGKILL mid-ring: rank 0 names its failed op and the lost peer, no traceback
     of ours, and torchrun's summary names the signal. Nothing hangs to a deadline."""
-    p = _run(
-        [
-            "check",
-            "--launcher",
-            "torchrun",
-            "--world-size",
-            "2",
-            "--impl",
-            "tests.helpers.impls:killed_on_rank1",
-            "--max-examples",
-            "0",
-            "--no-growth",
-            "--deadline",
-            "60",
-        ],
-        timeout=120,
+    p = _check_impl(
+        "tests.helpers.impls:killed_on_rank1",
+        "--max-examples",
+        "0",
+        "--no-growth",
+        "--deadline",
+        "60",
     )
     assert p.returncode != 0
     assert "isend to peer rank 1" in p.stderr or "recv from peer rank 1" in p.stderr, p.stderr[
@@ -157,22 +141,8 @@ def test_a_rank_killed_by_a_signal_ends_the_job_in_one_line_naming_it():
 
 def test_a_ranks_own_error_is_printed_by_that_rank():
     """Under NCCL a peer blocked in the ring may never gather it: rank 1 prints its error itself."""
-    p = _run(
-        [
-            "check",
-            "--launcher",
-            "torchrun",
-            "--world-size",
-            "2",
-            "--impl",
-            "tests.helpers.impls:raise_on_rank1",
-            "--max-examples",
-            "0",
-            "--no-growth",
-            "--maxfail",
-            "1",
-        ],
-        timeout=120,
+    p = _check_impl(
+        "tests.helpers.impls:raise_on_rank1", "--max-examples", "0", "--no-growth", "--maxfail", "1"
     )
     assert p.returncode == 1
     assert "ring-harness: rank 1: ValueError: deliberate shape mix-up on rank 1" in p.stderr

@@ -26,10 +26,10 @@ def _run(args, timeout=240, nproc=2):
     )
 
 
-def _check_impl(impl: str, *extra: str, timeout: int = 120):
-    """The check of `impl` on two torchrun ranks."""
-    args = ["check", "--launcher", "torchrun", "--world-size", "2", "--impl", impl, *extra]
-    return _run(args, timeout=timeout)
+def _check_impl(tmp_path, impl: str, *extra: str, timeout: int = 120):
+    """The check of `impl` on two torchrun ranks; failures are saved under `tmp_path`."""
+    args = ["check", "--launcher", "torchrun", "--world-size", "2", "--impl", impl]
+    return _run([*args, "--save-dir", str(tmp_path), *extra], timeout=timeout)
 
 
 def test_check_under_torchrun_passes(tmp_path):
@@ -86,7 +86,7 @@ def test_benign_fault_stage_under_torchrun_with_four_processes(tmp_path):
 
 
 def test_hang_under_torchrun_is_reported_and_ends_the_job(tmp_path):
-    p = _check_impl("tests.helpers.impls:hang", "--deadline", "4")
+    p = _check_impl(tmp_path, "tests.helpers.impls:hang", "--deadline", "4")
     assert p.returncode != 0
     assert "verdict hang" in p.stderr and "_hang" in p.stderr
     # the first run (the growth check's) keeps --deadline
@@ -119,10 +119,11 @@ def test_world_size_above_the_processes_started_is_exit_2():
     assert "--world-size 4 needs 4 ranks but torchrun started 2" in p.stderr
 
 
-def test_a_rank_killed_by_a_signal_ends_the_job_in_one_line_naming_it():
+def test_a_rank_killed_by_a_signal_ends_the_job_in_one_line_naming_it(tmp_path):
     """Rank 1 dies of SIGKILL mid-ring: rank 0 names its failed op and the lost peer, no traceback
     of ours, and torchrun's summary names the signal. Nothing hangs to a deadline."""
     p = _check_impl(
+        tmp_path,
         "tests.helpers.impls:killed_on_rank1",
         "--max-examples",
         "0",
@@ -139,10 +140,16 @@ def test_a_rank_killed_by_a_signal_ends_the_job_in_one_line_naming_it():
     assert "Signal 9 (SIGKILL)" in p.stderr
 
 
-def test_a_ranks_own_error_is_printed_by_that_rank():
+def test_a_ranks_own_error_is_printed_by_that_rank(tmp_path):
     """Under NCCL a peer blocked in the ring may never gather it: rank 1 prints its error itself."""
     p = _check_impl(
-        "tests.helpers.impls:raise_on_rank1", "--max-examples", "0", "--no-growth", "--maxfail", "1"
+        tmp_path,
+        "tests.helpers.impls:raise_on_rank1",
+        "--max-examples",
+        "0",
+        "--no-growth",
+        "--maxfail",
+        "1",
     )
     assert p.returncode == 1
     assert "ring-harness: rank 1: ValueError: deliberate shape mix-up on rank 1" in p.stderr

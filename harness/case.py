@@ -14,14 +14,14 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from harness.case_schema import MAX_WORLD, is_int, mask_from_dict, validate
+from harness import case_yaml, limits, outputs
+from harness.case_schema import mask_from_dict, validate
 from harness.errors import HarnessError
 from ring_impl.layouts import split_lengths
 from ring_impl.masks import MaskSpec
@@ -210,12 +210,8 @@ def from_dict(d: Any) -> Case:
         if "seq_lens" in d:
             raise HarnessError("case fields 'total_len' and 'seq_lens' are exclusive: give one")
         w = fields.get("world_size", 4)
-        if not (is_int(total) and total >= 1):
-            raise HarnessError(f"case field 'total_len': must be a positive integer, got {total!r}")
-        if not (is_int(w) and 1 <= w <= MAX_WORLD):
-            raise HarnessError(
-                f"case field 'world_size': must be a positive integer <= {MAX_WORLD}, got {w!r}"
-            )
+        limits.case_field("total_len", total)
+        limits.case_field("world_size", w)
         fields["seq_lens"] = tuple(split_lengths(total, w))
     elif "world_size" in fields and "seq_lens" not in fields:
         raise HarnessError("case needs 'seq_lens' (per-rank lengths) or 'total_len'")
@@ -229,17 +225,10 @@ def from_dict(d: Any) -> Case:
 def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
     """Parse YAML text into (Case, the whole mapping).
 
-    Only safe_load is used: a case file is data. For a sequence file, the Case is its last member,
-    the failing one. `is_sequence(mapping)` tells the two forms apart.
+    Only a safe loader reads it, within limits (harness.case_yaml): a case file is data. For a
+    sequence file, the Case is its last member, the failing one. `is_sequence(mapping)` tells the two forms apart.
     """
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise HarnessError(
-            f"{source}:{where} malformed YAML ({getattr(e, 'problem', None) or e})"
-        ) from None
+    data = case_yaml.loads(text, source)
     if data is None:
         raise HarnessError(f"{source}: empty case file")
     try:
@@ -253,12 +242,7 @@ def loads(text: str, source: str = "<string>") -> tuple[Case, dict]:
 def load(path: str | os.PathLike) -> tuple[Case, dict]:
     """Read a case file: (Case, the whole mapping, with any recorded `result`)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise HarnessError(f"cannot read case file {p}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise HarnessError(f"{p}: not a UTF-8 text file") from None
+    text = case_yaml.read(p)
     return loads(text, str(p))
 
 
@@ -300,27 +284,11 @@ def save(
     note: str | None = None,
     expect: str | None = None,
 ) -> Path:
-    """Write a case file atomically: a crash never leaves a half-written case."""
-    return write_atomic(Path(path), dumps(c, result=result, note=note, expect=expect))
+    """Write a case file atomically: a crash never leaves a half-written case.
 
-
-def write_atomic(p: Path, text: str) -> Path:
-    """Write `text` to `p` through a temp file, fsync and rename."""
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp makes 0600, but a case file is shared data.
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return p
+    A path that cannot be written gets a fallback file, printed (harness.outputs.write).
+    """
+    return outputs.write(Path(path), dumps(c, result=result, note=note, expect=expect), "case file")
 
 
 # -- sequence files -----------------------------------------------------------------------------

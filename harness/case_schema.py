@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
+from harness import limits
 from harness.calls import CALLS, INPUT_FORMS
 from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import parse_faults
+from harness.limits import MAX_WORLD
 from ring_impl.layouts import LAYOUTS
 from ring_impl.mask_parse import expr_from_dict
 from ring_impl.masks import MASK_KINDS, MaskSpec, doc_starts_of
@@ -25,17 +26,7 @@ if TYPE_CHECKING:
 # (harness.inputs)
 VALUE_KINDS = ("normal", "large", "near-tie", "outliers", "qk-overflow", "sink")
 TENSORS = ("out", "dq", "dk", "dv", "lse")
-MAX_WORLD = 64
 LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}
-
-
-def is_int(x: Any) -> bool:
-    """An int, but not a bool."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _need(cond: bool, name: str, msg: str) -> None:
@@ -54,25 +45,25 @@ def validate(c: Case) -> None:
 
 
 def _check_sizes(c: Case) -> None:
-    """The world, the heads, the head dim and the per-rank lengths."""
-    for name in ("world_size", "batch", "heads_q", "heads_kv", "head_dim"):
-        v = getattr(c, name)
-        _need(is_int(v) and v >= 1, name, f"must be a positive integer, got {v!r}")
-    _need(c.world_size <= MAX_WORLD, "world_size", f"must be <= {MAX_WORLD}, got {c.world_size}")
+    """The world, the heads, the head dim and the per-rank lengths, each within its range."""
+    for name in ("world_size", "group_offset", "batch", "heads_q", "heads_kv", "head_dim"):
+        limits.case_field(name, getattr(c, name))
     _need(
-        is_int(c.group_offset) and c.group_offset >= 0,
+        c.pool_size <= MAX_WORLD,
         "group_offset",
-        f"must be an integer >= 0, got {c.group_offset!r}",
+        f"group_offset + world_size must be <= {MAX_WORLD} ranks, got {c.pool_size}",
     )
     _need(
         c.heads_q % c.heads_kv == 0,
         "heads_kv",
         f"heads_q ({c.heads_q}) must be a multiple of heads_kv ({c.heads_kv})",
     )
+    _need(isinstance(c.seq_lens, tuple), "seq_lens", f"must be a list, got {c.seq_lens!r}")
+    each = limits.CASE["seq_lens"]
     _need(
-        isinstance(c.seq_lens, tuple) and all(is_int(n) and n >= 0 for n in c.seq_lens),
+        all(each.holds(n) for n in c.seq_lens),
         "seq_lens",
-        f"must be a list of integers >= 0, got {c.seq_lens!r}",
+        f"every entry must be {each.words()}, got {list(c.seq_lens)!r}",
     )
     _need(
         len(c.seq_lens) == c.world_size,
@@ -80,6 +71,7 @@ def _check_sizes(c: Case) -> None:
         f"has {len(c.seq_lens)} entries but world_size is {c.world_size}",
     )
     _need(c.total_len >= 1, "seq_lens", "the total sequence length must be at least 1")
+    limits.case_field("total_len", c.total_len)
 
 
 def _check_layout_and_mask(c: Case) -> None:
@@ -105,22 +97,14 @@ def _check_numerics(c: Case) -> None:
         "dtype",
         f"unknown dtype {c.dtype!r}; expected one of {', '.join(DTYPES)}",
     )
-    _need(
-        c.softmax_scale is None
-        or (_is_number(c.softmax_scale) and math.isfinite(c.softmax_scale) and c.softmax_scale > 0),
-        "softmax_scale",
-        f"must be a positive number or null, got {c.softmax_scale!r}",
-    )
+    if c.softmax_scale is not None:
+        limits.case_field("softmax_scale", c.softmax_scale)
     _need(
         c.values in VALUE_KINDS,
         "values",
         f"unknown value distribution {c.values!r}; expected one of {', '.join(VALUE_KINDS)}",
     )
-    _need(
-        is_int(c.seed) and 0 <= c.seed < 2**63,
-        "seed",
-        f"must be an integer in [0, 2**63), got {c.seed!r}",
-    )
+    limits.case_field("seed", c.seed)
 
 
 def _check_impl_and_faults(c: Case) -> None:
@@ -146,11 +130,7 @@ def _check_tolerance(c: Case) -> None:
             "tolerance",
             f"unknown tensor {k!r}; expected some of {', '.join(TENSORS)}",
         )
-        _need(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-            "tolerance",
-            f"factor for {k} must be a positive number, got {v!r}",
-        )
+        limits.case_field("tolerance", v, f"factor for {k}")
 
 
 def _check_call(c: Case) -> None:
@@ -161,11 +141,7 @@ def _check_call(c: Case) -> None:
         "inputs",
         f"unknown input form {c.inputs!r}; expected one of {', '.join(INPUT_FORMS)}",
     )
-    _need(
-        _is_number(c.deadline_s) and 0 < c.deadline_s <= 3600,
-        "deadline_s",
-        f"must be a number of seconds in (0, 3600], got {c.deadline_s!r}",
-    )
+    limits.case_field("deadline_s", c.deadline_s)
 
 
 def mask_from_dict(d: Any) -> MaskSpec:
@@ -188,13 +164,13 @@ def mask_from_dict(d: Any) -> MaskSpec:
             f"case field 'mask': unknown kind {kind!r}; expected one of {', '.join(MASK_KINDS)}"
         )
     window = d.get("window")
-    if kind == "window" and not (is_int(window) and window >= 0):
-        raise HarnessError(f"case field 'mask': window must be an integer >= 0, got {window!r}")
+    if kind == "window":
+        limits.case_field("mask", window, "window")
     starts = d.get("doc_starts", [])
-    if kind == "document" and not (isinstance(starts, list) and all(is_int(s) for s in starts)):
-        raise HarnessError(
-            f"case field 'mask': doc_starts must be a list of integers, got {starts!r}"
-        )
+    if kind == "document" and not isinstance(starts, list):
+        raise HarnessError(f"case field 'mask': doc_starts must be a list, got {starts!r}")
+    for i, s in enumerate(starts if kind == "document" else ()):
+        limits.case_field("mask", s, f"doc_starts[{i}]")
     causal = d.get("causal", True)
     if not isinstance(causal, bool):
         raise HarnessError(f"case field 'mask': causal must be true or false, got {causal!r}")

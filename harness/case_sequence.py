@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import outputs
 from harness.case import (
     FORMAT,
     MAX_SEQUENCE,
@@ -24,7 +25,6 @@ from harness.case import (
     load,
     sequence_members,
     to_dict,
-    write_atomic,
     yaml_text,
 )
 from harness.errors import HarnessError
@@ -122,4 +122,5 @@ def save_sequence(
     expect: str | None = None,
 ) -> Path:
     """Atomic write of a sequence case file (as `save`)."""
-    return write_atomic(Path(path), dumps_sequence(seq, result=result, note=note, expect=expect))
+    text = dumps_sequence(seq, result=result, note=note, expect=expect)
+    return outputs.write(Path(path), text, "case file")

@@ -83,6 +83,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from harness import limits
+    from harness.errors import HarnessError
+
+    try:
+        limits.options(
+            {
+                "--world-size": config.getoption("--ring-world-size"),
+                "--max-examples": config.getoption("--ring-max-examples"),
+            }
+        )
+    except HarnessError as e:
+        raise pytest.UsageError(f"ring-harness: {str(e).replace('--', '--ring-', 1)}") from None
     config.addinivalue_line(
         "markers",
         "ring_impl(name): run ring_check against this implementation (--ring-impl, when given, wins)",
@@ -134,10 +146,14 @@ class RingChecker:
 
     def run(self, case, impl: str | None = None):
         """Run one case and return its CaseResult (no assertion)."""
+        from harness.errors import HarnessError
         from harness.runner import run_case
 
         name = impl or self.impl
-        return run_case(case, self.pool, name, allow_import=self._allow_import(name))
+        try:
+            return run_case(case, self.pool, name, allow_import=self._allow_import(name))
+        except HarnessError as e:  # bad input, e.g. a case too large for this machine: one line
+            pytest.fail(f"ring-harness: {e}", pytrace=False)
 
     def _fail(self, bad: list) -> None:
         from harness.checks.report import details
@@ -177,8 +193,14 @@ class RingChecker:
         """A property-based run (hypothesis, shrinking, saved YAML) over the declared capabilities;
         fails with the shrunk case. Budget: `max_examples`, else --ring-max-examples, else the ci
         profile."""
+        from harness import outputs
+        from harness.errors import HarnessError
         from harness.search.fuzz import fuzz
 
+        try:
+            outputs.check_dir(save_dir or self.save_dir, "save_dir")
+        except HarnessError as e:
+            pytest.fail(f"ring-harness: {e}", pytrace=False)
         n = max_examples if max_examples is not None else self.max_examples
         out = fuzz(
             self.impl,

@@ -98,22 +98,21 @@ def baseline_for(case: Case, pool: Pool, impl: str, allow_import: bool = False) 
     return _BASELINES[key]
 
 
-# below this every case fits; above it the memory estimate is checked first
-LARGE_CASE_TOKENS = 8192
-
-
 def check_memory(case: Case, mode: str | None = None) -> None:
     """Refuse a case this machine cannot hold, before any rank starts.
 
     The refusal is one line with the estimate, instead of a rank killed mid-run. The estimate counts
-    the ranks with tiled blocks and their oracle shares. Under `local`, it counts the parent's whole
-    oracle instead. docs/long-sequences.md has the figures.
+    every dimension: batch, heads, head dims and lengths. It counts the ranks with tiled blocks and
+    their oracle shares; under `local`, the parent's whole oracle instead. A case whose own tensors
+    are small fits whatever the load, so only the larger ones read the free memory.
+    docs/long-sequences.md has the figures.
     """
-    if case.total_len < LARGE_CASE_TOKENS:
-        return
     from harness.ranks import oom
 
-    est = oom.estimate(case, oracle=mode or current_mode())
+    mode = mode or current_mode()
+    if oom.estimate(case, available=0, oracle=mode).work < oom.SMALL_WORK:
+        return
+    est = oom.estimate(case, oracle=mode)
     if not est.fits:
         raise HarnessError(f"{case.summary()}: too large for this machine: {est.words()}")
 

@@ -60,6 +60,7 @@ WINDOW_RIGHT = "window-right"
 # every capability name a mask can need: an implementation declares the ones it supports
 MASK_FEATURES = tuple(dict.fromkeys((*MASK_KINDS, EXPR, *PRIMITIVES, WINDOW_RIGHT, *COMBINATORS)))
 MAX_BLOCK_TABLE = 4096  # entries of a blocks() table
+MAX_MASK_PARAM = 2**40  # every mask parameter (positions, sizes, counts): far inside int64
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,8 @@ def _paren(e: Expr, parent: str) -> str:
 
 
 def _int(op: str, name: str, v: Any, lo: int) -> int:
-    if not (isinstance(v, int) and not isinstance(v, bool)) or v < lo:
-        raise ValueError(f"{op}: {name} must be an integer >= {lo}, got {v!r}")
+    if not (isinstance(v, int) and not isinstance(v, bool)) or not lo <= v <= MAX_MASK_PARAM:
+        raise ValueError(f"{op}: {name} must be an integer in [{lo}, 2**40], got {v!r}")
     return int(v)
 
 

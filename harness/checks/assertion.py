@@ -31,7 +31,7 @@ from harness.errors import HarnessError
 from harness.impls import registry
 from harness.ranks.pool import RankPool
 from harness.result import CaseResult, save_result
-from harness.runner import run_case
+from harness.runner import check_memory, run_case
 
 
 def _cases(
@@ -91,6 +91,8 @@ def assert_ring_close(
     # unknown name, missing extra: one clear error
     registry.resolve(impl, allow_import=allow_import)
     cases = _cases(impl, case, world_size, dtype, allow_import)
+    for c in cases:
+        check_memory(c)  # before any rank starts
     own = pool is None
     if own:
         pool = RankPool(max(c.pool_size for c in cases))

@@ -280,4 +280,7 @@ def _annotate(path: Path, info: dict) -> None:
     if not isinstance(data, dict) or not isinstance(data.get("result"), dict):
         return
     data["result"].update(info)
-    case_mod.write_atomic(path, case_mod.yaml_text(data, note or None))
+    try:
+        case_mod.write_atomic(path, case_mod.yaml_text(data, note or None))
+    except OSError:
+        pass  # the file stands as saved, without its group's words

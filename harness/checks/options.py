@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from harness import limits, outputs
 from harness.dtypes import DTYPES
 from harness.errors import HarnessError
 from harness.faults.schema import KINDS
@@ -72,10 +73,7 @@ def _check_common(
 ) -> None:
     if not isinstance(impl, str) or not impl.strip():
         raise HarnessError(f"impl must be an implementation name, got {impl!r}")
-    if not 1 <= world_size <= 64:
-        raise HarnessError(f"--world-size must be in 1..64, got {world_size}")
-    if deadline is not None and not 0 < deadline <= 3600:
-        raise HarnessError(f"--deadline must be in (0, 3600] seconds, got {deadline:g}")
+    limits.options({"--world-size": world_size, "--deadline": deadline})
     if launcher not in LAUNCHERS:
         raise HarnessError(f"unknown launcher {launcher!r}; expected one of {', '.join(LAUNCHERS)}")
     if backend is not None and backend not in BACKENDS:
@@ -107,6 +105,16 @@ def _check_share_gpu(share_gpu: bool, launcher: str, backend: str | None) -> Non
             "--share-gpu is for NCCL ranks; for gloo ranks on a GPU, run the local pool "
             "with --device cuda"
         )
+
+
+def _check_plot(plot: str | None) -> None:
+    """--plot: matplotlib importable and the directory writable, before the run, not after it."""
+    if plot is None:
+        return
+    from harness.diagnose.plot import _pyplot
+
+    _pyplot()
+    outputs.check_dir(plot, "--plot")
 
 
 def _check_oracle(oracle: str) -> None:
@@ -190,31 +198,25 @@ class CheckOptions:
             raise HarnessError(
                 f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}"
             )
-        if self.max_examples is not None and self.max_examples < 0:
-            raise HarnessError(f"--max-examples must be >= 0, got {self.max_examples}")
-        if self.time_budget is not None and self.time_budget <= 0:
-            raise HarnessError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise HarnessError(f"--seed must be in [0, 2**63), got {self.seed}")
+        limits.options(
+            {
+                "--max-examples": self.max_examples,
+                "--time-budget": self.time_budget,
+                "--seed": self.seed,
+                "--fault-deadline": self.fault_deadline,
+                "--maxfail": self.maxfail,
+                "--max-hangs": self.max_hangs,
+                "--shape-budget": self.shape_budget,
+            }
+        )
         parse_kinds(self.fault_stage, FAULT_STAGE_KINDS, "--fault-stage", FAULT_STAGE_DEFAULT)
-        if not 1 <= self.fault_deadline <= 600:
-            raise HarnessError(
-                f"--fault-deadline must be in [1, 600] seconds, got {self.fault_deadline:g}"
-            )
-        if self.maxfail is not None and self.maxfail < 1:
-            raise HarnessError(f"--maxfail must be at least 1, got {self.maxfail}")
-        if self.max_hangs < 0:
-            raise HarnessError(f"--max-hangs must be >= 0 (0: no limit), got {self.max_hangs}")
         if self.shape is not None:
             from harness.checks.shape import parse_shape
 
             parse_shape(self.shape)
-        if not self.shape_budget > 0:
-            raise HarnessError(f"--shape-budget must be > 0 seconds, got {self.shape_budget:g}")
-        if self.plot:
-            from harness.diagnose.plot import _pyplot
-
-            _pyplot()  # fail before the run, not after it, when matplotlib is missing
+        _check_plot(self.plot)
+        outputs.check_file(self.json, "--json")
+        outputs.check_dir(self.save_dir, "--save-dir")
         return self
 
     def with_(self, **changes) -> CheckOptions:
@@ -255,12 +257,15 @@ class FaultBatteryOptions:
                 "--faults runs on the local pool (it kills and restarts ranks); drop --launcher"
             )
         parse_kinds(self.kinds, KINDS, "--faults", KINDS, allow_all=True)
-        if self.cases is not None and self.cases < 1:
-            raise HarnessError(f"--fault-cases must be at least 1, got {self.cases}")
-        if not 1 <= self.deadline <= 600:
-            raise HarnessError(
-                f"--fault-deadline must be in [1, 600] seconds, got {self.deadline:g}"
-            )
+        limits.options(
+            {
+                "--fault-cases": self.cases,
+                "--fault-deadline": self.deadline,
+                "--fault-seed": self.seed,
+            }
+        )
+        outputs.check_file(self.json, "--json")
+        outputs.check_dir(self.save_dir, "--save-dir")
         return self
 
 
@@ -291,10 +296,8 @@ class ReplayOptions:
             raise HarnessError(
                 f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}"
             )
-        if self.plot:
-            from harness.diagnose.plot import _pyplot
-
-            _pyplot()
+        _check_plot(self.plot)
+        outputs.check_file(self.json, "--json")
         return self
 
 
@@ -314,9 +317,9 @@ class SelftestOptions:
     check: CheckOptions = field(default_factory=CheckOptions)
 
     def validate(self) -> SelftestOptions:
-        if self.false_alarm_cases is not None and self.false_alarm_cases < 1:
-            raise HarnessError(
-                f"--false-alarm-cases must be at least 1, got {self.false_alarm_cases}"
-            )
+        limits.option("--false-alarm-cases", self.false_alarm_cases)
         self.check.validate()
+        outputs.check_file(self.json, "--json")
+        outputs.check_dir(self.save_dir, "--save-dir")
+        outputs.check_dir(self.corpus, "--corpus")
         return self

@@ -26,10 +26,11 @@ from harness.checks.stages import property as prop_stage
 from harness.diagnose import localise
 from harness.errors import HarnessError
 from harness.impls import registry
+from harness.judging.verdicts import fault_ok
 from harness.oracle.mode import oracle_mode
 from harness.ranks.launch import open_pool
-from harness.result import CaseResult, cpu_platform
-from harness.runner import run_case
+from harness.result import CaseResult, Verdict, cpu_platform
+from harness.runner import check_memory, run_case
 from harness.search import history
 from harness.search.fuzz import impl_info
 
@@ -49,6 +50,15 @@ class Replay:
     localisation: object | None = None  # harness.diagnose.localise.Localisation of a failing replay
     sequence: int = 0  # cases in a sequence file (0: a single case)
     recorded_errors: dict = field(default_factory=dict)  # rank -> the recorded one-line error
+
+    @property
+    def correct(self) -> bool:
+        """The exit status's verdict: a pass, or the end a correct ring makes under the faults.
+
+        A scheduled drop must end in a fail-stop; that is the ring working, not wrong.
+        """
+        r = self.result
+        return r.passed or (bool(r.case.faults) and fault_ok(r))
 
     @property
     def verdict_reproduced(self) -> bool:
@@ -228,6 +238,8 @@ def replay(opts: ReplayOptions, reporter: Reporter | None = None) -> Replay:
     recorded = case_mod.recorded_result(data)
     _, version = impl_info(impl, allow_import)
     deterministic = _deterministic(impl, allow_import)
+    for c in [s.case for s in seq.steps] if seq is not None else [case]:
+        check_memory(c, opts.oracle)  # before any rank starts
     for line in _intro_lines(path, impl, case, recorded, seq):
         out(line)
     with (
@@ -339,6 +351,10 @@ def _print_replay(
 def _verdict_line(rp: Replay) -> str:
     """The replayed verdict, and whether it reproduces the recorded one."""
     r = rp.result
+    if r.verdict == Verdict.INVALID:
+        return f"verdict: {r.verdict}: {r.detail or 'the case tested nothing'}"
+    if not r.passed and rp.correct:
+        return f"verdict: {r.verdict}, as its faults require of a correct ring"
     if rp.recorded_verdict is None:
         return f"verdict: {r.verdict}"
     if rp.verdict_reproduced:

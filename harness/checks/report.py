@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
+from harness import outputs
 from harness.result import CaseResult
 
 TENSOR_COLS = ("out", "lse", "dq", "dk", "dv")
@@ -84,13 +85,9 @@ def summary(results: Iterable[CaseResult], seconds: float) -> str:
     return f"{len(results)} cases: {parts} in {seconds:.1f} s"
 
 
-def write_json(path: str | os.PathLike, payload: dict) -> None:
-    """Atomic JSON write."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
-    os.replace(tmp, p)
+def write_json(path: str | os.PathLike, payload: dict, flag: str = "--json") -> Path:
+    """Atomic JSON write; a path that fails gets a fallback file, printed (harness.outputs)."""
+    return outputs.write(Path(path), json.dumps(payload, indent=1, default=str), flag)
 
 
 class Reporter:

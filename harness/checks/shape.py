@@ -17,6 +17,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from harness import limits
 from harness.case import Case, make_case
 from harness.context import Capabilities
 from harness.errors import HarnessError
@@ -106,8 +107,8 @@ def parse_shape(text: str | Shape) -> Shape:
     got.setdefault("heads_kv", got["heads_q"])
     s = Shape(**got)
     for k, v in got.items():
-        if v < 1:
-            raise HarnessError(f"--shape: {k} must be at least 1, got {v}")
+        if k != "total_len" and not limits.CASE[k].holds(v):
+            raise HarnessError(f"--shape: {k} must be {limits.CASE[k].words()}, got {v}")
     if s.heads_q % s.heads_kv:
         raise HarnessError(f"--shape: hq ({s.heads_q}) must be a multiple of hkv ({s.heads_kv})")
     if s.world_size > 64 or s.total_len < s.world_size or s.total_len > MAX_TOKENS:

@@ -8,6 +8,7 @@ import argparse
 import importlib
 import time
 
+from harness import outputs
 from harness.bench import FIGURES
 from harness.bench.timing import Figure, load_line
 from harness.checks import report
@@ -37,6 +38,7 @@ def run_figure(name: str, quick: bool) -> Figure:
 
 def run(args: argparse.Namespace) -> int:
     names = args.only or list(FIGURES)
+    outputs.check_file(args.json, "--json")
     report.out(f"ring-harness bench{' --quick' if args.quick else ''}: {', '.join(names)}")
     report.out(load_line())
     figures = []

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from harness import limits, outputs
 from harness.checks import report
-from harness.errors import HarnessError
 from harness.profiling import timeline
 from harness.profiling.report import TOKENS_PER_RANK, WORLD_SIZES, profile_ring, table
 from harness.ranks.backend import placement_of, require_cuda
@@ -62,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     names = args.impl or ["reference"]
-    if args.tokens_per_rank < 1:
-        raise HarnessError(f"--tokens-per-rank must be >= 1, got {args.tokens_per_rank}")
+    limits.options({"--tokens-per-rank": args.tokens_per_rank, "--straggler": args.straggler})
+    outputs.check_file(args.json, "--json")
+    outputs.check_dir(args.trace, "--trace")
     placement = placement_of(args.device)
     if placement.device == "cuda":
         require_cuda("--device cuda")

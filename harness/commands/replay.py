@@ -40,4 +40,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from harness.checks.replay import replay
 
-    return 0 if replay(build(ReplayOptions, args)).result.passed else 1
+    return 0 if replay(build(ReplayOptions, args)).correct else 1

@@ -268,6 +268,8 @@ SHARE_BYTES_PER_TOKEN_H = 96
 SHARE_BYTES_PER_SCORE = 48
 # x total tokens x heads_q x head_dim: the passes' parts held before assembly
 PARENT_BYTES_PER_PART_HD = 32
+# below this a case's own bytes fit on any machine the harness runs on, whatever its load
+SMALL_WORK = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,11 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return self.per_rank * self.ranks + self.parent
+
+    @property
+    def work(self) -> int:
+        """The bytes of the case itself: the total less the idle ranks and parent."""
+        return self.total - RANK_IDLE * self.ranks - PARENT_IDLE
 
     @property
     def fits(self) -> bool:

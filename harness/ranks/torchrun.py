@@ -5,7 +5,9 @@ judges, exactly as with the CPU pool; the other ranks follow. `TorchrunPool` has
 submit/collect interface, so `runner.run_case` and every command work unchanged. Cases and replies
 travel over a gloo control group; the ring itself runs on the default (NCCL) group's subgroups.
 A per-case watchdog thread enforces the deadline: torchrun cannot restart one rank, so a hang dumps
-every rank's stack and ends the job (torchrun tears the rest down) with exit status 124.
+every rank's stack and ends the job (torchrun tears the rest down) with exit status 124. A peer
+that ended (a lost host, a killed rank) ends the job in one line per rank, naming the ranks that no
+longer answer a roll call over torchrun's store.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import re
 import sys
 import threading
 import time
@@ -36,6 +39,7 @@ from harness.ranks.protocol import (
 )
 
 HANG_EXIT = 124
+ROLL_CALL_S = 3.0  # how long a rank that lost a peer waits for the others to answer
 
 
 def launched_by_torchrun() -> bool:
@@ -73,15 +77,100 @@ def _say_error(rank: int, reply: dict) -> None:
         sys.stderr.flush()
 
 
-def _lost_peer(rank: int, case_id: int, e: BaseException) -> None:
-    """A peer ended while the ranks gathered a case's results: torchrun cannot restart it."""
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+def _gloo_line(e: BaseException) -> str:
+    """The first line of a communication error, without gloo's source path and its advice."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
+    return first[:300]
+
+
+def _names(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _lost_peer(rank: int, case_id: int, e: BaseException, doing: str, call: RollCall) -> None:
+    """A peer ended while this rank talked to the others: torchrun cannot restart it. The roll call
+    says which ranks are gone (on a lost host, torchrun here names only this host's ranks)."""
+    lost = call.missing()
+    if lost is None:
+        who = (
+            f"; torchrun's store at {call.address} does not answer either: "
+            "the host that held it is gone, or its agent"
+        )
+    elif lost:
+        their = "its host or process" if len(lost) == 1 else "their host or processes"
+        who = f"; {_names(lost)} did not answer within {ROLL_CALL_S:g} s: {their} ended"
+    else:
+        who = "; torchrun's summary names the rank and its exit status"
     sys.stderr.write(
         f"ring-harness: rank {rank}: a peer rank ended during case {case_id} "
-        f"(gathering its results: {first}); torchrun's summary names the rank and its exit status\n"
+        f"({doing}: {_gloo_line(e)}){who}\n"
     )
     sys.stderr.flush()
     os._exit(1)
+
+
+class RollCall:
+    """Which ranks are still there once a peer has ended, asked over torchrun's store (its agent's,
+    which outlives every rank). Each rank keeps a thread with a store client of its own that answers
+    even while the rank is blocked in a collective. A rank that lost a peer calls the roll and
+    waits up to `ROLL_CALL_S` for every answer."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        # one call per attempt: a restarted worker group must not see the last one's
+        self.key = f"ring-harness/roll-call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # only the agent's store outlives rank 0 (torchrun's static and c10d rendezvous)
+        self.enabled = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and all(
+            k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT")
+        )
+        self.store_gone = False  # the answering thread saw the store end
+        if self.enabled:
+            threading.Thread(
+                target=self._answer, name="ring-harness-roll-call", daemon=True
+            ).start()
+
+    def _store(self, timeout_s: float):
+        import torch.distributed as dist
+
+        host, port = self.address.rsplit(":", 1)
+        return dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+
+    def _answer(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            store = self._store(60)
+            while True:
+                try:  # c10d prints a warning at each timeout of a wait: one a week
+                    store.wait([f"{self.key}/called"], datetime.timedelta(days=7))
+                    break
+                except dist.DistStoreError:
+                    continue
+            store.set(f"{self.key}/here/{self.rank}", "1")
+            store.add(f"{self.key}/answers", 1)
+        except Exception:  # the store is gone: the caller says so
+            self.store_gone = True
+
+    def missing(self) -> list[int] | None:
+        """Call the roll: the ranks that did not answer within ROLL_CALL_S ([] without an agent's
+        store to ask), None when the store itself does not answer."""
+        if not self.enabled:
+            return []
+        if self.store_gone:
+            return None
+        try:
+            store = self._store(ROLL_CALL_S)
+            store.set(f"{self.key}/called", "1")
+            end = time.monotonic() + ROLL_CALL_S
+            while store.add(f"{self.key}/answers", 0) < self.size and time.monotonic() < end:
+                time.sleep(0.05)
+            return [r for r in range(self.size) if not store.check([f"{self.key}/here/{r}"])]
+        except Exception:
+            return None
 
 
 def _share_gpu(backend: str) -> None:
@@ -121,6 +210,7 @@ class TorchrunPool:
         self.size = dist.get_world_size()
         self.capacity = self.size  # torchrun's world never changes
         self.ctrl = dist.new_group(backend="gloo")
+        self.roll_call = RollCall(self.rank, self.size)
         self.groups = Groups(self.backend)
         self.impls: dict = {}
         self._case_id = 0
@@ -134,11 +224,16 @@ class TorchrunPool:
         import torch.distributed as dist
 
         box = [msg]
-        dist.broadcast_object_list(box, src=0, group=self.ctrl)
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.ctrl)
+        except RuntimeError as e:
+            doing = "sending the next message" if self.rank == 0 else "waiting for the next case"
+            _lost_peer(self.rank, self._case_id, e, doing, self.roll_call)
         return box[0]
 
-    def _gather(self, reply):
-        """Every rank's reply on rank 0. A rank that ended ends the job: one line, exit 1."""
+    def _gather(self, reply, dog: _Watchdog | None = None):
+        """Every rank's reply on rank 0. A rank that ended ends the job: one line, exit 1 (the
+        roll call's wait is not a hang: `dog` stops first)."""
         import torch.distributed as dist
 
         _say_error(self.rank, reply)
@@ -146,7 +241,9 @@ class TorchrunPool:
         try:
             dist.gather_object(reply, out, dst=0, group=self.ctrl)
         except RuntimeError as e:
-            _lost_peer(self.rank, self._case_id, e)
+            if dog is not None:
+                dog.cancel()
+            _lost_peer(self.rank, self._case_id, e, "gathering its results", self.roll_call)
         return out
 
     def ensure(self, size: int, exact: bool = False) -> bool:
@@ -190,7 +287,7 @@ class TorchrunPool:
 
     def collect(self, ticket: TorchrunTicket) -> PoolReply:
         """Gather every rank's result of the case (the watchdog still guards the wait)."""
-        replies = self._gather(ticket["reply"])
+        replies = self._gather(ticket["reply"], ticket["dog"])
         ticket["dog"].cancel()
         return PoolReply(
             replies={r: rep for r, rep in enumerate(replies)},
@@ -218,7 +315,7 @@ class TorchrunPool:
         self._broadcast(msg)
         what = f"the oracle ({oracle_pass} pass) of {case.summary()}"
         dog = _Watchdog(self.rank, timeout_s, f"{what} (case {self._case_id})")
-        replies = self._gather(handle_oracle(msg, self.rank, self.device))
+        replies = self._gather(handle_oracle(msg, self.rank, self.device), dog)
         dog.cancel()
         parts = {}
         for r, rep in enumerate(replies):
@@ -234,6 +331,7 @@ class TorchrunPool:
             msg = self._broadcast(None)
             if msg["op"] == STOP:
                 return
+            self._case_id = msg["case_id"]  # rank 0's count, for this rank's own lines
             if msg["op"] == ORACLE:
                 # rank 0's watchdog guards the wait
                 self._gather(handle_oracle(msg, self.rank, self.device))
@@ -241,7 +339,7 @@ class TorchrunPool:
             case = case_mod.from_dict(msg["case"])
             dog = _Watchdog(self.rank, case.deadline_s, f"case {msg['case_id']} ({case.summary()})")
             reply = handle_case(msg, self.rank, self.groups, self.device, self.impls)
-            self._gather(reply)
+            self._gather(reply, dog)
             dog.cancel()
 
     def close(self) -> None:

@@ -79,6 +79,19 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 "
     "--rdzv-id ring-harness-1 -m harness check --launcher torchrun --world-size 16 --impl "
     "ring-flash-attn-zigzag": ("skip: two GPU nodes", None, None),
+    # the README's two hosts: tests/ranks/test_multihost.py runs them as two agents on this machine
+    "torchrun --nnodes 2 --nproc-per-node 8 --node-rank NODE_RANK --master-addr NODE0_HOST "
+    "--master-port 29500 -m harness check --launcher torchrun --world-size 16": (
+        "skip: two GPU hosts; two gloo agents on one machine run it in tests/ranks/test_multihost.py",
+        None,
+        None,
+    ),
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 "
+    "--rdzv-id ring-harness-1 -m harness check --launcher torchrun --world-size 16": (
+        "skip: two GPU hosts; the static rendezvous's form runs in tests/ranks/test_multihost.py",
+        None,
+        None,
+    ),
     "ring-harness impls": ("fast", 0, None),
     # the README's all-gather ring is O(n): exit 1 (tests/profiling/test_profile.py asserts the
     # verdict itself); run at W <= 4 and without the straggler timing, to stay cheap

@@ -183,7 +183,10 @@ def test_data_form_round_trips_and_old_files_keep_their_form():
         ({"kind": "dilated", "segment": 4, "rate": 2, "offset": 2}, "offset must be < rate"),
         ({"and": []}, "and: must be a non-empty list"),
         ({"or": [{"kind": "causal"}, {"kind": "wobble"}]}, "or[1]: unknown kind 'wobble'"),
-        ({"not": {"kind": "prefix", "length": -1}}, "not: prefix: length must be an integer in [0, 2**40]"),
+        (
+            {"not": {"kind": "prefix", "length": -1}},
+            "not: prefix: length must be an integer in [0, 2**40]",
+        ),
         ({"and": [{"kind": "causal"}], "or": []}, "exactly one key"),
         ({"kind": "window", "left": 1}, "window needs right"),
         (

@@ -58,6 +58,10 @@ class Presented:
             hq, hkv = self.q.shape[2], self.k.shape[2]
             if g.dim() == 5:
                 return g.unbind(2)
+            if g.dim() == 3:  # a value head dim of its own: flat heads, split on the last dim
+                parts = g.split([t.shape[2] * t.shape[3] for t in (self.q, self.k, self.v)], dim=2)
+                qkv = (self.q, self.k, self.v)
+                return tuple(p.view(t.shape) for p, t in zip(parts, qkv, strict=True))
             return g.split([hq, hkv, hkv], dim=2)
         grads = tuple(t.grad for t in self.leaves)
         if self.form == "transposed":
@@ -77,7 +81,12 @@ def present(
     if form not in INPUT_FORMS:
         raise ValueError(f"unknown input form {form!r}")
     if form == "fused-qkv":
-        if q.shape[2] == k.shape[2]:
+        if v.shape[3] != q.shape[3]:  # MLA: one projection, its heads flat, split on the last dim
+            buf = torch.cat([t.flatten(2) for t in (q, k, v)], dim=2).requires_grad_(grad)
+            sizes = [t.shape[2] * t.shape[3] for t in (q, k, v)]
+            parts = buf.split(sizes, dim=2)
+            views = [p.view(t.shape) for p, t in zip(parts, (q, k, v), strict=True)]
+        elif q.shape[2] == k.shape[2]:
             buf = torch.stack([q, k, v], dim=2).requires_grad_(grad)
             views = buf.unbind(2)
         else:

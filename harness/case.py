@@ -52,6 +52,11 @@ class Case:
     deadline_s: float = 60.0
     call: str = "train"  # how the model calls the ring: harness.calls.CALLS
     inputs: str = "contiguous"  # the form q, k, v and dout come in: harness.calls.INPUT_FORMS
+    # the attention variants (docs/case-model.md); each default is plain attention
+    head_dim_v: int | None = None  # v's, out's and dout's head dim; None: head_dim
+    softcap: float | None = None  # scores become cap * tanh(s / cap)
+    alibi: bool = False  # ALiBi: -slope_h * |p_i - p_j| from global positions
+    sinks: tuple[float, ...] | None = None  # one learnable logit per query head
 
     def __post_init__(self) -> None:
         validate(self)
@@ -65,6 +70,22 @@ class Case:
     def pool_size(self) -> int:
         """Ranks the pool needs. The ring group is global ranks [offset, offset + world_size)."""
         return self.group_offset + self.world_size
+
+    @property
+    def dim_v(self) -> int:
+        """v's head dim: head_dim_v, else head_dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The attention variants this case uses, by their capability names."""
+        on = {
+            "sinks": self.sinks is not None,
+            "softcap": self.softcap is not None,
+            "alibi": self.alibi,
+            "head_dim_v": self.head_dim_v is not None,
+        }
+        return tuple(name for name, used in on.items() if used)
 
     @property
     def scale(self) -> float:
@@ -94,6 +115,10 @@ class Case:
         extra += f" faults={len(self.faults)}" if self.faults else ""
         extra += f" call={self.call}" if self.call != "train" else ""
         extra += f" inputs={self.inputs}" if self.inputs != "contiguous" else ""
+        extra += f" dv{self.head_dim_v}" if self.head_dim_v is not None else ""
+        extra += f" cap{self.softcap:g}" if self.softcap is not None else ""
+        extra += " alibi" if self.alibi else ""
+        extra += f" sinks={_sinks_words(self.sinks)}" if self.sinks is not None else ""
         return (
             f"W{self.world_size} {self.layout} {mask} {self.dtype} b{self.batch} {heads} "
             f"d{self.head_dim} "
@@ -109,6 +134,12 @@ class Case:
         return dataclasses.replace(self, **changes)
 
 
+def _sinks_words(sinks: tuple[float, ...]) -> str:
+    """'0' when every sink is zero, else the range of their values, e.g. '2.1..5.3'."""
+    lo, hi = min(sinks), max(sinks)
+    return f"{lo:g}" if lo == hi else f"{lo:.2g}..{hi:.2g}"
+
+
 def make_case(total_len: int | None = None, **fields: Any) -> Case:
     """A Case, its `seq_lens` split evenly from `total_len` when per-rank lengths are not given."""
     if total_len is not None:
@@ -119,6 +150,8 @@ def make_case(total_len: int | None = None, **fields: Any) -> Case:
         fields["mask"] = mask_from_dict(fields["mask"])
     if "seq_lens" in fields:
         fields["seq_lens"] = tuple(fields["seq_lens"])
+    if fields.get("sinks") is not None:
+        fields["sinks"] = tuple(fields["sinks"])
     return Case(**fields)
 
 
@@ -140,8 +173,8 @@ EXPECT = ("pass", "reproduce")
 def to_dict(c: Case) -> dict:
     """The plain-data form, for YAML and JSON, and the inverse of `from_dict`.
 
-    `call` and `inputs` appear only when they differ from the plain training call on contiguous
-    inputs. Older cases thus keep their keys and file names.
+    `call`, `inputs` and the variants appear only when they differ from the plain training call
+    on contiguous inputs of plain attention. Older cases thus keep their keys and file names.
     """
     d = {
         "format": FORMAT,
@@ -167,6 +200,15 @@ def to_dict(c: Case) -> dict:
         d["call"] = c.call
     if c.inputs != "contiguous":
         d["inputs"] = c.inputs
+    # the variants, each only when on: older cases keep their keys and file names
+    if c.head_dim_v is not None:
+        d["head_dim_v"] = c.head_dim_v
+    if c.softcap is not None:
+        d["softcap"] = c.softcap
+    if c.alibi:
+        d["alibi"] = True
+    if c.sinks is not None:
+        d["sinks"] = list(c.sinks)
     return d
 
 
@@ -199,6 +241,8 @@ def from_dict(d: Any) -> Case:
                 f"case field 'seq_lens': must be a list of integers, got {fields['seq_lens']!r}"
             )
         fields["seq_lens"] = tuple(fields["seq_lens"])
+    if isinstance(fields.get("sinks"), list):
+        fields["sinks"] = tuple(fields["sinks"])
     if "faults" in fields:
         if not isinstance(fields["faults"], list):
             raise HarnessError(f"case field 'faults': must be a list, got {fields['faults']!r}")

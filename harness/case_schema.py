@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # normal, large and near-tie stress the merge; the last three are the magnitudes of trained models
 # (harness.inputs)
 VALUE_KINDS = ("normal", "large", "near-tie", "outliers", "qk-overflow", "sink")
-TENSORS = ("out", "dq", "dk", "dv", "lse")
+TENSORS = ("out", "dq", "dk", "dv", "lse", "dsinks")
 LEGACY_MASK_KEYS = {"kind", "window", "doc_starts", "causal"}
 
 
@@ -42,6 +42,7 @@ def validate(c: Case) -> None:
     _check_impl_and_faults(c)
     _check_tolerance(c)
     _check_call(c)
+    _check_variants(c)
 
 
 def _check_sizes(c: Case) -> None:
@@ -142,6 +143,24 @@ def _check_call(c: Case) -> None:
         f"unknown input form {c.inputs!r}; expected one of {', '.join(INPUT_FORMS)}",
     )
     limits.case_field("deadline_s", c.deadline_s)
+
+
+def _check_variants(c: Case) -> None:
+    """The attention variants: a value head dim, a cap, ALiBi, and one sink per query head."""
+    if c.head_dim_v is not None:
+        limits.case_field("head_dim_v", c.head_dim_v)
+    if c.softcap is not None:
+        limits.case_field("softcap", c.softcap)
+    _need(isinstance(c.alibi, bool), "alibi", f"must be true or false, got {c.alibi!r}")
+    if c.sinks is None:
+        return
+    _need(
+        isinstance(c.sinks, tuple) and len(c.sinks) == c.heads_q,
+        "sinks",
+        f"must be a list of one logit per query head ({c.heads_q}), got {c.sinks!r}",
+    )
+    for s in c.sinks:
+        limits.case_field("sinks", s, "every logit")
 
 
 def mask_from_dict(d: Any) -> MaskSpec:

@@ -42,6 +42,17 @@ class RunContext:
     device: torch.device
     seed: int = 0
     extra: dict = field(default_factory=dict)
+    # the attention variants (docs/case-model.md); None: plain attention
+    sinks: torch.Tensor | None = None  # float32 (heads_q,); with a backward it requires grad
+    softcap: float | None = None  # scores become cap * tanh(s / cap)
+    alibi_slopes: torch.Tensor | None = None  # float32 (heads_q,): -slope * |p_i - p_j|, global
+    head_dim_v: int | None = None  # v's head dim when it differs from q's and k's
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants this run uses, by their capability names (`VARIANTS`)."""
+        on = (self.sinks, self.softcap, self.alibi_slopes, self.head_dim_v)
+        return tuple(name for name, x in zip(VARIANTS, on, strict=True) if x is not None)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -53,6 +64,16 @@ class RunContext:
         return sum(self.lengths)
 
 
+# the attention variants, by their capability (and Case.variants) names
+VARIANTS = ("sinks", "softcap", "alibi", "head_dim_v")
+VARIANT_WORDS = {
+    "sinks": "learned attention sinks",
+    "softcap": "logit softcapping",
+    "alibi": "ALiBi position biases",
+    "head_dim_v": "a value head dim of its own",
+}
+# each variant's plain value: what a case without the variant holds in its field
+PLAIN_VARIANT = {"sinks": None, "softcap": None, "alibi": False, "head_dim_v": None}
 # flash-attention's common block sizes (query and key tiles of 64 or 128 tokens)
 DEFAULT_TILES = (64, 128)
 DEVICES = ("cpu", "cuda")
@@ -87,6 +108,11 @@ class Capabilities:
     tiles: tuple[int, ...] = DEFAULT_TILES
     # the forms q, k, v, dout may come in (harness.calls)
     input_forms: frozenset[str] = frozenset(INPUT_FORMS)
+    # the attention variants it runs (docs/case-model.md): each False unless declared
+    sinks: bool = False  # learned sinks in ctx.sinks; their gradient is judged
+    softcap: bool = False  # ctx.softcap
+    alibi: bool = False  # ctx.alibi_slopes, from global positions
+    head_dim_v: bool = False  # v with a head dim of its own
     # the old name of `devices`: when given, it sets them (gloo means cpu, nccl means cuda)
     backends: InitVar[Iterable[str] | None] = None
 
@@ -116,6 +142,7 @@ class Capabilities:
             "zigzag_odd",
             "heads_divisible_by_world",
             "idle_ranks",
+            *VARIANTS,
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ImplError(
@@ -162,7 +189,13 @@ class Capabilities:
             "idle_ranks": self.idle_ranks,
             "tiles": list(self.tiles),
             "input_forms": sorted(self.input_forms),
+            **{name: getattr(self, name) for name in VARIANTS},
         }
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """The variants it declares."""
+        return frozenset(name for name in VARIANTS if getattr(self, name))
 
 
 def _is_int(x: Any) -> bool:

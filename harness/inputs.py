@@ -39,15 +39,25 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return int(ss.generate_state(1, dtype=np.uint64)[0] & (2**63 - 1))
 
 
+def dim_of(case: Case, name: str) -> int:
+    """The head dim of tensor `name`: v and dout (and out) have the value head dim."""
+    return case.dim_v if name in ("v", "dout") else case.head_dim
+
+
 def _raw(case: Case, name: str, positions: torch.Tensor, heads: int) -> torch.Tensor:
-    """float32 (batch, len(positions), heads, head_dim) standard normal values for those tokens."""
-    out = torch.empty(case.batch, positions.numel(), heads, case.head_dim, dtype=torch.float32)
+    """float32 (batch, len(positions), heads, dim) standard normal values for those tokens.
+
+    A plain case's v has head_dim entries, so its values are those of every earlier release. A
+    value head dim of its own draws the same generator for its own width.
+    """
+    dim = dim_of(case, name)
+    out = torch.empty(case.batch, positions.numel(), heads, dim, dtype=torch.float32)
     if positions.numel() == 0:
         return out
     blocks = torch.div(positions, TOKEN_BLOCK, rounding_mode="floor")
     for b in torch.unique(blocks).tolist():
         gen = torch.Generator().manual_seed(_block_seed(case.seed, name, b))
-        block = torch.randn(case.batch, TOKEN_BLOCK, heads, case.head_dim, generator=gen)
+        block = torch.randn(case.batch, TOKEN_BLOCK, heads, dim, generator=gen)
         sel = (blocks == b).nonzero().view(-1)
         out[:, sel] = block[:, positions[sel] - b * TOKEN_BLOCK]
     return out
@@ -78,7 +88,7 @@ def outlier_channels(head_dim: int) -> slice:
 
 def _outliers(case: Case, name: str, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if name in ("q", "k", "v"):
-        x[..., outlier_channels(case.head_dim)] *= OUTLIER_GAIN
+        x[..., outlier_channels(dim_of(case, name))] *= OUTLIER_GAIN
     return x
 
 

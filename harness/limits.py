@@ -67,12 +67,15 @@ CASE = {
     "heads_q": Range(1, 4096),
     "heads_kv": Range(1, 4096),
     "head_dim": Range(1, 4096),
+    "head_dim_v": Range(1, 4096),
     "seq_lens": Range(0, 2**30),  # each rank's local length
     "total_len": Range(1, 2**31),
     "seed": SEED,
     "deadline_s": Range(0, 3600, integer=False, open_lo=True, unit="seconds"),
     "softmax_scale": Range(0, 1e4, integer=False, open_lo=True),
     "tolerance": Range(0, 1e6, integer=False, open_lo=True),  # a factor per tensor
+    "softcap": Range(0, 1e4, integer=False, open_lo=True),
+    "sinks": Range(-1e4, 1e4, integer=False),  # each query head's logit
     "mask": Range(0, MAX_MASK_PARAM),  # every mask parameter: positions, sizes, counts
 }
 

@@ -20,7 +20,7 @@ import torch
 from harness import case as case_mod
 from harness.case import Case
 
-TENSORS = ("out", "lse", "dq", "dk", "dv")
+TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
 
 class Verdict(str, enum.Enum):

@@ -1,7 +1,8 @@
 """Double buffers for blocks travelling the ring: one slot is sent while the other is received into.
 
 A slot is one flat tensor big enough for the largest owner's block; the view for owner j is
-exactly as long as j's block, so uneven shards need no padding on the wire.
+exactly as long as j's block, so uneven shards need no padding on the wire. A block is several
+tensors (k and v), each of its own shape: v may have a head dim of its own (MLA).
 """
 
 from __future__ import annotations
@@ -13,31 +14,33 @@ import torch
 
 
 class DoubleBuffer:
-    """Two flat slots holding `parts` tensors of shape `shapes[owner]` each (e.g. k and v)."""
+    """Two flat slots, each holding one owner's block: the tensors of shapes `shapes[owner]`."""
 
     def __init__(
         self,
-        shapes: Sequence[tuple[int, ...]],
-        parts: int,
+        shapes: Sequence[Sequence[tuple[int, ...]]],
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.shapes = [tuple(s) for s in shapes]
-        self.parts = parts
-        size = parts * max((math.prod(s) for s in self.shapes), default=0)
+        self.shapes = [tuple(tuple(s) for s in block) for block in shapes]
+        size = max((self._size(o) for o in range(len(self.shapes))), default=0)
         self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(2)]
+
+    def _size(self, owner: int) -> int:
+        return sum(math.prod(s) for s in self.shapes[owner])
 
     def flat(self, slot: int, owner: int) -> torch.Tensor:
         """The contiguous 1-D view that carries owner's block in `slot` (what goes on the wire)."""
-        return self.slots[slot][: self.parts * math.prod(self.shapes[owner])]
+        return self.slots[slot][: self._size(owner)]
 
     def views(self, slot: int, owner: int) -> tuple[torch.Tensor, ...]:
-        """Owner's block in `slot` as `parts` tensors of its shape (views: writes land in the
-        slot)."""
-        shape = self.shapes[owner]
-        n = math.prod(shape)
-        flat = self.flat(slot, owner)
-        return tuple(flat[i * n : (i + 1) * n].view(shape) for i in range(self.parts))
+        """Owner's block in `slot` as tensors of their shapes (views: writes land in the slot)."""
+        flat, at, out = self.flat(slot, owner), 0, []
+        for shape in self.shapes[owner]:
+            n = math.prod(shape)
+            out.append(flat[at : at + n].view(shape))
+            at += n
+        return tuple(out)
 
     def load(self, slot: int, owner: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Copy owner's block into `slot` and return its views."""

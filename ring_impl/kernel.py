@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ring_impl.variants import Scores
+
 KvHeads = Callable[[int, int], torch.Tensor]
 
 # the tile budget in score entries (B x Hq x tile_q x tile_k): 4 Mi entries, a 16 MiB float32 matrix
@@ -126,22 +128,39 @@ def _whole(mask: Mask) -> torch.Tensor | None:
 
 def _expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: KvHeads):
     """float32 q, and k/v with their heads expanded to the query heads; plus the head index."""
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"expected q (B, Lq, Hq, D), k = v (B, Lk, Hkv, D); got {q.shape}, {k.shape}, {v.shape}"
+            f"expected q (B, Lq, Hq, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv); got {q.shape}, "
+            f"{k.shape}, {v.shape}"
         )
     idx = kv_heads(q.shape[2], k.shape[2]).to(q.device)
     return q.float(), k.float().index_select(2, idx), v.float().index_select(2, idx), idx
 
 
 def _scores(
-    qf: torch.Tensor, kf: torch.Tensor, scale: float, mask: torch.Tensor | None
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    fn: Scores | None = None,
+    qs: slice = slice(None),
+    ks: slice = slice(None),
 ) -> torch.Tensor:
-    """Scaled scores (B, Hq, Lq, Lk); masked entries are -inf."""
+    """Scores (B, Hq, Lq, Lk): scaled, then the variant's (softcap, bias); masked entries -inf."""
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    if fn is not None:
+        s = fn.apply(s, qs, ks)
     if mask is not None:
         s = s.masked_fill(~mask.to(s.device), float("-inf"))
     return s
+
+
+def _scores_grad(qf, kf, scale, mask, fn: Scores | None, qs=slice(None), ks=slice(None)):
+    """(scores, the variant's factor c_ij = d final / d scaled score or None) for a backward."""
+    if fn is None or fn.variant.softcap is None:
+        return _scores(qf, kf, scale, mask, fn, qs, ks), None
+    raw = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    return _scores(qf, kf, scale, mask, fn, qs, ks), fn.factor(raw)
 
 
 def _tiles(n: int, t: int) -> list[slice]:
@@ -164,21 +183,23 @@ def block_forward(
     *,
     kv_heads: KvHeads = gqa_kv_heads,
     tile: int | None = None,
+    scores: Scores | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over one k/v block: out float32 (B, Lq, Hq, D), lse float32 (B, Hq, Lq).
+    """Attention of q over one k/v block: out float32 (B, Lq, Hq, Dv), lse float32 (B, Hq, Lq).
 
     Max-subtracted softmax, so scores of any magnitude are safe; rows with no visible key get
     lse = -inf and out = 0. `tile`: force tiles of that many tokens (None: from the device budget).
+    `scores`: the block's variant (softcap, ALiBi from its global positions), None for plain.
     """
     qf, kf, vf, _ = _expanded(q, k, v, kv_heads)
     t = _plan(q, k, tile)
     if t is None:
-        return _forward_whole(qf, kf, vf, scale, _whole(mask))
-    return _forward_tiled(qf, kf, vf, scale, _tile_fn(mask), t)
+        return _forward_whole(qf, kf, vf, scale, _whole(mask), scores)
+    return _forward_tiled(qf, kf, vf, scale, _tile_fn(mask), t, scores)
 
 
-def _forward_whole(qf, kf, vf, scale, mask):
-    s = _scores(qf, kf, scale, mask)
+def _forward_whole(qf, kf, vf, scale, mask, fn=None):
+    s = _scores(qf, kf, scale, mask, fn)
     if s.shape[-1] == 0:
         return qf.new_zeros(qf.shape[:3] + (vf.shape[-1],)), s.new_full(s.shape[:3], float("-inf"))
     row_max = s.amax(dim=-1, keepdim=True)
@@ -192,7 +213,7 @@ def _forward_whole(qf, kf, vf, scale, mask):
     return out, lse.squeeze(-1)
 
 
-def _forward_tiled(qf, kf, vf, scale, mask_tile, t):
+def _forward_tiled(qf, kf, vf, scale, mask_tile, t, fn=None):
     """Online softmax over key tiles for each query tile: running max m, sum l, unnormalised acc."""
     b, lq, h, _ = qf.shape
     out = qf.new_zeros(qf.shape[:3] + (vf.shape[-1],))
@@ -208,7 +229,7 @@ def _forward_tiled(qf, kf, vf, scale, mask_tile, t):
             mt = mask_tile(qs, ks)
             if _empty(mt):
                 continue
-            s = _scores(qt, kf[:, ks], scale, mt)
+            s = _scores(qt, kf[:, ks], scale, mt, fn, qs, ks)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             alpha = torch.exp(m - m_safe)  # 0 while the row has seen no key (m = -inf)
@@ -241,11 +262,13 @@ def block_backward(
     *,
     kv_heads: KvHeads = gqa_kv_heads,
     tile: int | None = None,
+    scores: Scores | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), float32, of one block given the GLOBAL out and lse of the queries.
 
     dk/dv are summed over each GQA group (shape of k/v). Masked entries have probability exactly
-    0, so keys no query may see get dk = dv = 0 exactly. `tile` as in `block_forward`.
+    0, so keys no query may see get dk = dv = 0 exactly. `tile` and `scores` as in `block_forward`;
+    softcap's factor 1 - tanh^2 multiplies dS on its way to dq and dk.
     """
     qf, kf, vf, idx = _expanded(q, k, v, kv_heads)
     t = _plan(q, k, tile)
@@ -253,28 +276,32 @@ def block_backward(
     do = dout.float()
     delta = (do * out.float()).sum(dim=-1).transpose(1, 2).unsqueeze(-1)  # (B, Hq, Lq, 1)
     if t is None:
-        dq, dk_q, dv_q = _backward_whole(do, qf, kf, vf, lse, delta, scale, _whole(mask))
+        dq, dk_q, dv_q = _backward_whole(do, qf, kf, vf, lse, delta, scale, _whole(mask), scores)
     else:
-        dq, dk_q, dv_q = _backward_tiled(do, qf, kf, vf, lse, delta, scale, _tile_fn(mask), t)
+        dq, dk_q, dv_q = _backward_tiled(
+            do, qf, kf, vf, lse, delta, scale, _tile_fn(mask), t, scores
+        )
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_add_(2, idx, dk_q)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_add_(2, idx, dv_q)
     return dq, dk, dv
 
 
-def _backward_whole(do, qf, kf, vf, lse, delta, scale, mask):
-    s = _scores(qf, kf, scale, mask)
+def _backward_whole(do, qf, kf, vf, lse, delta, scale, mask, fn=None):
+    s, c = _scores_grad(qf, kf, scale, mask, fn)
     finite = torch.isfinite(lse).unsqueeze(-1)
     p = torch.exp(s - torch.where(finite, lse.unsqueeze(-1), torch.zeros_like(lse.unsqueeze(-1))))
     p = p.masked_fill(~finite, 0.0)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
     ds = p * (dp - delta)
+    dv_q = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    if c is not None:
+        ds = ds * c
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
     dk_q = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
-    dv_q = torch.einsum("bhqk,bqhd->bkhd", p, do)
     return dq, dk_q, dv_q
 
 
-def _backward_tiled(do, qf, kf, vf, lse, delta, scale, mask_tile, t):
+def _backward_tiled(do, qf, kf, vf, lse, delta, scale, mask_tile, t, fn=None):
     """The same products tile by tile; dq, dk, dv summed over tiles in float32, scaled once at the
     end."""
     finite = torch.isfinite(lse).unsqueeze(-1)
@@ -291,10 +318,12 @@ def _backward_tiled(do, qf, kf, vf, lse, delta, scale, mask_tile, t):
             if _empty(mt):
                 continue
             kt, vt = kf[:, ks], vf[:, ks]
-            s = _scores(qt, kt, scale, mt)
+            s, c = _scores_grad(qt, kt, scale, mt, fn, qs, ks)
             p = torch.exp(s - ls).masked_fill_(~fin, 0.0)
             del s
             ds = p * (torch.einsum("bqhd,bkhd->bhqk", dot, vt) - dl)
+            if c is not None:
+                ds = ds * c
             dq[:, qs] += torch.einsum("bhqk,bkhd->bqhd", ds, kt)
             dk_q[:, ks] += torch.einsum("bhqk,bqhd->bkhd", ds, qt)
             dv_q[:, ks] += torch.einsum("bhqk,bqhd->bkhd", p, dot)

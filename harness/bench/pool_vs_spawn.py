@@ -82,7 +82,8 @@ def _spawn_rank(rank: int, size: int, workdir: str, msg: dict) -> None:
     reply."""
     import torch.distributed as dist
 
-    from harness.ranks.execute import Groups, handle_case
+    from harness.ranks.execute import handle_case
+    from harness.ranks.groups import Groups
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -1,5 +1,6 @@
 """The capability matrix `check` prints: per feature, declared or not, how many battery cases used
-it and passed or failed, and what a probe of an undeclared feature really did (`PROBE_OUTCOMES`)."""
+it and passed or failed, and what a probe of an undeclared feature really did (`PROBE_OUTCOMES`, or
+`AS_BASE` when the declared case it was adapted from fails too)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from dataclasses import dataclass, field
 from harness.context import Capabilities
 from harness.impls.capabilities import case_features, unsupported
 from harness.judging.verdicts import PROBE_OUTCOMES
+
+# a failing probe whose declared base case fails too: the base's failure, no finding
+AS_BASE = "fails as its declared case does"
 
 
 @dataclass
@@ -24,10 +28,15 @@ class MatrixRow:
 
 
 def matrix(
-    caps: Capabilities, results: list, probe_results: list, not_probed: list[str] = ()
+    caps: Capabilities,
+    results: list,
+    probe_results: list,
+    not_probed: list[str] = (),
+    as_base: set[str] = frozenset(),
 ) -> list[MatrixRow]:
     """Aggregate case results by feature; probe results are cases using exactly one undeclared
-    feature; `not_probed`: undeclared features the battery uses that no case isolates."""
+    feature; `not_probed`: undeclared features the battery uses that no case isolates; `as_base`:
+    the case keys of probes whose declared base case fails too (no finding)."""
     rows: dict[str, MatrixRow] = {}
     probed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in results:
@@ -40,7 +49,7 @@ def matrix(
     for r in probe_results:
         for f in unsupported(caps, r.case):
             rows.setdefault(f, MatrixRow(f, False))
-            probed[f][r.verdict] += 1
+            probed[f][AS_BASE if r.case.key() in as_base else r.verdict] += 1
     for f, counts in probed.items():
         rows[f].probes = dict(counts)
     for f in not_probed:

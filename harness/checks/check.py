@@ -13,6 +13,7 @@ from pathlib import Path
 
 from harness.case import make_case
 from harness.checks import groups, report
+from harness.checks.experiments import Lab
 from harness.checks.options import CheckOptions
 from harness.checks.outcome import CheckOutcome, ExitReason, Failure
 from harness.checks.report import Reporter
@@ -329,7 +330,14 @@ class Check:
             )
         outcome.stopped, outcome.seconds = why, time.perf_counter() - self.start
         outcome.exit_reason = self.reason or ExitReason.FINISHED
-        outcome.groups = groups.build(outcome)
+        # Experiments explain each group. A check stopped early (selftest's first failure,
+        # --maxfail, --max-hangs) runs none.
+        lab = None if why or self.stop_at_first_failure else Lab.of(self)
+        t0 = time.perf_counter()
+        outcome.groups = groups.build(outcome, lab)
+        if outcome.lab_runs:
+            outcome.stage_seconds["experiments"] = time.perf_counter() - t0
+            outcome.seconds = time.perf_counter() - self.start
         for line in groups.lines(outcome.groups):
             self.reporter(line)
         groups.annotate_saved(outcome.groups)

@@ -17,6 +17,7 @@ from harness.checks import report
 from harness.checks.options import FAULT_BATTERY_PER_KIND, FaultBatteryOptions, parse_kinds
 from harness.checks.report import Reporter
 from harness.errors import HarnessError
+from harness.faults.oplog import P2P_KINDS, uses_collectives
 from harness.faults.schema import KINDS, make_fault
 from harness.impls import registry
 from harness.impls.capabilities import adapt
@@ -215,12 +216,23 @@ def fault_battery(
     return res
 
 
-def _battery_cases(opts: FaultBatteryOptions, kinds: list[str], out: Reporter) -> list[Case]:
-    """The battery's cases of `kinds` that the implementation declares; none is an error."""
+def _battery_cases(
+    opts: FaultBatteryOptions, kinds: list[str], out: Reporter, collective: bool = False
+) -> list[Case]:
+    """The battery's cases of `kinds` that the implementation declares; none is an error.
+
+    `collective`: the ring makes no P2P op, so the faults select collectives.
+    """
     n = opts.cases if opts.cases is not None else FAULT_BATTERY_PER_KIND * len(kinds)
     max_world = max(2, min(opts.world_size, 4))
     cases = gen.fault_cases(
-        kinds, n, impl=opts.impl, seed=opts.seed, deadline_s=opts.deadline, max_world=max_world
+        kinds,
+        n,
+        impl=opts.impl,
+        seed=opts.seed,
+        deadline_s=opts.deadline,
+        max_world=max_world,
+        collective=collective,
     )
     cases, skipped = _supported(cases, opts.impl, opts.allow_import)
     if not cases:
@@ -263,6 +275,9 @@ def _run_on_pool(
     pool = RankPool(max(c.pool_size for c in cases), spare=True, placement=opts.placement)
     straggler = None
     try:
+        if _collectives_only(pool, cases[0], opts.impl, allow_import):
+            out("the ring makes no P2P op, only collectives: the faults select collectives")
+            cases[:] = _battery_cases(opts, kinds, out, collective=True)
         show = functools.partial(_show, out, len(cases))
         run_battery(cases, pool, opts.impl, allow_import=allow_import, on_result=show, out=res)
         if "straggler" in kinds and "straggler" in {gen.kind_of(c) for c in cases}:
@@ -274,6 +289,14 @@ def _run_on_pool(
     finally:
         pool.close()
     return straggler
+
+
+def _collectives_only(pool, case: Case, impl: str, allow_import: bool) -> bool:
+    """Whether a fault-free run of `case` shows collectives and no P2P op (its op log)."""
+    r = run_case(case.replace(faults=()), pool, impl, allow_import=allow_import, leak=False)
+    comm = r.extra.get("comm", {})
+    p2p = any(entry[0] in P2P_KINDS for log in comm.values() for entry in log)
+    return uses_collectives(comm) and not p2p
 
 
 def _summary_lines(

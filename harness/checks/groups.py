@@ -7,9 +7,11 @@ the part of the ring it points at, not the tensors it happened to break. Three r
 - a failure that does not reproduce bit for bit on fresh ranks is "racy", one group for all. One
   that a sequence of earlier cases reproduces there is "history-dependent", one group too;
 - a growth-check failure is its own group: the error grows with W.
-Then groups whose failing cases share the same features (the same shared-feature conditions) are one
-bug with several causes: a crash on some splits and wrong numbers on the others, for instance. They
-merge, and a line per cause says what tells it from the others.
+Then each group is explained by experiment (harness.checks.experiments): its smallest shrunk case,
+one feature changed at a time. Groups whose experiments name the same trigger are one bug with
+several causes: a crash on some splits and wrong numbers on the others, for instance. They merge,
+and a line per cause says what tells it from the others. Without experiments (selftest stops at its
+first failure), groups whose shared-feature lines agree merge instead.
 docs/check.md ("Failure groups") gives the rule and a real example.
 """
 
@@ -25,6 +27,10 @@ from typing import TYPE_CHECKING
 import yaml
 
 from harness import case as case_mod
+from harness import outputs
+from harness.checks import experiments
+from harness.checks.experiments import Explanation, Lab, record_json
+from harness.checks.headlines import headline
 from harness.checks.shared_features import SharedFeatures, explain
 from harness.judging.run_record import RunRecord, record_of
 from harness.judging.verdicts import fault_ok
@@ -58,10 +64,18 @@ class FailureGroup:
     growth: str = ""  # a growth-check group: its figure
     # the causes merged into this one: (their group, what tells them from the rest)
     causes: list[tuple[FailureGroup, SharedFeatures]] = field(default_factory=list)
+    explanation: Explanation | None = None  # its experiments (harness.checks.experiments)
+    # (a plainer change, the group it then fails as): this group is that group's bug
+    joins: tuple[str, FailureGroup] | None = field(default=None, repr=False, compare=False)
+    # probes of undeclared features that fail as their declared case in this group does
+    probes: list[str] = field(default_factory=list)
 
     @property
     def headline(self) -> RunRecord | None:
-        """The smallest failing case (shrink.case_size order), one without faults if there is one."""
+        """The experiments' shrunk case; without them, the smallest failing case (shrink.case_size
+        order), one without faults if there is one."""
+        if self.explanation is not None:
+            return self.explanation.headline
         clean = [r for r in self.members if not r.case.faults]
         return min(clean or self.members, key=lambda r: case_size(r.case), default=None)
 
@@ -98,6 +112,7 @@ class FailureGroup:
             "stages": dict(Counter(r.stage for r in self.members)),
             "smallest": head.case.summary() if head is not None else None,
             "saved": self.saved,
+            "experiments": _json_of(self.explanation),
             "shared_features": self.shared.to_json() if self.shared is not None else None,
             "causes": [
                 {
@@ -105,19 +120,31 @@ class FailureGroup:
                     "label": g.cause_label(),
                     "failing_cases": len(g.members),
                     "when": apart.condition_text(),
+                    "joins": None
+                    if g.joins is None
+                    else {"at": g.joins[0], "cause": g.joins[1].key},
+                    "experiments": _json_of(g.explanation),
                 }
                 for g, apart in self.causes
             ],
+            "probes_failing_as_this": self.probes,
+            "cases": [record_json(r) for r in self.members],
         }
 
 
+def _json_of(e: Explanation | None) -> dict | None:
+    return None if e is None else e.to_json()
+
+
 def all_records(res: CheckOutcome) -> list[RunRecord]:
-    """Every judged run of the check, probes and not-applicable fault cases left out."""
+    """Every judged run of the check: probes and not-applicable fault cases left out, a failing
+    probe's declared base case in."""
     out: list[RunRecord] = []
     if res.growth is not None:
         for g in res.growth.cases:
             out += [record_of(r, "growth") for r in g.results.values()]
     out += [record_of(r, "battery") for r in res.results]
+    out += [record_of(b.base, "probe base") for b in res.probe_bases.values()]
     out += [record_of(r, "scale") for r in res.scale_results]
     out += [record_of(r, "shape") for r in res.shape_results]
     for r in res.fault_results:
@@ -164,8 +191,11 @@ def _rules(res: CheckOutcome, failing: list[RunRecord]) -> tuple[set, set, set]:
     return clean, racy, history
 
 
-def build(res: CheckOutcome) -> list[FailureGroup]:
-    """The check's failure groups, the largest first, each with its shared-feature line."""
+def build(res: CheckOutcome, lab: Lab | None = None) -> list[FailureGroup]:
+    """The check's failure groups, the largest first, each with its shared-feature line.
+
+    With a `lab`, each group is explained by experiment and groups merge by trigger.
+    """
     records = all_records(res)
     failing = [r for r in records if not r.passed]
     rules = _rules(res, failing)
@@ -177,19 +207,25 @@ def build(res: CheckOutcome) -> list[FailureGroup]:
     passing = [r for r in records if r.passed]
     for g in groups.values():
         g.shared = explain(g.members, passing)
-    out = _merged(sorted(groups.values(), key=lambda g: -len(g.members)), passing)
+    out = sorted(groups.values(), key=lambda g: -len(g.members))
+    out = _merged(out, passing) if lab is None else _explained(res, out, lab, records)
     if res.growth is not None and not res.growth.passed:
         g = FailureGroup(GROWTH, growth=res.growth.failures[0].detail)
         out.append(g)
+    _attach_probes(res, out)
     return out
 
 
-def _merged(groups: list[FailureGroup], passing: list[RunRecord]) -> list[FailureGroup]:
-    """Merge groups with the same shared-feature conditions: one bug, several causes."""
+def _merged(groups: list[FailureGroup], passing: list[RunRecord], by=None) -> list[FailureGroup]:
+    """Merge groups that `by` says alike: one bug, several causes.
+
+    By default, groups with the same shared-feature conditions. `by(g)` None: stands alone.
+    """
+    by = by or (lambda g: g.shared.same_as() if g.shared is not None else None)
     alike: dict[tuple, list[FailureGroup]] = {}
     for g in groups:
-        same = g.shared.same_as() if g.shared is not None else None
-        alike.setdefault(same or (id(g),), []).append(g)
+        same = by(g)
+        alike.setdefault((id(g),) if same is None else ("alike", same), []).append(g)
     out = []
     for parts in alike.values():
         if len(parts) == 1:
@@ -199,12 +235,102 @@ def _merged(groups: list[FailureGroup], passing: list[RunRecord]) -> list[Failur
         for g in parts:
             host.members += g.members
             host.saved += g.saved
-        host.shared = explain(host.members, passing)
+            host.probes += g.probes
+        heads = [g for g in parts if g.explanation is not None]
+        if heads:  # the experiments of a group that joined none first, then the smallest case
+            first = min(heads, key=lambda g: (g.joins is not None, case_size(g.headline.case)))
+            host.explanation = first.explanation
+        host.shared = explain(host.members, passing, _ruled_out(host))
         for g in parts:
             rest = [r for p in parts if p is not g for r in p.members]
             host.causes.append((g, explain(g.members, rest)))
         out.append(host)
     return sorted(out, key=lambda g: -len(g.members))
+
+
+def _no_experiments(g: FailureGroup) -> str:
+    """Why a group gets no experiments, or '' when it does."""
+    if not g.members:
+        return "no failing case of its own"
+    if g.key in (RACY, HISTORY, GROWTH):
+        return "its failures do not reproduce on their own"
+    if any(x.startswith("faults=") for x in g.key):
+        return "it fails only under faults: the fault is the trigger"
+    if g.key[0] == "hang":
+        return "it hangs: each variant would wait out its deadline"
+    return ""
+
+
+def _explained(
+    res: CheckOutcome, groups: list[FailureGroup], lab: Lab, records: list[RunRecord]
+) -> list[FailureGroup]:
+    """Each group explained by experiment, then merged with the groups of the same trigger.
+
+    The experiments' failing runs join their group. Every run of the lab counts in the
+    shared-feature lines, which are computed again.
+    """
+    lab.known.update({r.case.key(): r for r in reversed(records)})
+    bugs = res.prop.bugs if res.prop is not None else []
+    shrunk = {b.shrunk.case.key(): b.shrunk for b in bugs if b.shrunk is not None}
+    for g in groups:
+        why = _no_experiments(g) or ("the time budget was spent" if lab.spent() else "")
+        if why:
+            g.explanation = Explanation(g.headline, note=why) if g.headline else None
+            continue
+        start = len(lab.runs)
+        head, source = headline(g.members, shrunk, lab)
+        g.explanation = experiments.explain(head, lab, source)
+        seen = {r.case.key() for r in g.members}
+        g.members += [r for r in lab.runs[start:] if not r.passed and r.case.key() not in seen]
+    res.lab_runs = list(lab.runs)
+    passing = [r for r in _first_of_each_case(records + lab.runs) if r.passed]
+    for g in groups:
+        g.shared = explain(g.members, passing, _ruled_out(g))
+    return _merged(groups, passing, by=_same_bug(groups))
+
+
+def _same_bug(groups: list[FailureGroup]):
+    """`by` for _merged: a group's bug is the trigger its experiments name.
+
+    A group whose smallest case, one feature plainer, fails with another group's cause joins that
+    group's bug: the shrinker kept its cause, and only the cause stopped it.
+    """
+    by_key = {g.key: g for g in groups}
+    for g in groups:
+        runs = g.explanation.experiments if g.explanation is not None else []
+        plainer = [x for x in runs if x.variant.plainer and by_key.get(x.record.cause, g) is not g]
+        if plainer:
+            g.joins = (plainer[0].variant.words, by_key[plainer[0].record.cause])
+
+    def root(g: FailureGroup) -> FailureGroup:
+        seen = set()
+        while g.joins is not None and id(g) not in seen:
+            seen.add(id(g))
+            g = g.joins[1]
+        return g
+
+    def by(g: FailureGroup) -> tuple:
+        top = root(g)
+        trigger = top.explanation.trigger() if top.explanation is not None else None
+        return ("trigger", trigger) if trigger is not None else ("group", id(top))
+
+    return by
+
+
+def _ruled_out(g: FailureGroup) -> frozenset[str]:
+    return g.explanation.ruled_out() if g.explanation is not None else frozenset()
+
+
+def _attach_probes(res: CheckOutcome, groups: list[FailureGroup]) -> None:
+    """Each probe that fails as its declared base case does: named under the base's group."""
+    where = {r.case.key(): i for i, g in enumerate(groups) for r in g.members}
+    for probe in res.probe_bases.values():
+        if probe.base.passed:
+            continue
+        i = where.get(probe.base.case.key())
+        probe.group = None if i is None else i + 1
+        if i is not None:
+            groups[i].probes.append("+".join(probe.features))
 
 
 def _add_saved(res: CheckOutcome, groups: dict, rules: tuple[set, set, set]) -> None:
@@ -229,27 +355,56 @@ def lines(groups: list[FailureGroup]) -> list[str]:
         return []
     n = len(groups)
     out = [
-        f"{n} failure group{'s' if n > 1 else ''} (one per cause; docs/check.md 'Failure groups'):"
+        f"{n} failure group{'s' if n > 1 else ''} (one per bug; docs/check.md 'Failure groups'):"
     ]
     for i, g in enumerate(groups, 1):
-        first = g.shared.line() if g.shared is not None else g.label()
-        out.append(f"  {i}. {first}")
-        if g.shared is not None and g.shared.ranks:
-            out.append(f"     {g.shared.ranks}")
-        if g.causes:
-            out.append("     causes (one bug: their cases share the line above):")
-            out += [
-                f"       {c.cause_label()}: {len(c.members)} cases{_when(apart)}"
-                for c, apart in g.causes
-            ]
-        else:
-            out.append(f"     cause: {g.label()}")
-        head = g.headline
-        if head is not None:
-            out.append(f"     {len(g.members)} failing cases ({g.stages()})")
-            out.append(f"     smallest: {head.case.summary()} ({head.stage})")
-        out += [f"     saved: {p}" for p in g.saved]
+        out += _group_lines(i, g)
     return out
+
+
+def _group_lines(i: int, g: FailureGroup) -> list[str]:
+    """One group: the experiments' line (else the shared-feature line), then the evidence."""
+    e, stats = g.explanation, g.shared.line() if g.shared is not None else ""
+    tried = e is not None and bool(e.experiments)
+    out = [f"  {i}. {e.line() if tried else stats or g.label()}"]
+    if tried and stats:
+        out.append(f"     statistics over every case run: {stats}")
+    elif e is not None and e.note:
+        out.append(f"     no experiments: {e.note}")
+    if g.shared is not None and g.shared.ranks:
+        out.append(f"     {g.shared.ranks}")
+    if g.causes:
+        why = "their smallest cases' experiments agree" if tried else "their cases share the line"
+        out.append(f"     causes (one bug: {why}):")
+        out += [
+            f"       {c.cause_label()}: {len(c.members)} cases{_when(apart)}{_joins(c)}"
+            for c, apart in g.causes
+        ]
+    else:
+        out.append(f"     cause: {g.label()}")
+    head = g.headline
+    if head is not None:
+        out.append(f"     {len(g.members)} failing cases ({g.stages()})")
+        src = e.shrunk_from if e is not None else None
+        how = f", shrunk from {src.case.summary()} ({src.stage})" if src is not None else ""
+        out.append(f"     smallest: {head.case.summary()} ({head.stage}{how})")
+    if g.probes:
+        feats = list(dict.fromkeys(f for p in g.probes for f in p.split("+")))
+        more = f" and {len(feats) - 8} more" if len(feats) > 8 else ""
+        n = len(g.probes)
+        out.append(
+            f"     {n} probe{'s' if n > 1 else ''} of undeclared features fail"
+            f"{'s' if n == 1 else ''} as its declared case does: {', '.join(feats[:8])}{more}"
+        )
+    out += [f"     saved: {p}" for p in g.saved]
+    return out
+
+
+def _joins(g: FailureGroup) -> str:
+    if g.joins is None:
+        return ""
+    words, other = g.joins
+    return f"; at {words} its smallest case fails as {other.cause_label()}"
 
 
 def _when(apart: SharedFeatures) -> str:
@@ -264,6 +419,8 @@ def annotate_saved(groups: list[FailureGroup]) -> None:
     """
     for g in groups:
         info = {"group": g.label(), "shared_features": g.shared.line() if g.shared else None}
+        if g.explanation is not None and g.explanation.experiments:
+            info["experiments"] = g.explanation.line()
         for path in g.saved:
             _annotate(Path(path), info)
 
@@ -281,6 +438,6 @@ def _annotate(path: Path, info: dict) -> None:
         return
     data["result"].update(info)
     try:
-        case_mod.write_atomic(path, case_mod.yaml_text(data, note or None))
+        outputs.write_atomic(path, case_mod.yaml_text(data, note or None))
     except OSError:
         pass  # the file stands as saved, without its group's words

@@ -40,6 +40,28 @@ class Failure:
 
 
 @dataclass
+class ProbeBase:
+    """A probe of undeclared features and its declared base: the case it was adapted from.
+
+    A probe that fails is a finding only when its base passes. `group`: the failure group of a
+    failing base, numbered from 1 as the report lists them.
+    """
+
+    features: tuple[str, ...]
+    base: CaseResult
+    group: int | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "features": list(self.features),
+            "case": self.base.case.summary(),
+            "key": self.base.case.key(),
+            "verdict": str(self.base.verdict),
+            "group": self.group,
+        }
+
+
+@dataclass
 class CheckOutcome:
     """Everything one check ran and found."""
 
@@ -79,11 +101,21 @@ class CheckOutcome:
     history: set = field(default_factory=set)
     # the failure groups, built when the check ends (harness.checks.groups.FailureGroup)
     groups: list = field(default_factory=list)
+    # a failing probe's case key -> its declared base case and how that ended
+    probe_bases: dict[str, ProbeBase] = field(default_factory=dict)
+    # what the failure groups' experiments and headline shrinking ran (harness.checks.experiments)
+    lab_runs: list[RunRecord] = field(default_factory=list)
 
     @property
     def findings(self) -> list[CaseResult]:
-        """Probes of undeclared features that did not end in pass or a clean error."""
-        return [r for r in self.probe_results if not probe_acceptable(r)]
+        """Probes of undeclared features that did not end in pass or a clean error, while their
+        declared base case passed (or was not run)."""
+        return [r for r in self.probe_results if not probe_acceptable(r) and self.base_passed(r)]
+
+    def base_passed(self, probe: CaseResult) -> bool:
+        """Whether a probe's declared base case passed. True when none was run."""
+        found = self.probe_bases.get(probe.case.key())
+        return found is None or found.base.passed
 
     @property
     def passed(self) -> bool:

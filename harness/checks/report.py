@@ -52,6 +52,13 @@ def details(r: CaseResult) -> list[str]:
     for c in sorted(r.failed_checks(), key=lambda c: -c.ratio)[:6]:
         p = c.position
         where = f"at batch {p.get('batch')}, global position {p.get('token')}, head {p.get('head')}"
+        if c.tensor == "dsinks":  # one gradient per head, summed over the ranks
+            lines.append(
+                f"        dsinks (the ranks' sum): max err {c.error:.3g} > allowed {c.allowed:.3g} "
+                f"(x{c.ratio:.3g}) at head {p.get('head')}"
+                + (f"; {c.nonfinite} non-finite" if c.nonfinite else "")
+            )
+            continue
         if c.nonfinite:
             lines.append(
                 f"        {c.tensor:>3} rank {c.rank}: {c.nonfinite} non-finite value(s) "

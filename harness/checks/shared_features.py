@@ -99,6 +99,15 @@ FEATURES: tuple[Feature, ...] = (
     Feature("call", lambda c: c.call, "the call is {}"),
     Feature("inputs", lambda c: c.inputs, "the inputs are {}"),
     Feature("subgroup", lambda c: c.group_offset > 0, yes="the ring is a subgroup", no="it is not"),
+    Feature("sinks", lambda c: c.sinks is not None, yes="sinks are present", no="none"),
+    Feature("softcap", lambda c: c.softcap is not None, yes="the scores are softcapped", no="none"),
+    Feature("alibi", lambda c: c.alibi, yes="ALiBi biases the scores", no="none"),
+    Feature(
+        "value head dim",
+        lambda c: c.head_dim_v is not None,
+        yes="v has a head dim of its own",
+        no="it has q's",
+    ),
 )
 
 
@@ -109,6 +118,8 @@ class Condition:
     feature: Feature
     values: tuple
     passing_values: tuple  # the values of the passing cases it leaves out
+    # those passing cases (given the other conditions), for the JSON: each claim can be checked
+    ruled_out: tuple[RunRecord, ...] = field(default=(), compare=False)
 
     def text(self) -> str:
         f, vals, other = self.feature, self.values, self.passing_values
@@ -133,6 +144,7 @@ class SharedFeatures:
     exact: bool = False  # no passing case meets every condition
     also_passing: int = 0  # passing cases that meet every condition
     ranks: str = ""  # which ranks are wrong, when that is one rank
+    also: list[RunRecord] = field(default_factory=list)  # the passing cases that meet them all
 
     def line(self) -> str:
         """The sentence the report prints first."""
@@ -173,13 +185,20 @@ class SharedFeatures:
                     "feature": c.feature.name,
                     "values": list(c.values),
                     "passes_at": list(c.passing_values),
+                    "passing_cases": [_brief(r) for r in c.ruled_out],
                 }
                 for c in self.conditions
             ],
             "failing_cases": self.failing,
             "passing_cases": self.passing,
+            "also_passing_cases": [_brief(r) for r in self.also],
             "ranks": self.ranks,
         }
+
+
+def _brief(r: RunRecord) -> dict:
+    """A passing case behind a claim: its summary, key and stage."""
+    return {"case": r.case.summary(), "key": r.case.key(), "stage": r.stage}
 
 
 def _words(values: Sequence, last: str = "or") -> str:
@@ -222,36 +241,42 @@ def _meets(c: Case, conds: Sequence[Condition]) -> bool:
     return all(k.feature.of(c) in k.values for k in conds)
 
 
-def _pruned(conds: list[Condition], good: list[Case]) -> list[Condition]:
+def _pruned(conds: list[Condition], good: Sequence[RunRecord]) -> list[Condition]:
     """Drop a condition the others make redundant, then say each one's passing values as what the
     others leave: the greedy order can pick a condition whose removals a later one also makes."""
-    left = sum(_meets(c, conds) for c in good)
+    left = sum(_meets(r.case, conds) for r in good)
     for cond in list(conds):
         rest = [k for k in conds if k is not cond]
-        if rest and sum(_meets(c, rest) for c in good) == left:
+        if rest and sum(_meets(r.case, rest) for r in good) == left:
             conds = rest
     out = []
     for cond in conds:
         rest = [k for k in conds if k is not cond]
-        passes = {cond.feature.of(c) for c in good if _meets(c, rest)} - set(cond.values)
-        out.append(Condition(cond.feature, cond.values, _sorted(passes)))
+        out_of = [r for r in good if _meets(r.case, rest) and not _meets(r.case, [cond])]
+        passes = {cond.feature.of(r.case) for r in out_of}
+        out.append(Condition(cond.feature, cond.values, _sorted(passes), tuple(out_of)))
     return out
 
 
-def explain(failing: Sequence[RunRecord], passing: Sequence[RunRecord]) -> SharedFeatures:
-    """The conditions that separate `failing` from `passing`, greedily, at most MAX_CONDITIONS."""
-    bad, good = [r.case for r in failing], [r.case for r in passing]
-    out = SharedFeatures(len(bad), len(good), ranks=_rank_line(failing))
+def explain(
+    failing: Sequence[RunRecord], passing: Sequence[RunRecord], skip: frozenset[str] = frozenset()
+) -> SharedFeatures:
+    """The conditions that separate `failing` from `passing`, greedily, at most MAX_CONDITIONS.
+
+    `skip`: features not to name, e.g. those an experiment changed while the case still failed.
+    """
+    bad = [r.case for r in failing]
+    out = SharedFeatures(len(bad), len(passing), ranks=_rank_line(failing))
     if len(bad) < MIN_FAILING:
         return out
-    left, used, conds = good, set(), []
+    left, used, conds = list(passing), set(skip), []
     while left and len(conds) < MAX_CONDITIONS:
-        cond = _best(bad, left, used)
+        cond = _best(bad, [r.case for r in left], used)
         if cond is None:
             break
         conds.append(cond)
         used.add(cond.feature.name)
-        left = [c for c in left if cond.feature.of(c) in cond.values]
-    out.conditions = _pruned(conds, good)
-    out.exact, out.also_passing = bool(conds) and not left, len(left)
+        left = [r for r in left if cond.feature.of(r.case) in cond.values]
+    out.conditions = _pruned(conds, passing)
+    out.exact, out.also_passing, out.also = bool(conds) and not left, len(left), left
     return out

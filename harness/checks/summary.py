@@ -6,6 +6,7 @@ from harness.checks.outcome import CheckOutcome
 from harness.checks.stages.property import property_json
 from harness.interrupt import EXIT_CODES
 from harness.judging.verdicts import fault_ok
+from harness.result import CaseResult
 
 
 def outcome_json(res: CheckOutcome) -> dict:
@@ -22,12 +23,22 @@ def outcome_json(res: CheckOutcome) -> dict:
         "cases_by_stage": dict(stage_counts(res)),
         "distinct_failures": 0 if res.passed else distinct_failures(res),
         "failure_groups": [g.to_json() for g in res.groups],
-        "probes": [r.to_dict() for r in res.probe_results],
+        "probes": [_probe_json(res, r) for r in res.probe_results],
         "faults": [r.to_dict() for r in res.fault_results],
         "growth": None if res.growth is None else res.growth.to_dict(),
         "property": None if res.prop is None else property_json(res.prop),
         "first_failure": first_failure_json(res),
     }
+
+
+def _probe_json(res: CheckOutcome, r: CaseResult) -> dict:
+    """A probe's result, with its declared base case when it failed, and whether it is a finding."""
+    base = res.probe_bases.get(r.case.key())
+    extra = {
+        "base": None if base is None else base.to_json(),
+        "finding": any(x is r for x in res.findings),
+    }
+    return {**r.to_dict(), **extra}
 
 
 def first_failure_json(res: CheckOutcome) -> dict | None:
@@ -60,6 +71,7 @@ def stage_counts(res: CheckOutcome) -> list[tuple[str, int]]:
         ("at your shape", len(res.shape_results)),
         ("fault stage", len(res.fault_results)),
         ("property-based", res.prop.examples if res.prop else 0),
+        ("experiments", len(res.lab_runs)),
     ]
     return [(k, n) for k, n in rows if n]
 
@@ -74,7 +86,7 @@ def counts_line(res: CheckOutcome) -> str:
 
 
 def distinct_failures(res: CheckOutcome) -> int:
-    """Failure groups: one per cause (harness.checks.groups), as the report lists them."""
+    """Failure groups: one per bug (harness.checks.groups), as the report lists them."""
     return len(res.groups)
 
 

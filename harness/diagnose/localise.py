@@ -33,6 +33,7 @@ from harness.diagnose.geometry import (
 )
 from harness.impls import probe
 from harness.oracle.assemble import attention
+from harness.oracle.variant import variant_of
 from harness.ranks.pool import RankPool
 from harness.result import CaseResult
 from harness.runner import run_case
@@ -188,7 +189,14 @@ def probe_split(
     for blk in range(w):
         keep = (own == blk).view(1, -1, 1, 1)
         exact = attention(
-            g["q"], g["k"], g["v"] * keep, g["dout"], case.mask, case.scale, compute=torch.float64
+            g["q"],
+            g["k"],
+            g["v"] * keep,
+            g["dout"],
+            case.mask,
+            case.scale,
+            compute=torch.float64,
+            variant=variant_of(case),
         )
         if blk == 0:
             lse, renormalised = split.row_lse(exact.lse, split.global_lse(case, whole))

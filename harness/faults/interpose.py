@@ -7,9 +7,11 @@ the implementation is a `FaultWork` whose wait() completes the real op under the
 timeout and turns a transport error or a timeout into a `CommError` naming the op, the peer and the
 phase.
 
-The pieces: `Interposer` and `active` here (posting, holding and completing ops); which faults
-select an op and what fired in `schedule`; the Work objects in `work`; the op log and its readers in
-`oplog`; the replacement functions in `wrappers`; what each fault does to a tensor or the process in
+The pieces: `Interposer` and `active` here (posting, holding and completing ops); c10d's
+collectives and what each fault means for one in `collectives`; torch's functional collectives in
+`functional`; the refusal of process groups made inside `run` in `pg_guard`; which faults select an
+op and what fired in `schedule`; the Work objects in `work`; the op log and its readers in `oplog`;
+the replacement functions in `wrappers`; what each fault does to a tensor or the process in
 `inject`. Runs inside a rank process.
 """
 
@@ -28,20 +30,12 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from harness.errors import CommError
-from harness.faults import inject, staging
+from harness.faults import collectives, functional, inject, pg_guard, staging
 from harness.faults.oplog import Op, compact_log, overwrite, pending_text, phase_counts
 from harness.faults.schedule import FaultSchedule
 from harness.faults.schema import FaultSpec
-from harness.faults.work import (
-    Deferred,
-    FaultWork,
-    first_line,
-    nbytes,
-    overlaps,
-    shares_storage,
-    tensors_of,
-)
-from harness.faults.wrappers import COLLECTIVE_ARGS, P2P, ROOTED, WRAPPED, originals
+from harness.faults.work import Deferred, FaultWork, first_line, nbytes, overlaps
+from harness.faults.wrappers import COLLECTIVE_ARGS, P2P, WRAPPED, originals
 from harness.faults.wrappers import wrappers as make_wrappers
 
 # what other code imports from here (the mechanism's entry points), wherever it is defined now
@@ -56,19 +50,6 @@ __all__ = [
     "active",
     "phase_counts",
 ]
-
-
-def _private(out: torch.Tensor, ins: list, inplace: bool) -> torch.Tensor:
-    """The buffer an early-read op really receives into, so the caller's buffer can be poisoned.
-
-    An in-place op gets a clone. An output that shares storage with an input stays itself.
-    Any other output gets a fresh tensor of its shape.
-    """
-    if inplace:
-        return out.clone()
-    if shares_storage(out, ins):
-        return out
-    return torch.empty_like(out)
 
 
 class Interposer:
@@ -87,8 +68,11 @@ class Interposer:
         exit_fn: Callable[[int], None] | None = None,
         case_id: Any = None,
         stage: bool = False,
+        ring: Sequence[int] = (),
     ) -> None:
         self.rank = rank  # group rank
+        self.ring = tuple(ring)  # the ring's global ranks (groups made inside run: pg_guard)
+        self.case_id = case_id
         self.stage = stage  # P2P through host buffers, NCCL's matching (harness.faults.staging)
         self.schedule = FaultSchedule(
             rank, faults, seed=seed, note_path=note_path, exit_fn=exit_fn, case_id=case_id
@@ -101,9 +85,13 @@ class Interposer:
         self.pending: dict[int, Op] = {}
         self.violations: list[str] = []
         self.deferred: list[Deferred] = []
-        self.watch: dict[int, tuple[Op, torch.Tensor, torch.Tensor]] = {}
+        # (op index, n) -> (op, the caller's buffer, its content at the post): send-reuse's watch
+        self.watch: dict[tuple[int, int], tuple[Op, torch.Tensor, torch.Tensor]] = {}
         self.last_exit = self.start
-        self._nested = False  # inside an original collective that calls another wrapped one
+        self.nested = False  # inside an original collective that calls another wrapped one
+        self.in_hook = False  # inside a functional op's real call (profile's dispatch log skips it)
+        self.inflight: dict[int, tuple[torch.Tensor, FaultWork]] = {}  # functional outputs
+        self.peers_of: dict[Any, tuple[int, ...] | None] = {}  # group -> global ranks
         self.pending_path = pending_path
         self.down: set[tuple] = set()  # (group, peer, tag) channels a drop took down
         self.orig = originals()
@@ -119,7 +107,7 @@ class Interposer:
         self._stretch()
         if phase == "done":
             self.flush()
-            self._check_watch(final=True)
+            self.check_watch(final=True)
         self.phase = phase
         self.last_exit = time.monotonic()
 
@@ -129,20 +117,30 @@ class Interposer:
         self.last_exit = time.monotonic()
 
     # -- scheduling ----------------------------------------------------------------------------
-    def _open(
-        self, kind: str, direction: str, peer: int | None, tensors: Sequence[torch.Tensor]
+    def open_op(
+        self,
+        kind: str,
+        direction: str,
+        peer: int | None,
+        tensors: Sequence[torch.Tensor],
+        peers: tuple[int, ...] | None = None,
+        inputs: bool = True,
     ) -> tuple[Op, dict[str, list[FaultSpec]], float]:
-        """Log the op and find the faults scheduled on it; crash and post-delays happen here."""
+        """Log the op and find the faults scheduled on it; crash and post-delays happen here.
+
+        `peers`: a collective's group (global ranks); `inputs`: it reads buffers apart from its
+        output (FaultSpec.applies_to).
+        """
         self._stretch()
-        self._check_watch()
-        op = Op(len(self.ops), kind, direction, peer, nbytes(tensors), self.phase)
+        self.check_watch()
+        op = Op(len(self.ops), kind, direction, peer, nbytes(tensors), self.phase, peers=peers)
         self.ops.append(op)
         if self.events is not None:
             self.events.append(("post", op.index, self.phase, time.perf_counter()))
-        hits, hold = self.schedule.select(op, direction)
+        hits, hold = self.schedule.select(op, direction, inputs)
         return op, hits, hold
 
-    def _close(self, t_open: float) -> None:
+    def close_op(self, t_open: float) -> None:
         self.schedule.slow_comm(self.phase, time.monotonic() - t_open)
         self.last_exit = time.monotonic()
 
@@ -159,7 +157,7 @@ class Interposer:
         drop takes its channel (group, peer, tag) down: this and every later message on it is never
         delivered, so the receiver waits until its timeout (no message is matched out of order)."""
         t_open = time.monotonic()
-        op, hits, hold = self._open(kind, "send", peer, [tensor])
+        op, hits, hold = self.open_op(kind, "send", peer, [tensor])
         fw = FaultWork(self, op, outputs=[tensor], hold=hold)
         if self.stage:
             post = functools.partial(staging.post_send, post)
@@ -170,7 +168,7 @@ class Interposer:
                 self.schedule.note()
             op.state = "dropped"
             fw.done = True
-            self._close(t_open)
+            self.close_op(t_open)
             return fw
         corrupt = self.schedule.corrupter(hits["corrupt"], op) if "corrupt" in hits else None
         self.pending[op.index] = op
@@ -178,8 +176,8 @@ class Interposer:
         if "send-reuse" in hits or self.deferred:
             if "send-reuse" in hits:
                 self.schedule.fire(hits["send-reuse"])
-                self.watch[op.index] = (op, tensor, tensor.clone())
-                fw.after.append(lambda: self._unwatch(op.index))
+                self.watch_buffers(op, [(tensor, tensor.clone())])
+                fw.after.append(lambda: self.unwatch(op.index))
             op.state = "deferred"
             self.deferred.append(Deferred(fw, tensor, post, corrupt))
         else:
@@ -191,7 +189,7 @@ class Interposer:
             if fw.real is None:  # not a member of the group: nothing to wait for
                 fw.done = True
                 self.pending.pop(op.index, None)
-        self._close(t_open)
+        self.close_op(t_open)
         return fw
 
     def post_recv(
@@ -200,8 +198,8 @@ class Interposer:
         """A receive: maybe into a private buffer (early-read: the user's buffer holds NaN until
         wait)."""
         t_open = time.monotonic()
-        op, hits, hold = self._open(kind, "recv", peer, [tensor])
-        self._check_overlap([tensor], op)
+        op, hits, hold = self.open_op(kind, "recv", peer, [tensor])
+        self.check_overlap([tensor], op)
         fw = FaultWork(self, op, outputs=[tensor], hold=hold)
         target = tensor
         if "early-read" in hits:
@@ -220,13 +218,13 @@ class Interposer:
             # before the send it follows would wait on the peer's held send (a deadlock at W = 2)
             op.state = "deferred"
             self.deferred.append(Deferred(fw, target, post, None, receive=True))
-            self._close(t_open)
+            self.close_op(t_open)
             return fw
         fw.real, fw.keep = post(target), target
         if fw.real is None:
             fw.done = True
             self.pending.pop(op.index, None)
-        self._close(t_open)
+        self.close_op(t_open)
         return fw
 
     def flush(self) -> None:
@@ -243,83 +241,51 @@ class Interposer:
                 d.work.done = True
                 self.pending.pop(d.work.op.index, None)
 
-    def _violation(self, op: Op, when: str) -> None:
-        self.violations.append(f"rank {self.rank}: {op.label()}: send buffer modified {when}")
+    def _violation(self, op: Op, how: str) -> None:
+        what, until = ("send buffer", "send") if op.direction == "send" else ("input buffer", "op")
+        self.violations.append(
+            f"rank {self.rank}: {op.label()}: {what} modified before the {until} completed{how}"
+        )
 
-    def _check_watch(self, final: bool = False) -> None:
-        """send-reuse: a watched send buffer that changed before its send completed is a
-        violation."""
-        for idx, (op, t, snap) in list(self.watch.items()):
+    def watch_buffers(self, op: Op, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """send-reuse: watch each (caller's buffer, its content now) until `op` completes."""
+        for n, (t, snap) in enumerate(pairs):
+            self.watch[(op.index, n)] = (op, t, snap)
+
+    def check_watch(self, final: bool = False) -> None:
+        """send-reuse: a watched buffer that changed before its op completed is a violation."""
+        for key, (op, t, snap) in list(self.watch.items()):
+            if key not in self.watch:
+                continue  # its op's other buffer was reported just now
             if not inject.same_bits(t, snap):
-                self._violation(op, "before the send completed (the transport may read it late)")
-                del self.watch[idx]
+                self._violation(op, " (the transport may read it late)")
+                self._drop_watch(op.index)
             elif final:
-                del self.watch[idx]  # never waited, but never modified either
+                del self.watch[key]  # never waited, but never modified either
 
-    def _check_overlap(self, outs: Sequence[torch.Tensor], op: Op) -> None:
+    def check_overlap(self, outs: Sequence[torch.Tensor], op: Op) -> None:
         """send-reuse: an op that will write into a buffer still being sent is a violation, whether
         or not its data has landed by the next content check (that would be a race)."""
-        for idx, (sop, t, _snap) in list(self.watch.items()):
-            if any(overlaps(o, t) for o in outs):
-                self._violation(sop, f"before the send completed: {op.label()} writes into it")
-                del self.watch[idx]
+        for key, (sop, t, _snap) in list(self.watch.items()):
+            if key in self.watch and any(overlaps(o, t) for o in outs):
+                self._violation(sop, f": {op.label()} writes into it")
+                self._drop_watch(sop.index)
 
-    def _unwatch(self, idx: int) -> None:
-        entry = self.watch.pop(idx, None)
-        if entry is not None and not inject.same_bits(entry[1], entry[2]):
-            self._violation(entry[0], "before the send completed (the transport may read it late)")
+    def unwatch(self, idx: int) -> None:
+        """Op `idx` completed: a change of its watched buffers until now is a violation."""
+        entries = [e for k, e in self.watch.items() if k[0] == idx]
+        self._drop_watch(idx)
+        if any(not inject.same_bits(t, snap) for _op, t, snap in entries):
+            self._violation(entries[0][0], " (the transport may read it late)")
+
+    def _drop_watch(self, idx: int) -> None:
+        for key in [k for k in self.watch if k[0] == idx]:
+            del self.watch[key]
 
     # -- collectives -------------------------------------------------------------------------------
     def collective(self, kind: str, args: dict) -> FaultWork | None:
-        """Any collective: run it async, give early-read a private output, wait here if it was
-        blocking."""
-        # e.g. all_gather_into_tensor calling all_gather_single: log the outer call only
-        if self._nested:
-            return self.orig[kind](**args)
-        out_name, in_names = COLLECTIVE_ARGS[kind]
-        outs = tensors_of(args.get(out_name)) if out_name else []
-        ins = [t for n in in_names for t in tensors_of(args.get(n))]
-        blocking = not args.get("async_op", False)
-        self.flush()  # a collective may block: held sends must be on the wire first
-        t_open = time.monotonic()
-        op, hits, hold = self._open(
-            kind, "collective", None, ins if kind in ROOTED else ins or outs
-        )
-        self._check_overlap(outs, op)
-        fw = FaultWork(self, op, outputs=outs, hold=hold)
-        call = dict(args, async_op=True)
-        poisoned: list[torch.Tensor] = []
-        if "early-read" in hits and not blocking and outs:
-            inplace = out_name in in_names
-            privates = [_private(o, ins, inplace) for o in outs]
-            pairs = [(o, p) for o, p in zip(outs, privates, strict=True) if p is not o]
-            if pairs:
-                call[out_name] = (
-                    privates[0] if isinstance(args[out_name], torch.Tensor) else list(privates)
-                )
-                fw.after.append(lambda: [o.copy_(p) for o, p in pairs])
-                fw.keep = privates
-                poisoned = [o for o, _ in pairs]
-                self.schedule.fire(hits["early-read"])
-        if "corrupt" in hits and outs:
-            corrupt = self.schedule.corrupter(hits["corrupt"], op)
-            fw.after.append(lambda: corrupt(outs[0]))
-        self.pending[op.index] = op
-        self._nested = True
-        try:
-            fw.real = self.orig[kind](**call)
-        finally:
-            self._nested = False
-        for o in poisoned:
-            inject.poison(o)
-        if fw.real is None:
-            fw.done = True
-            self.pending.pop(op.index, None)
-        self._close(t_open)
-        if blocking:
-            self.complete(fw)
-            return None
-        return fw
+        """Any c10d collective (harness.faults.collectives)."""
+        return collectives.run(self, kind, args)
 
     # -- completion --------------------------------------------------------------------------------
     def complete(self, fw: FaultWork, timeout: datetime.timedelta | None = None) -> bool:
@@ -330,9 +296,11 @@ class Interposer:
         if self.events is not None:
             self.events.append(("wait", fw.op.index, self.phase, time.perf_counter()))
         self._stretch()
-        self._check_watch()
+        self.check_watch()
         self.flush()
         op = fw.op
+        if fw.dropped:
+            self._never(fw, timeout)
         if fw.real is None:  # nothing was posted (not a member of the group)
             fw.done = True
             return True
@@ -371,8 +339,24 @@ class Interposer:
         for fn in fw.after:
             fn()
         inject.sleep(fw.hold)
-        self._close(t0)
+        self.close_op(t0)
         return True
+
+    def _never(self, fw: FaultWork, timeout: datetime.timedelta | None) -> None:
+        """A collective dropped on this rank never completes: it fails at the limit, naming the op,
+        the group's ranks and the phase, as its peers' waits do."""
+        op = fw.op
+        op.state = "waiting"
+        self._write_pending(op)
+        limit = min(self.timeout_s, self.end - time.monotonic())
+        if timeout is not None and timeout.total_seconds() > 0:
+            limit = min(limit, timeout.total_seconds())
+        inject.sleep(limit)
+        op.state = "failed"
+        raise CommError(
+            f"rank {self.rank}: {op.label()} timed out after {max(limit, 0.0):.1f} s "
+            "(a fault dropped it on this rank)"
+        )
 
     def _write_pending(self, waiting: Op) -> None:
         """Leave this rank's pending ops on disk before blocking, for the parent's hang report."""
@@ -416,7 +400,7 @@ class Interposer:
 @contextlib.contextmanager
 def active(ip: Interposer) -> Iterator[Interposer]:
     """Patch torch.distributed (and distributed_c10d) with `ip`'s wrappers for the duration of a
-    case."""
+    case, hook the functional collectives and guard process-group creation."""
     fns = ip.wrappers()
     saved = [
         (mod, name, getattr(mod, name))
@@ -427,8 +411,10 @@ def active(ip: Interposer) -> Iterator[Interposer]:
     try:
         for mod, name, _ in saved:
             setattr(mod, name, fns[name])
-        yield ip
+        with functional.hooked(ip), pg_guard.guarded(ip.ring, ip.case_id):
+            yield ip
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
         ip.deferred.clear()
+        ip.inflight.clear()

@@ -4,7 +4,7 @@ Inside a rank the interposer keeps `Op`s; the reply to the parent carries them c
 `[kind, peer, bytes, phase, state]` list per call, in order (`ResultMessage["comm"]`). Before every
 blocking wait the rank also leaves its pending ops in a small file, read by the pool for a hang
 report (`pending_text`). The readers (`phase_counts`, `comm_steps`) are pure functions of the
-compact log, usable in the parent without torch.distributed.
+compact log, usable in the parent without torch.distributed (`uses_collectives` too).
 """
 
 from __future__ import annotations
@@ -29,13 +29,17 @@ class Op:
     nbytes: int
     phase: str
     state: str = "posted"  # posted / deferred / waiting / done / dropped / failed
+    peers: tuple[int, ...] | None = None  # a collective's group, as global ranks (when known)
 
     def label(self) -> str:
-        """e.g. 'irecv from peer rank 2 (forward, op #3)'."""
+        """e.g. 'irecv from peer rank 2 (forward, op #3)', 'all_gather_into_tensor with peer ranks
+        0, 1 (forward, op #0)'."""
         who = ""
         if self.direction != "collective":
             peer = "any" if self.peer is None else self.peer
             who = f" {'to' if self.direction == 'send' else 'from'} peer rank {peer}"
+        elif self.peers:
+            who = f" with peer ranks {', '.join(map(str, self.peers))}"
         return f"{self.kind}{who} ({self.phase}, op #{self.index})"
 
     def compact(self) -> LogEntry:
@@ -76,6 +80,15 @@ def phase_counts(log: Sequence[Sequence]) -> dict[str, dict[str, int]]:
     for kind, _peer, _nbytes, phase, _state in log:
         out.setdefault(phase, Counter())[kind] += 1
     return {p: dict(c) for p, c in out.items()}
+
+
+P2P_KINDS = frozenset({"isend", "irecv", "send", "recv"})
+
+
+def uses_collectives(comm: Mapping[int, Sequence[Sequence]]) -> bool:
+    """Whether any rank's compact log (`comm`: rank -> log) holds a collective (P2P is logged as
+    isend / irecv / send / recv, batch_isend_irecv included)."""
+    return any(entry[0] not in P2P_KINDS for log in comm.values() for entry in log)
 
 
 def comm_steps(

@@ -46,14 +46,17 @@ class FaultSchedule:
         if note_path and os.path.exists(note_path):
             os.unlink(note_path)
 
-    def select(self, op: Op, direction: str) -> tuple[dict[str, list[FaultSpec]], float]:
+    def select(
+        self, op: Op, direction: str, inputs: bool = True
+    ) -> tuple[dict[str, list[FaultSpec]], float]:
         """The faults that select `op`, by kind, and the seconds to hold it back.
 
-        A crash happens here, and so does a delay after the op (`where: post`).
+        A crash happens here, and so does a delay after the op (`where: post`). `inputs`: a
+        collective reads buffers apart from its output (FaultSpec.applies_to).
         """
         matched: list[FaultSpec] = []
         for f in self.faults:
-            if f.kind == "straggler" or not f.applies_to(op.phase, direction):
+            if f.kind == "straggler" or not f.applies_to(op.phase, direction, op.kind, inputs):
                 continue
             n = self.seen[f.fid]
             self.seen[f.fid] += 1

@@ -2,7 +2,8 @@
 line).
 
 A fault applies on one group rank (or every rank), to the n-th communication op on that rank that
-matches its phase (forward/backward) and direction (send/recv/collective), or to every matching op.
+matches its phase (forward/backward) and `op`, or to every matching op. `op` is a direction (send,
+recv, collective) or a collective family (all_gather, all_to_all, ...: `COLLECTIVE_FAMILIES`).
 The YAML form is a plain mapping per fault; `to_dict` writes the canonical form with every field.
 """
 
@@ -17,6 +18,30 @@ from harness.errors import HarnessError
 KINDS = ("delay", "drop", "early-read", "send-reuse", "corrupt", "straggler", "crash")
 PHASES = ("any", "forward", "backward")
 DIRECTIONS = ("any", "send", "recv", "collective")
+# a collective fault's `op` may name a family: it selects c10d's and the functional ops of it
+COLLECTIVE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "all_gather": (
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "all_gather_into_tensor_coalesced",
+    ),
+    "all_to_all": ("all_to_all", "all_to_all_single"),
+    "reduce_scatter": (
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor_coalesced",
+    ),
+    "broadcast": ("broadcast", "broadcast_"),
+    "all_reduce": ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"),
+    "scatter": ("scatter",),
+    "gather": ("gather",),
+    "reduce": ("reduce",),
+    "barrier": ("barrier",),
+}
+FAMILIES = tuple(COLLECTIVE_FAMILIES)
+FAMILY_OF = {k: fam for fam, kinds in COLLECTIVE_FAMILIES.items() for k in kinds}
 DELAY_WHERE = ("post", "complete")
 CRASH_HOW = ("exit0", "exit1", "sigkill")
 STRAGGLER_SLOW = ("compute", "comm")
@@ -34,14 +59,15 @@ EXTRA = {
     "crash": ("how",),
 }
 # which op directions a kind may target, its default direction, and whether `rank` is required
+# (send-reuse on a collective: its input is watched until the wait; `any`: sends and collectives)
 DIRECTION_CHOICES = {
-    "delay": DIRECTIONS,
-    "drop": ("send",),
-    "early-read": ("any", "recv", "collective"),
-    "send-reuse": ("send",),
-    "corrupt": ("send", "recv", "collective"),
+    "delay": DIRECTIONS + FAMILIES,
+    "drop": ("send", "collective") + FAMILIES,
+    "early-read": ("any", "recv", "collective") + FAMILIES,
+    "send-reuse": ("send", "any", "collective") + FAMILIES,
+    "corrupt": ("send", "recv", "collective") + FAMILIES,
     "straggler": ("any",),
-    "crash": DIRECTIONS,
+    "crash": DIRECTIONS + FAMILIES,
 }
 DEFAULT_DIRECTION = {
     "delay": "any",
@@ -78,13 +104,24 @@ class FaultSpec:
     slow: str = "compute"
     how: str = "sigkill"
 
-    def applies_to(self, phase: str, direction: str) -> bool:
-        """Whether an op in `phase` going `direction` counts towards this fault's schedule."""
+    def applies_to(self, phase: str, direction: str, kind: str = "", inputs: bool = True) -> bool:
+        """Whether an op `kind` in `phase` going `direction` counts towards this fault's schedule.
+
+        `inputs`: a collective reads inputs apart from its output (send-reuse watches them).
+        """
         if phase not in ("forward", "backward") or (
             self.kind == "early-read" and direction == "send"
         ):
             return False  # early-read schedules count only ops that deliver data (recv, collective)
-        return self.phase in ("any", phase) and self.op in ("any", direction)
+        if self.kind == "send-reuse" and (
+            direction == "recv" or (direction == "collective" and not inputs)
+        ):
+            return False  # send-reuse counts only ops that read a caller's buffer while in flight
+        if self.phase not in ("any", phase):
+            return False
+        if self.op in ("any", direction):
+            return True
+        return direction == "collective" and FAMILY_OF.get(kind, kind) == self.op
 
     def describe(self) -> str:
         """Short human form, e.g. 'drop rank 1 forward send #0'."""
@@ -143,11 +180,11 @@ def parse_fault(i: int, d: Any, world_size: int) -> FaultSpec:
         raise _bad(i, "phase", f"must be one of {', '.join(PHASES)}, got {phase!r}")
     op = d.get("op", DEFAULT_DIRECTION[kind])
     if op not in DIRECTION_CHOICES[kind]:
-        raise _bad(
-            i,
-            "op",
-            f"a {kind} fault applies to {'/'.join(DIRECTION_CHOICES[kind])} ops, got {op!r}",
+        ops = [o for o in DIRECTION_CHOICES[kind] if o not in FAMILIES]
+        fams = (
+            " or a collective family (" + ", ".join(FAMILIES) + ")" if kind != "straggler" else ""
         )
+        raise _bad(i, "op", f"a {kind} fault applies to {'/'.join(ops)} ops{fams}, got {op!r}")
     index = d.get("index", 0 if kind in ONE_SHOT else None)
     if kind == "straggler":
         if "index" in d and index is not None:

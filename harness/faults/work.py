@@ -31,6 +31,7 @@ class FaultWork:
         self.op = op
         self.real: Any = None
         self.done = False
+        self.dropped = False  # a dropped collective: never posted here, its wait fails at the limit
         self.after: list[Callable[[], None]] = []
         self.hold = hold
         self.keep: Any = None  # keeps a private payload/receive buffer alive while the op runs
@@ -42,6 +43,8 @@ class FaultWork:
         return self._ip.complete(self, timeout)
 
     def is_completed(self) -> bool:
+        if self.dropped:  # never completes: polling it fails at the limit, as a wait does
+            self._ip.complete(self, None)
         if not self.done and self.real is None:
             # polling a held send: hand it to the transport, as a blocking wait would
             self._ip.flush()

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from harness.calls import needs_backward, useful_form
-from harness.context import Capabilities
+from harness.context import PLAIN_VARIANT, VARIANT_WORDS, VARIANTS, Capabilities
 from ring_impl.layouts import split_lengths
 from ring_impl.masks import MASK_FEATURES, MaskSpec, fit
 
@@ -37,6 +37,7 @@ def missing_features(
     device: str | None,
     call: str | None = None,
     inputs: str | None = None,
+    variants: Sequence[str] = (),
 ) -> list[str]:
     """The feature keys of a run that `caps` does not declare, in a fixed order.
 
@@ -77,6 +78,7 @@ def missing_features(
         missing.append("backward")
     if inputs is not None and inputs not in caps.input_forms:
         missing.append(f"inputs:{inputs}")
+    missing.extend(f"variant:{v}" for v in VARIANTS if v in variants and v not in caps.variants)
     return missing
 
 
@@ -118,6 +120,8 @@ def feature_words(
         return "a backward pass (a training or checkpointed call)"
     if kind == "inputs":
         return f"input form {value} (supports {', '.join(sorted(caps.input_forms))})"
+    if kind == "variant":
+        return VARIANT_WORDS[value]
     return f"{kind} {value}" if value else kind  # layout, mask, dtype, head_dim
 
 
@@ -176,6 +180,7 @@ def case_features(c: Case) -> list[str]:
         feats.append(f"call:{c.call}")
     if c.inputs != "contiguous":
         feats.append(f"inputs:{c.inputs}")
+    feats.extend(f"variant:{v}" for v in c.variants)
     return feats
 
 
@@ -198,6 +203,7 @@ def unsupported(caps: Capabilities, c: Case, device: str | None = None) -> list[
         device=device,
         call=c.call,
         inputs=c.inputs,
+        variants=c.variants,
     )
 
 
@@ -225,6 +231,8 @@ def declare(caps: Capabilities, feature: str) -> Capabilities:
         return r(caps, devices=caps.devices | {value})
     if kind == "inputs":
         return r(caps, input_forms=caps.input_forms | {value})
+    if kind == "variant":
+        return r(caps, **{value: True})
     flags = {
         "gqa": ("gqa", True),
         "mqa": ("gqa", True),
@@ -384,6 +392,7 @@ def _feature_changes(caps: Capabilities, c: Case) -> dict:
     )
     if form != c.inputs:
         out["inputs"] = form
+    out.update({v: PLAIN_VARIANT[v] for v in c.variants if v not in caps.variants})
     return out
 
 
@@ -426,4 +435,7 @@ def _head_changes(caps: Capabilities, c: Case, changes: dict) -> dict:
         out["heads_q"], out["heads_kv"] = divisible_heads(heads_q, heads_kv, world_size)
     if caps.head_dims is not None and c.head_dim not in caps.head_dims:
         out["head_dim"] = min(caps.head_dims, key=lambda d: abs(d - c.head_dim))
+    sinks = changes.get("sinks", c.sinks)
+    if "heads_q" in out and sinks is not None:  # one sink per query head, repeated as needed
+        out["sinks"] = tuple(sinks[i % len(sinks)] for i in range(out["heads_q"]))
     return out

@@ -1,4 +1,4 @@
-"""Tensor checks of one case: every rank's out/lse/dq/dk/dv against the float64 oracle.
+"""Tensor checks of one case: every rank's out/lse/dq/dk/dv/dsinks against the float64 oracle.
 
 Three checks per rank and tensor. The error bound is harness.judging.tolerance's rule. The exact
 leak check asks whether a masked key changed a result. The precision check (`coarse_grid`) asks
@@ -85,6 +85,12 @@ def _finite_max(t: torch.Tensor) -> float:
     return float(a.max()) if a.numel() else 0.0
 
 
+def _kinds(bad: torch.Tensor) -> str:
+    """The kinds of non-finite values among `bad`: "NaN", "+inf", "-inf", comma-separated."""
+    counts = (("NaN", bad.isnan()), ("+inf", bad == float("inf")), ("-inf", bad == float("-inf")))
+    return ",".join(k for k, mask in counts if bool(mask.any()))
+
+
 def check_tensors(
     case: Case,
     shards: dict[int, dict[str, torch.Tensor]],
@@ -98,7 +104,8 @@ def check_tensors(
     where non-finite), so harness.localise can say where errors concentrate."""
     pos_all = all_positions(case.layout, case.seq_lens)
     checks = []
-    lse_max = _finite_max(exact.lse)
+    lse_terms = exact.term_scale.get("lse", {}).get("terms", 0.0)
+    lse_max = tolerance.score_units(_finite_max(exact.lse), lse_terms, case.softcap)
     names = [n for n in ("out", "lse", "dq", "dk", "dv") if any(n in s for s in shards.values())]
     for name in names:
         r64 = _as_bnhd(getattr(exact, name), name)
@@ -117,6 +124,7 @@ def check_tensors(
             lse_max,
             scales.get(name, 0.0),
             scales.get("blocks", {}).get("max_v", 0.0),
+            case.sinks is not None,
         )
         for rank, tensors in sorted(shards.items()):
             if name not in tensors:
@@ -137,15 +145,7 @@ def check_tensors(
             bi, li, hi = _unravel(flat, diff.shape)  # torch.unravel_index: same result, 5x the cost
             err = float(diff.max())
             position = {"batch": int(bi), "token": int(pos_all[rank][li]), "head": int(hi)}
-            kinds = ""
-            if nonfinite:
-                bad = got[bad_values]
-                counts = (
-                    ("NaN", bad.isnan()),
-                    ("+inf", bad == float("inf")),
-                    ("-inf", bad == float("-inf")),
-                )
-                kinds = ",".join(k for k, mask in counts if bool(mask.any()))
+            kinds = _kinds(got[bad_values]) if nonfinite else ""
             grid, looked = (
                 ("", 0) if name == "lse" else coarse_grid(tensors[name], case.dtype, grid_floor)
             )
@@ -163,7 +163,63 @@ def check_tensors(
                     grid_values=looked if grid else 0,
                 )
             )
-    return checks
+    return checks + check_dsinks(case, shards, exact, base, lse_max)
+
+
+def check_dsinks(
+    case: Case,
+    shards: dict[int, dict[str, torch.Tensor]],
+    exact: OracleOutputs,
+    base: OracleOutputs,
+    lse_max: float,
+) -> list[TensorCheck]:
+    """The ranks' dsinks (heads_q,), summed, against the oracle's over every row, like dq.
+
+    Which rank holds which rows and heads is the implementation's choice (a ring: its rows,
+    Ulysses: its heads). A model's gradient sync sums the ranks' gradients, so the sum is judged
+    (docs/case-model.md). It is judged when the case has sinks and the ranks ran a backward (they
+    returned dq). A reply without dsinks counts as zeros: what a ring that ignores the sinks
+    computes. The check is filed under the ring's first rank.
+    """
+    if exact.dsinks is None:
+        return []
+    ranks = {r: t for r, t in shards.items() if "dq" in t or "dsinks" in t}
+    if not ranks:
+        return []
+    want = exact.dsinks.sum(dim=0)
+    base_err = float(_diff(base.dsinks.to(torch.float64).sum(dim=0), want).max())
+    allowed = tolerance.bound(
+        "dsinks",
+        case.dtype,
+        base_err,
+        _finite_max(want),
+        case.tolerance,
+        case.world_size,
+        lse_max,
+        exact.term_scale.get("dsinks", 0.0),
+        exact.term_scale.get("blocks", {}).get("max_v", 0.0),
+        sinks=True,
+    )
+    got = torch.zeros_like(want)
+    for _rank, tensors in sorted(ranks.items()):
+        t = tensors.get("dsinks")
+        t = torch.zeros_like(want) if t is None else t.detach().to(torch.float64).reshape(-1)
+        # the wrong number of heads: wrong everywhere, no value to compare
+        got = got + (t if t.shape == want.shape else torch.full_like(want, float("inf")))
+    diff = _diff(got, want).nan_to_num(nan=float("inf"))
+    bad = ~torch.isfinite(got)
+    nonfinite, head = int(bad.sum()), int(diff.argmax())
+    check = TensorCheck(
+        "dsinks",
+        min(ranks),
+        float(diff[head]),
+        allowed,
+        nonfinite,
+        {"head": head},
+        passed=nonfinite == 0 and float(diff[head]) <= allowed,
+        nonfinite_kinds=_kinds(got[bad]) if nonfinite else "",
+    )
+    return [check]
 
 
 def check_leak(case: Case, leak_shards: dict[int, dict[str, torch.Tensor]]) -> LeakCheck | None:

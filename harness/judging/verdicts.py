@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 from harness.case import Case
+from harness.faults.pg_guard import REFUSED as GROUP_REFUSED
 from harness.faults.schema import BENIGN, FATAL, FaultSpec, parse_faults
 from harness.result import TENSORS, CaseResult, Verdict
 
@@ -134,10 +135,15 @@ def adapter_error(r: CaseResult) -> str | None:
     """One line when a run failed in the implementation's adapter rather than in its ring.
 
     That is when every ring rank raised before any communication op, or every rank returned an
-    output or gradient of the wrong shape or type. Otherwise it is None. A ring that raises, dies or
+    output or gradient of the wrong shape or type, or a rank made a process group inside run (the
+    interposer refuses it: the pool's other ranks would never join). Otherwise it is None. A ring that raises, dies or
     hangs mid-ring is a fail-stop or a hang: a finding.
     """
     w = r.case.world_size
+    refused = next((e for _, e in sorted(r.errors.items()) if GROUP_REFUSED in e), None)
+    if refused is not None:  # a process group made inside run (harness.faults.pg_guard)
+        where = next((x for _, x in sorted(r.extra.get("where", {}).items()) if x), "")
+        return refused.rsplit(" (at ", 1)[0] + (f" [your code: {where}]" if where else "")
     if r.dead or r.hung or len(r.errors) < w:
         return None
     comm = r.extra.get("comm", {})

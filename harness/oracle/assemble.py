@@ -20,6 +20,7 @@ from harness.oracle.parts import KeysPart, RowsPart, RowStats, TermScales, gathe
 from harness.oracle.rows_pass import rows_part
 from harness.oracle.shares import share_keys, share_rows
 from harness.oracle.tiles import block_size, groups, runs
+from harness.oracle.variant import PLAIN, TileVariant
 
 BLOCK: int | None = None  # tile side for `attention`; None: tiles.block_size's score budget
 
@@ -27,15 +28,17 @@ BLOCK: int | None = None  # tile side for `attention`; None: tiles.block_size's 
 @dataclass
 class OracleOutputs:
     """Global out, lse and q/k/v gradients, all in one compute dtype, and (float64 only) the term
-    scales the tolerance rule reads."""
+    scales the tolerance rule reads. With sinks, each share's dsinks: row g is the sum over share
+    g's query rows, what rank g's ring returns."""
 
-    out: torch.Tensor  # (B, N, Hq, D)
+    out: torch.Tensor  # (B, N, Hq, Dv)
     lse: torch.Tensor  # (B, Hq, N)
-    dq: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
+    dq: torch.Tensor  # (B, N, Hq, D)
+    dk: torch.Tensor  # (B, N, Hkv, D)
+    dv: torch.Tensor  # (B, N, Hkv, Dv)
     # tensor -> {class: scale}
     term_scale: dict[str, dict[str, float]] = field(default_factory=dict)
+    dsinks: torch.Tensor | None = None  # (W, Hq), or None without sinks
 
 
 Pair = tuple[OracleOutputs, OracleOutputs]  # (exact: float64, base: the case's dtype)
@@ -51,13 +54,16 @@ def assemble(
     """The global outputs from the parts of every share of one compute dtype.
 
     Each rows part's out, lse and dq go into its rows (n of them), each keys part's dk and dv into
-    its keys (`n_keys`, n unless said). The term scales (float64 only) come from all of them."""
+    its keys (`n_keys`, n unless said). The rows parts' dsinks are stacked, in share order. The
+    term scales (float64 only) come from all of them."""
     first, kfirst = rows[0], keys[0]
-    b, _, hq, d = first.out.shape
-    out, dq = first.out.new_zeros(b, n, hq, d), first.dq.new_zeros(b, n, hq, d)
+    b, _, hq, _ = first.out.shape
+    out = first.out.new_zeros(b, n, *first.out.shape[2:])
+    dq = first.dq.new_zeros(b, n, *first.dq.shape[2:])
     lse = first.lse.new_zeros(b, hq, n)
-    dk = kfirst.dk.new_zeros(b, n if n_keys is None else n_keys, *kfirst.dk.shape[2:])
-    dv = torch.zeros_like(dk)
+    nk = n if n_keys is None else n_keys
+    dk = kfirst.dk.new_zeros(b, nk, *kfirst.dk.shape[2:])
+    dv = kfirst.dv.new_zeros(b, nk, *kfirst.dv.shape[2:])
     for p in rows:
         out.index_copy_(1, p.rows, p.out)
         dq.index_copy_(1, p.rows, p.dq)
@@ -66,9 +72,9 @@ def assemble(
         dk.index_copy_(1, p.keys, p.dk)
         dv.index_copy_(1, p.keys, p.dv)
     is_exact = out.dtype == torch.float64
-    return OracleOutputs(
-        out, lse, dq, dk, dv, TermScales(rows, keys).scales(scale) if is_exact else {}
-    )
+    dsinks = None if first.dsinks is None else torch.stack([p.dsinks for p in rows])
+    scales = TermScales(rows, keys).scales(scale) if is_exact else {}
+    return OracleOutputs(out, lse, dq, dk, dv, scales, dsinks)
 
 
 Parts = tuple  # (float64 part, base part) of one share
@@ -98,11 +104,14 @@ def two_passes(
     return exact, base, seconds
 
 
-def attention_pair(q, k, v, dout, mask, scale: float, dtype: torch.dtype) -> Pair:
+def attention_pair(
+    q, k, v, dout, mask, scale: float, dtype: torch.dtype, variant: TileVariant = PLAIN
+) -> Pair:
     """(exact, base in `dtype`) of full attention of global tensors rounded to `dtype`.
 
-    Forward and backward, every query and key in one share. There are as many queries as keys, or
-    fewer: the first ones."""
+    Forward and backward, every query and key in one share, positions 0, 1, ... There are as many
+    queries as keys, or fewer: the first ones. `variant`: softcap, ALiBi and sinks
+    (`TileVariant.make`)."""
     tensors = {"q": q, "k": k, "v": v, "dout": dout}
     nq, nk, hkv = q.shape[1], k.shape[1], k.shape[2]
     size = BLOCK or block_size(q.shape[0], q.shape[2])
@@ -113,19 +122,24 @@ def attention_pair(q, k, v, dout, mask, scale: float, dtype: torch.dtype) -> Pai
 
     qpos, kpos = torch.arange(nq), torch.arange(nk)
     key_groups = groups([kpos], size)
-    rows = rows_part(fetch, qpos, [g.pos for g in key_groups], hkv, mask, scale, dtype, size)
+    kblocks = [g.pos for g in key_groups]
+    rows = rows_part(fetch, qpos, kblocks, hkv, mask, scale, dtype, size, variant=variant)
     stats = tuple(gather_stats([r], nq) for r in rows)
     qblocks = [qpos[a:z] for a, z in runs(qpos, size)]
-    keys = keys_part(fetch, kpos, 0, qblocks, key_groups, hkv, stats, mask, scale, dtype)
+    keys = keys_part(
+        fetch, kpos, 0, qblocks, key_groups, hkv, stats, mask, scale, dtype, variant=variant
+    )
     return tuple(assemble(nq, scale, [rows[i]], [keys[i]], nk) for i in (0, 1))
 
 
-def attention(q, k, v, dout, mask, scale: float, compute: torch.dtype) -> OracleOutputs:
+def attention(
+    q, k, v, dout, mask, scale: float, compute: torch.dtype, variant: TileVariant = PLAIN
+) -> OracleOutputs:
     """One of `attention_pair`. For compute=float64: the exact outputs of the inputs rounded to
     float32. Else the base of a case in `compute`, inputs rounded to it."""
     if compute == torch.float64:
-        return attention_pair(q, k, v, dout, mask, scale, torch.float32)[0]
-    return attention_pair(q, k, v, dout, mask, scale, compute)[1]
+        return attention_pair(q, k, v, dout, mask, scale, torch.float32, variant)[0]
+    return attention_pair(q, k, v, dout, mask, scale, compute, variant)[1]
 
 
 def local(case: Case) -> Pair:

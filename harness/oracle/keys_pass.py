@@ -17,20 +17,20 @@ from harness.oracle.numerics import (
     Norm,
     ScoreRounding,
     amax,
-    backward,
-    base_backward,
     group_heads,
     keys_side,
     keys_t,
     kv_heads,
     lo_matmul,
     load,
+    masked,
     normaliser,
     operands,
     rounder,
 )
 from harness.oracle.parts import Fetch, KeysPart, RowStats
 from harness.oracle.tiles import Group, trimmer, visible_tiles
+from harness.oracle.variant import PLAIN, TileVariant
 from ring_impl.masks import MaskSpec
 
 
@@ -42,7 +42,7 @@ class _KeysSweep:
     fetch: Fetch
     share: int
     k: torch.Tensor  # (B, Hkv, c, D)
-    v: torch.Tensor
+    v: torch.Tensor  # (B, Hkv, c, Dv)
     stats: RowStats  # float64
     stats_base: RowStats
     norm: Norm  # every row's float64 normaliser
@@ -50,6 +50,7 @@ class _KeysSweep:
     scale: float
     dtype: torch.dtype
     sr: ScoreRounding
+    variant: TileVariant = PLAIN
     others: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def group_kv(self, i: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +88,7 @@ def keys_part(
     scale: float,
     dtype: torch.dtype,
     exact_scores: bool = False,
+    variant: TileVariant = PLAIN,
 ) -> tuple[KeysPart, KeysPart]:
     """The keys pass of share `share` against every query, float64 and the base in `dtype`.
 
@@ -94,9 +96,10 @@ def keys_part(
     (`blocks`), and `stats` every row's (float64, base) statistics, by global position. Each tile of
     a query block against a key group holding some of its keys is computed as the rows pass
     computes it (`Group`). One sweep over the query blocks that see some of its keys, each fetched
-    once. `exact_scores`: as in `rows_part`."""
+    once. `exact_scores` and `variant`: as in `rows_part`. The sink needs nothing here: it is in
+    every row's statistics."""
     t0 = time.perf_counter()
-    sweep = _keys_sweep(fetch, keys, share, stats, scale, dtype, exact_scores)
+    sweep = _keys_sweep(fetch, keys, share, stats, scale, dtype, exact_scores, variant)
     k, v = sweep.k, sweep.v
     b, hkv, c, d = k.shape
     n = sum(qp.numel() for qp in query_blocks)
@@ -135,6 +138,7 @@ def _keys_sweep(
     scale: float,
     dtype: torch.dtype,
     exact_scores: bool,
+    variant: TileVariant,
 ) -> _KeysSweep:
     """A keys pass's inputs: the share's k and v, fetched, and every row's statistics moved to
     their device."""
@@ -142,7 +146,7 @@ def _keys_sweep(
     st, stb = (s.to(k.device) for s in stats)
     norm, normb = normaliser(st.mx, st.total), normaliser(stb.mx, stb.total)
     sr = ScoreRounding(dtype, exact_scores)
-    return _KeysSweep(fetch, share, k, v, st, stb, norm, normb, scale, dtype, sr)
+    return _KeysSweep(fetch, share, k, v, st, stb, norm, normb, scale, dtype, sr, variant)
 
 
 def _tile_rows(t: torch.Tensor, at: torch.Tensor, b: int, hkv: int) -> torch.Tensor:
@@ -178,29 +182,31 @@ def _keys_tile(
         mo = None
     w = u1 - u0
     kt, vt = k[:, :, o : o + w], v[:, :, o : o + w]
-    rows_q, rows_dout = (t.reshape(b, hkv, -1, d) for t in (qt, dt))  # (B, Hkv, g q, D)
-    raw = sweep.sr.qk(qlo, keys_t(klo))[..., u0:u1]  # the rows pass's tile, this share's columns
+    rows_q = qt.reshape(b, hkv, -1, d)  # (B, Hkv, g q, D)
+    rows_dout = dt.reshape(b, hkv, -1, dt.shape[-1])
+    sb, tb = _base_scores(sweep, qlo, klo, mo, (at, g.pos[ka:kz]), (u0, u1))
     dp = lo_matmul(dtype, dlo, keys_t(vlo))[..., u0:u1]
-    pb, drawb = base_backward(
-        raw,
+    pb, drawb = sweep.variant.base_backward(
+        sb,
+        tb,
         dp,
         rounder(dtype),
-        mo,
-        scale,
         tuple(_tile_rows(t, at, b, hkv) for t in sweep.norm_base),
         _tile_rows(sweep.stats_base.delta, at, b, hkv),
+        scale,
         sweep.sr.scores(),
     )
     sums.dkb[:, :, o : o + w] += torch.matmul(keys_side(drawb), rows_q.float())
     sums.dvb[:, :, o : o + w] += torch.matmul(keys_side(pb), rows_dout.float())
     del pb, drawb
-    p, ds, draw = backward(
+    p, ds, draw = sweep.variant.backward(
         torch.matmul(qt, keys_t(kt)),
         torch.matmul(dt, keys_t(vt)),
         mo,
         scale,
         tuple(_tile_rows(t, at, b, hkv) for t in sweep.norm),
         _tile_rows(sweep.stats.delta, at, b, hkv),
+        (at, g.pos[ka + u0 : ka + u1]),
     )
     sums.dk[:, :, o : o + w] += torch.matmul(keys_side(draw), rows_q)
     sums.dv[:, :, o : o + w] += torch.matmul(keys_side(p), rows_dout)
@@ -210,6 +216,24 @@ def _keys_tile(
     cols["pa"][..., o : o + w] += p.mul_(_tile_rows(sweep.stats.amp, at, b, hkv).unsqueeze(-1)).sum(
         dim=(2, 3)
     )
+
+
+def _base_scores(
+    sweep: _KeysSweep, qlo: torch.Tensor, klo: torch.Tensor, mo, pos, cols: tuple[int, int]
+):
+    """The base's scores and tanh (`TileVariant.base`) of this share's columns of the rows pass's
+    tile.
+
+    The tile's q.k is formed whole, as the rows pass forms it. Plain scores are exact per element,
+    so they are formed on the columns alone. A variant's are formed on the whole tile, as in the
+    rows pass: tanh's vector and scalar paths may differ by an ulp."""
+    u0, u1 = cols
+    raw = sweep.sr.qk(qlo, keys_t(klo))
+    var, srnd = sweep.variant, sweep.sr.scores()
+    if var.plain_scores:
+        return var.base(raw[..., u0:u1], srnd, sweep.scale, mo, None)
+    s, t = var.base(raw, srnd, sweep.scale, None, pos)
+    return masked(s[..., u0:u1], mo), None if t is None else t[..., u0:u1]
 
 
 def _keys_part(

@@ -53,13 +53,14 @@ def oracle_deadline(case: Case, oracle_pass: str = "rows") -> float:
     """Seconds the ranks get for one pass of their oracle shares.
 
     The pass's float64 and base work for the largest share, its positions against every position,
-    at ORACLE_FLOPS_FLOOR, never under ORACLE_DEADLINE_MIN_S."""
+    at ORACLE_FLOPS_FLOOR, never under ORACLE_DEADLINE_MIN_S. The wider of the two head dims counts
+    for every product."""
     local = max(case.seq_lens) if case.seq_lens else 0
     flops = (
         ORACLE_PASS_FLOPS[oracle_pass]
         * case.batch
         * case.heads_q
-        * case.head_dim
+        * max(case.head_dim, case.dim_v)
         * local
         * case.total_len
     )

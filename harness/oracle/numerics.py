@@ -1,8 +1,9 @@
-"""The arithmetic of one tile: head layouts, the base's roundings, the softmax and its backward.
+"""The arithmetic of one tile: head layouts, the base's roundings and the softmax.
 
 Float64 and the base are computed side by side. The float64 side is exact up to float64 rounding.
 The base rounds to the case's dtype where plain attention under autograd rounds. docs/oracle.md
-lists those roundings and why both passes must form each tile alike.
+lists those roundings and why both passes must form each tile alike. A tile's score function and
+its backward are `harness.oracle.variant`'s.
 """
 
 from __future__ import annotations
@@ -99,12 +100,6 @@ def operands(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return t, t.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
 
 
-def base_scores(raw: torch.Tensor, rnd: Rounder, scale: float, m) -> torch.Tensor:
-    """The base's scaled scores from its q.k, already rounded to the dtype: times the scale,
-    rounded again."""
-    return masked(rnd(raw.mul_(scale)), m)
-
-
 @dataclass(frozen=True)
 class ScoreRounding:
     """How the base forms its scores.
@@ -123,7 +118,7 @@ class ScoreRounding:
         return rounder(torch.float32 if self.exact else self.dtype)
 
 
-# -- the softmax and its backward -----------------------------------------------------------
+# -- the softmax -------------------------------------------------------------------------
 
 Norm = tuple  # (shift, denominator) of every row of a tile: (B, Hkv, g, q) each (`normaliser`)
 
@@ -165,31 +160,3 @@ def online(
     total[..., a:z] = total[..., a:z] * alpha + p.sum(-1)
     mx[..., a:z] = new
     return p, alpha
-
-
-def backward(
-    raw: torch.Tensor, dpr: torch.Tensor, m, scale: float, norm: Norm, delta: torch.Tensor
-):
-    """(p, dS, s dS) of a float64 tile from q.k and dP = dout.v, both consumed: dS = p (dP - D)."""
-    p = probs(masked(raw.mul_(scale), m), norm)
-    ds = dpr.sub_(delta.unsqueeze(-1)).mul_(p)
-    return p, ds, ds * scale
-
-
-def base_backward(
-    raw: torch.Tensor,
-    dp: torch.Tensor,
-    rnd: Rounder,
-    m,
-    scale: float,
-    norm: Norm,
-    delta: torch.Tensor,
-    srnd: Rounder | None = None,
-):
-    """(p, s dS) of the base's tile from its q.k and dP = dout.v (`lo_matmul`, both consumed).
-
-    P, dS = P (dP - D) and s dS are each rounded to the dtype as formed. The scores are rounded by
-    `srnd`, by default `rnd` (`ScoreRounding`)."""
-    p = rnd(probs(base_scores(raw, srnd or rnd, scale, m), norm))
-    ds = rnd(dp.sub_(delta.unsqueeze(-1)).mul_(p))
-    return p, rnd(ds.mul_(scale))

@@ -41,10 +41,11 @@ class RowsPart:
     """The rows pass of one share, one compute dtype.
 
     Its query rows' out, lse and dq, their statistics (`RowStats`), and, float64 only, the row
-    maxima of the term scales: out, dq, dq_d, max_q, max_dout."""
+    maxima of the term scales: out, dq, dq_d, max_q, max_dout (and dsinks, dsinks_d,
+    dsinks_dout). With sinks, also the share's dsinks: the sum over its own rows."""
 
     rows: torch.Tensor  # (r,) global query positions, in the order of the rows below
-    out: torch.Tensor  # (B, r, Hq, D) in the compute dtype
+    out: torch.Tensor  # (B, r, Hq, Dv) in the compute dtype
     lse: torch.Tensor  # (B, Hq, r) float64 / float32
     dq: torch.Tensor  # (B, r, Hq, D)
     # (B, Hq, r) in the accumulation dtype: the rows' score max (-inf: sees no key)
@@ -54,9 +55,10 @@ class RowsPart:
     amp: torch.Tensor | None = None  # (B, Hq, r) float64
     maxima: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    dsinks: torch.Tensor | None = None  # (Hq,): d loss / d sink_h over these rows (with sinks)
 
     def cpu(self) -> RowsPart:
-        for name in ("rows", "out", "lse", "dq", "mx", "total", "delta", "amp"):
+        for name in ("rows", "out", "lse", "dq", "mx", "total", "delta", "amp", "dsinks"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).cpu())
         return self
@@ -71,7 +73,7 @@ class KeysPart:
 
     keys: torch.Tensor  # (c,) global key positions
     dk: torch.Tensor  # (B, c, Hkv, D) in the compute dtype
-    dv: torch.Tensor
+    dv: torch.Tensor  # (B, c, Hkv, Dv)
     cols: dict[str, torch.Tensor] = field(default_factory=dict)
     max_k: float = 0.0
     max_v: float = 0.0
@@ -94,10 +96,19 @@ class TermScales:
     ("Term scales") has the table of what each scale is."""
 
     def __init__(self, rows: Sequence[RowsPart], keys: Sequence[KeysPart]) -> None:
+        self.sinks = any(p.dsinks is not None for p in rows)
         self.maxima = {
             name: max((p.maxima.get(name, 0.0) for p in rows), default=0.0)
             for name in ("out", "dq", "dq_d", "max_q", "max_dout")
         }
+        # dsinks is judged summed over the shares: each share's largest head's sum, added up,
+        # bounds the terms of every head's sum over every row
+        self.maxima.update(
+            {
+                name: sum(p.maxima.get(name, 0.0) for p in rows)
+                for name in ("dsinks", "dsinks_d", "dsinks_dout")
+            }
+        )
         self.max_k = max((p.max_k for p in keys), default=0.0)
         self.max_v = max((p.max_v for p in keys), default=0.0)
         self.top = {
@@ -110,7 +121,7 @@ class TermScales:
     def scales(self, scale: float) -> dict[str, dict[str, float]]:
         """{tensor: {rounding class: scale}} for the tolerance rule."""
         mq, mk, mdo, x = self.maxima["max_q"], self.max_k, self.maxima["max_dout"], self.maxima
-        return {
+        out = {
             "out": {"terms": x["out"]},
             "lse": {"terms": scale * mq * mk},
             "dq": {"terms": scale * mk * x["dq"], "D": scale * mk * x["dq_d"]},
@@ -118,6 +129,9 @@ class TermScales:
             "dv": {"terms": mdo * self.top["p"]},
             "blocks": {"max_v": self.max_v},
         }
+        if self.sinks:  # the shares' largest heads' sums over their rows, added up
+            out["dsinks"] = {"terms": x["dsinks"], "D": x["dsinks_d"], "dout": x["dsinks_dout"]}
+        return out
 
 
 def gather_stats(rows: Sequence[RowsPart], n: int) -> RowStats:

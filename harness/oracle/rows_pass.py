@@ -17,15 +17,11 @@ from harness.oracle.numerics import (
     Norm,
     ScoreRounding,
     amax,
-    backward,
-    base_backward,
-    base_scores,
     group_heads,
     keys_t,
     kv_heads,
     lo_matmul,
     load,
-    masked,
     norm_rows,
     normaliser,
     online,
@@ -36,6 +32,7 @@ from harness.oracle.numerics import (
 )
 from harness.oracle.parts import Fetch, RowsPart
 from harness.oracle.tiles import runs, trimmer, visible_tiles
+from harness.oracle.variant import PLAIN, TileVariant, sink_grads
 from ring_impl.masks import MaskSpec
 
 
@@ -52,10 +49,12 @@ class _RowsSweep:
     dtype: torch.dtype
     sr: ScoreRounding
     trim: Callable[[int], int]
+    variant: TileVariant = PLAIN
 
     def tiles(self, q: torch.Tensor, dout: torch.Tensor) -> Iterator[tuple]:
-        """Every tile in which some query sees some key: queries a:z, mask, and the (float64, base
-        operand) pairs of the tile's q, dout, k, v (k, v: (B, Hkv, c, D))."""
+        """Every tile in which some query sees some key: queries a:z, mask, the tile's global
+        positions (queries, keys), and the (float64, base operand) pairs of the tile's q, dout, k,
+        v (k, v: (B, Hkv, c, D))."""
         device, dtype = q.device, self.dtype
         for kpos in self.key_blocks:
             visible = visible_tiles(
@@ -68,6 +67,7 @@ class _RowsSweep:
                         a,
                         z,
                         m,
+                        (self.rows[a:z], kpos[ka:kz]),
                         *(
                             operands(t, dtype)
                             for t in (
@@ -92,33 +92,48 @@ def rows_part(
     dtype: torch.dtype,
     size: int,
     exact_scores: bool = False,
+    variant: TileVariant = PLAIN,
 ) -> tuple[RowsPart, RowsPart]:
     """The rows pass of query rows `rows` (a share's global positions) against every key group
     (`key_blocks`: their positions), float64 and the base in `dtype`. Three sweeps over the key
     blocks some row sees, each block fetched once per sweep: (1) the softmax's max and sum, and the
-    float64 out by an online softmax; (2) the base's out and D (P is normalised before it is
-    rounded); (3) dq. `exact_scores`: the base keeps its scores in float32 (`ScoreRounding`)."""
+    float64 out by an online softmax; then the sink, once; (2) the base's out and D (P is
+    normalised before it is rounded); (3) dq, and the share's dsinks. `exact_scores`: the base keeps
+    its scores in float32 (`ScoreRounding`). `variant`: the score function and the sink."""
     t0 = time.perf_counter()
     sr = ScoreRounding(dtype, exact_scores)
     q, dout = (group_heads(load(fetch(name, rows), dtype), heads_kv) for name in ("q", "dout"))
     b, hkv, g, r, _ = q.shape
     trim = trimmer(b * hkv * g * r * sum(kp.numel() for kp in key_blocks))
-    sweep = _RowsSweep(fetch, rows, runs(rows, size), key_blocks, mask, scale, dtype, sr, trim)
+    qblocks = runs(rows, size)
+    sweep = _RowsSweep(fetch, rows, qblocks, key_blocks, mask, scale, dtype, sr, trim, variant)
     mx, total, mxb, totalb, out, pv = _softmax_sweep(sweep, q, dout)  # (1)
+    alpha = variant.fold_sink(mx, total)
+    if alpha is not None:  # the sink: a key of logit sink_h and value 0
+        out.mul_(alpha.unsqueeze(-1))
+        pv.mul_(alpha.unsqueeze(-1))
+        variant.fold_sink(mxb, totalb)
     norm, normb = normaliser(mx, total), normaliser(mxb, totalb)
     out.div_(norm[1].unsqueeze(-1))
     pv.div_(norm[1].unsqueeze(-1))
     delta = (dout * out).sum(dim=-1)  # (B, Hkv, g, r)
     amp = (dout.abs() * pv).sum(dim=-1)
     maxima = {"out": amax(pv), "dq_d": amax(amp), "max_q": amax(q), "max_dout": amax(dout)}
+    dout_l1 = dout.abs().sum(dim=-1) if variant.sinks is not None else None
     del pv
     outb, deltab = _base_out_sweep(sweep, q, dout, normb)  # (2)
     dq, dqb, ds_rows = _gradient_sweep(sweep, q, dout, norm, normb, delta, deltab)  # (3)
     del q, dout
     exact = _rows_part(rows, out, dq, mx, total, delta, amp, torch.float64)
     exact.maxima = {**maxima, "dq": amax(ds_rows)}
-    del out, dq
     base = _rows_part(rows, outb, dqb, mxb, totalb, deltab, None, dtype)
+    if variant.sinks is not None:
+        exact.dsinks, dsb, sink_maxima = sink_grads(
+            variant, norm, normb, (delta, deltab, amp, dout_l1), rounder(dtype)
+        )
+        base.dsinks = dsb.to(dtype)
+        exact.maxima.update(sink_maxima)
+    del out, dq
     exact.seconds = time.perf_counter() - t0
     return exact, base
 
@@ -128,7 +143,7 @@ def _softmax_sweep(sweep: _RowsSweep, q: torch.Tensor, dout: torch.Tensor) -> tu
 
     Also the float64 out and the term scale sum_j p_ij |v_jd|, both not yet normalised. Returns
     (mx, total, base mx, base total, out, pv)."""
-    srnd, scale = sweep.sr.scores(), sweep.scale
+    srnd, scale, var = sweep.sr.scores(), sweep.scale, sweep.variant
     b, hkv, g, r, _ = q.shape
     f64 = dict(dtype=torch.float64, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -137,11 +152,13 @@ def _softmax_sweep(sweep: _RowsSweep, q: torch.Tensor, dout: torch.Tensor) -> tu
         torch.full((b, hkv, g, r), float("-inf"), **f32),
         torch.zeros((b, hkv, g, r), **f32),
     )
-    out = torch.zeros_like(q)
-    pv = torch.zeros_like(q)  # the term scale sum_j p_ij |v_jd|
-    for a, z, m, (qt, qlo), _, (kt, klo), (vt, _) in sweep.tiles(q, dout):
-        online(mxb, totalb, base_scores(sweep.sr.qk(qlo, keys_t(klo)), srnd, scale, m), a, z)
-        p, alpha = online(mx, total, masked(torch.matmul(qt, keys_t(kt)).mul_(scale), m), a, z)
+    out = torch.zeros_like(dout, dtype=torch.float64)  # v's head dim
+    pv = torch.zeros_like(out)  # the term scale sum_j p_ij |v_jd|
+    for a, z, m, pos, (qt, qlo), _, (kt, klo), (vt, _) in sweep.tiles(q, dout):
+        online(mxb, totalb, var.base(sweep.sr.qk(qlo, keys_t(klo)), srnd, scale, m, pos)[0], a, z)
+        p, alpha = online(
+            mx, total, var.exact(torch.matmul(qt, keys_t(kt)), scale, m, pos)[0], a, z
+        )
         out[..., a:z, :] = out[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, vt.unsqueeze(2))
         pv[..., a:z, :] = pv[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(
             p, vt.abs().unsqueeze(2)
@@ -157,10 +174,10 @@ def _base_out_sweep(
     dtype, sr = sweep.dtype, sweep.sr
     rnd, srnd = rounder(dtype), sr.scores()
     b, hkv, g, r, _ = q.shape
-    outb = torch.zeros_like(q, dtype=torch.float32)
+    outb = torch.zeros_like(dout, dtype=torch.float32)
     deltab = torch.zeros((b, hkv, g, r), dtype=torch.float32, device=q.device)
-    for a, z, m, (_, qlo), (_, dlo), (_, klo), (vt, vlo) in sweep.tiles(q, dout):
-        scores = base_scores(sr.qk(qlo, keys_t(klo)), srnd, sweep.scale, m)
+    for a, z, m, pos, (_, qlo), (_, dlo), (_, klo), (vt, vlo) in sweep.tiles(q, dout):
+        scores, _ = sweep.variant.base(sr.qk(qlo, keys_t(klo)), srnd, sweep.scale, m, pos)
         p = rnd(probs(scores, norm_rows(normb, a, z)))
         outb[..., a:z, :] += torch.matmul(p, vt.float().unsqueeze(2))
         deltab[..., a:z] += p.mul_(lo_matmul(dtype, dlo, keys_t(vlo))).sum(dim=-1)
@@ -177,31 +194,33 @@ def _gradient_sweep(
     delta: torch.Tensor,
     deltab: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sweep (3): dq, float64 and base, and the rows' sums of |ds| (the term scale of dq)."""
-    dtype, sr, scale = sweep.dtype, sweep.sr, sweep.scale
+    """Sweep (3): dq, float64 and base, and the rows' sums of |dS c| (the term scale of dq)."""
+    dtype, sr, scale, var = sweep.dtype, sweep.sr, sweep.scale, sweep.variant
     rnd, srnd = rounder(dtype), sr.scores()
     b, hkv, g, r, _ = q.shape
     dq, dqb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
     ds_rows = torch.zeros((b, hkv, g, r), dtype=torch.float64, device=q.device)
-    for a, z, m, (qt, qlo), (dt, dlo), (kt, klo), (vt, vlo) in sweep.tiles(q, dout):
-        _, drawb = base_backward(
-            sr.qk(qlo, keys_t(klo)),
+    for a, z, m, pos, (qt, qlo), (dt, dlo), (kt, klo), (vt, vlo) in sweep.tiles(q, dout):
+        sb, tb = var.base(sr.qk(qlo, keys_t(klo)), srnd, scale, m, pos)
+        _, drawb = var.base_backward(
+            sb,
+            tb,
             lo_matmul(dtype, dlo, keys_t(vlo)),
             rnd,
-            m,
-            scale,
             norm_rows(normb, a, z),
             deltab[..., a:z],
+            scale,
             srnd,
         )
         dqb[..., a:z, :] += torch.matmul(drawb, kt.float().unsqueeze(2))
-        _, ds, draw = backward(
+        _, ds, draw = var.backward(
             torch.matmul(qt, keys_t(kt)),
             torch.matmul(dt, keys_t(vt)),
             m,
             scale,
             norm_rows(norm, a, z),
             delta[..., a:z],
+            pos,
         )
         dq[..., a:z, :] += torch.matmul(draw, kt.unsqueeze(2))
         ds_rows[..., a:z] += ds.abs_().sum(dim=-1)

@@ -20,6 +20,7 @@ from harness.oracle.keys_pass import keys_part
 from harness.oracle.parts import Fetch, KeysPart, RowsPart, RowStats
 from harness.oracle.rows_pass import rows_part
 from harness.oracle.tiles import positions, trimmer
+from harness.oracle.variant import variant_of
 
 WHOLE_INPUTS_BYTES = 16 << 20  # a case whose four global inputs fit here makes each once
 # the last small case's whole inputs: both passes, every local share
@@ -33,7 +34,7 @@ def case_fetch(case: Case, device="cpu") -> Fetch:
     keeps it for the case's next pass or share in this process, and indexes it: inputs are made
     per token, so the values are the same. A long case makes each block when asked and keeps
     nothing."""
-    size = 4 * case.batch * case.total_len * case.heads_q * case.head_dim * 4
+    size = 4 * case.batch * case.total_len * case.heads_q * max(case.head_dim, case.dim_v) * 4
     if size > WHOLE_INPUTS_BYTES:
         return lambda name, pos: inputs.make(case, name, pos).to(device)
     key = (case.replace(impl="-", faults=(), tolerance={}, deadline_s=1.0).key(), str(device))
@@ -69,6 +70,7 @@ def share_rows(case: Case, index: int, device="cpu") -> tuple[RowsPart, RowsPart
         TORCH_DTYPES[case.dtype],
         tiles.block(case),
         case.values in FLASH_BASE_VALUES,
+        variant_of(case),
     )
     return tuple(p.cpu() for p in parts)
 
@@ -90,5 +92,6 @@ def share_keys(
         case.scale,
         TORCH_DTYPES[case.dtype],
         case.values in FLASH_BASE_VALUES,
+        variant_of(case),
     )
     return tuple(p.cpu() for p in parts)

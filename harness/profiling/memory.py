@@ -34,8 +34,11 @@ UNKNOWN = "unknown (needs two ring sizes >= 2)"
 
 
 def kv_token_bytes(c: Case) -> int:
-    """Bytes of one token's K and V (all kv heads, the whole batch) in the input dtype."""
-    return 2 * c.batch * c.heads_kv * c.head_dim * TORCH_DTYPES[c.dtype].itemsize
+    """Bytes of one token's K and V (all kv heads, the whole batch) in the input dtype.
+
+    V has the value head dim (MLA), K the query/key one.
+    """
+    return c.batch * c.heads_kv * (c.head_dim + c.dim_v) * TORCH_DTYPES[c.dtype].itemsize
 
 
 def verdict(held: float | None) -> str:

@@ -28,6 +28,7 @@ from harness.impls import registry
 from harness.impls.adapters._common import kernel_label
 from harness.oracle import shares
 from harness.ranks import instrument
+from harness.ranks.groups import Groups
 from harness.ranks.protocol import (
     DIVERGED,
     ERROR,
@@ -41,6 +42,7 @@ from harness.ranks.protocol import (
     RunMessage,
 )
 from ring_impl.layouts import all_positions
+from ring_impl.variants import alibi_slopes
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -78,48 +80,6 @@ def _callers_frame(e: BaseException) -> str:
                 f"in {fr.name}"
             )
     return ""
-
-
-class Groups:
-    """Process groups for ring subsets, cached by (offset, size, timeout).
-
-    Every rank creates them the same way, because new_group is collective over the whole pool.
-    """
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-        self.cache: dict[tuple, object] = {}
-        # groups that may hold stale messages: kept, never used again
-        self.retired: list[object] = []
-
-    def reset(self) -> None:
-        """Use fresh groups from now on, after a case whose ranks raised mid-ring.
-
-        The old groups are kept alive, not destroyed: destroying a group with ops in flight can
-        block.
-        """
-        self.retired.extend(self.cache.values())
-        self.cache = {}
-
-    def get(self, offset: int, size: int, timeout_s: float):
-        import torch.distributed as dist
-
-        key = (offset, size, round(timeout_s, 3))
-        if key not in self.cache:
-            group = dist.new_group(
-                ranks=list(range(offset, offset + size)),
-                timeout=datetime.timedelta(seconds=timeout_s),
-                backend=self.backend,
-            )
-            # every member has finished building the group before any uses it: without this, a
-            # member that returned from new_group, raised at once (e.g. refused the case) and closed
-            # its pairs (`_close_peers`) could do so while another member was still connecting them,
-            # which then waited forever inside new_group (seen: refusal cases hanging at the
-            # deadline on gloo)
-            if offset <= dist.get_rank() < offset + size:
-                dist.barrier(group=group)
-            self.cache[key] = group
-        return self.cache[key]
 
 
 def pg_timeout(case: case_mod.Case) -> float:
@@ -163,9 +123,10 @@ def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict
         t0 = time.perf_counter()
         out, lse = calls.forward(call, fn, x.q, x.k, x.v)
         times.update(forward_s=time.perf_counter() - t0, backward_s=0.0)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
+    want = (*q.shape[:3], v.shape[-1])  # v's head dim: the value head dim of MLA
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ShapeError(f"output shape {got} != expected {tuple(q.shape)}")
+        raise ShapeError(f"output shape {got} != expected {want}")
     if not grad:
         return out, lse, None
     if not out.requires_grad:
@@ -185,7 +146,21 @@ def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict
         if tuple(g.shape) != tuple(t.shape):
             raise ShapeError(f"d{name} shape {tuple(g.shape)} != expected {tuple(t.shape)}")
         grads.append(g)
-    return out, lse, tuple(grads)
+    return out, lse, (*grads, _sinks_grad(ctx))
+
+
+def _sinks_grad(ctx: RunContext) -> torch.Tensor | None:
+    """The sinks' gradient, read and cleared (a second call starts from none).
+
+    A ring that never used the sinks leaves no gradient: it reads as zero, which is what such a
+    ring computed, and is judged against the oracle's.
+    """
+    sinks = ctx.sinks
+    if sinks is None or not sinks.requires_grad:
+        return None
+    g = sinks.grad if sinks.grad is not None else torch.zeros_like(sinks)
+    sinks.grad = None
+    return g.detach().clone()
 
 
 def _forward_backward(
@@ -201,6 +176,34 @@ def _forward_backward(
     out, lse, grads = _run_call(impl, q, k, v, dout, ctx, call, form, phase, times)
     phase("done")
     return out, lse, grads, times
+
+
+def _context(case, group, grank, global_ranks, pos_all, dtype, device) -> RunContext:
+    """This rank's RunContext for the case: its ring, positions, mask and variants."""
+    sinks = slopes = None
+    if case.sinks is not None:
+        grad = calls.needs_backward(case.call)
+        sinks = torch.tensor(case.sinks, dtype=torch.float32, device=device, requires_grad=grad)
+    if case.alibi:
+        slopes = torch.tensor(alibi_slopes(case.heads_q), dtype=torch.float32, device=device)
+    return RunContext(
+        group=group,
+        rank=grank,
+        world_size=case.world_size,
+        global_ranks=global_ranks,
+        layout=case.layout,
+        lengths=tuple(case.seq_lens),
+        all_positions=pos_all,
+        mask=case.mask,
+        softmax_scale=case.scale,
+        dtype=dtype,
+        device=device,
+        seed=case.seed,
+        sinks=sinks,
+        softcap=case.softcap,
+        alibi_slopes=slopes,
+        head_dim_v=case.head_dim_v,
+    )
 
 
 def run_on_rank(
@@ -225,26 +228,15 @@ def run_on_rank(
     t_in = time.perf_counter()
     q, k, v, dout = (inputs.make(case, n, pos).to(device) for n in inputs.NAMES)
     t_in = time.perf_counter() - t_in
-    ctx = RunContext(
-        group=group,
-        rank=grank,
-        world_size=world_size,
-        global_ranks=gl,
-        layout=case.layout,
-        lengths=tuple(case.seq_lens),
-        all_positions=pos_all,
-        mask=case.mask,
-        softmax_scale=case.scale,
-        dtype=q.dtype,
-        device=device,
-        seed=case.seed,
-    )
+    ctx = _context(case, group, grank, gl, pos_all, q.dtype, device)
     out, lse, grads, times = _forward_backward(
         impl, q, k, v, dout, ctx, phase, case.call, case.inputs
     )
     tensors = {"out": out}
     if grads is not None:
-        tensors.update(zip(("dq", "dk", "dv"), grads, strict=True))
+        tensors.update(zip(("dq", "dk", "dv"), grads[:3], strict=True))
+        if grads[3] is not None:
+            tensors["dsinks"] = grads[3]
     if lse is not None:
         tensors["lse"] = lse
     t_pack = time.perf_counter()
@@ -302,6 +294,7 @@ def _interposer(
         note_path=path("faults"),
         case_id=msg.get("case_id"),
         stage=stage,
+        ring=range(case.group_offset, case.group_offset + case.world_size),
     )
 
 

@@ -50,7 +50,8 @@ FORMULAS = _formulas()
 class ComputeLog(TorchDispatchMode):
     """Appends ("compute", flops, phase, seconds) for each op with a FLOP formula; consecutive ones
     merge, keeping the time the last one ended. A functional collective (DTensor, torch's context
-    parallel) is logged as an op and its `wait_tensor` as its wait, like a wrapped call."""
+    parallel) is logged by the interposer's hook (harness.faults.functional); one dispatched from
+    C++, which the hook does not see, is logged here, its `wait_tensor` as its wait."""
 
     def __init__(self, events: list, ip: Any) -> None:
         super().__init__()
@@ -88,6 +89,8 @@ class ComputeLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == FUNCTIONAL:
+            if self.ip.in_hook:  # the interposer's functional hook logs it (faults.functional)
+                return func(*args, **kwargs)
             return self._functional(func, args, kwargs)
         out = func(*args, **kwargs)
         count = FORMULAS.get(func.overloadpacket)

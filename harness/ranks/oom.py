@@ -313,7 +313,7 @@ def oracle_share_bytes(case) -> int:
     """Peak bytes of computing the largest share of the case's oracle (harness.oracle.shares)."""
     from harness.oracle.tiles import block
 
-    hd = case.heads_q * case.head_dim * case.batch
+    hd = case.heads_q * max(case.head_dim, case.dim_v) * case.batch  # v may be wider (MLA)
     local = max(case.seq_lens) if case.seq_lens else 0
     side = min(block(case), max(local, 1))
     scores = side * min(block(case), case.total_len) * case.heads_q * case.batch
@@ -335,7 +335,7 @@ def estimate(
     """
     from ring_impl.kernel import tile_scores
 
-    hd = case.heads_q * case.head_dim * case.batch
+    hd = case.heads_q * max(case.head_dim, case.dim_v) * case.batch  # v may be wider (MLA)
     local = max(case.seq_lens) if case.seq_lens else 0
     budget = tile_budget if tile_budget is not None else tile_scores()
     work = min(budget, case.batch * case.heads_q * local * local)

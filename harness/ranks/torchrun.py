@@ -24,7 +24,8 @@ import torch
 
 from harness import case as case_mod
 from harness.ranks.backend import choose_backend, device_for, nccl_host_per_rank, require_cuda
-from harness.ranks.execute import Groups, handle_case, handle_oracle
+from harness.ranks.execute import handle_case, handle_oracle
+from harness.ranks.groups import Groups
 from harness.ranks.protocol import (
     OK,
     ORACLE,

@@ -28,7 +28,8 @@ import torch
 from harness.kernels import flash_standin
 from harness.ranks import wire
 from harness.ranks.backend import Placement, choose_backend, device_for, rank_device
-from harness.ranks.execute import Groups, handle_case, handle_oracle
+from harness.ranks.execute import handle_case, handle_oracle
+from harness.ranks.groups import Groups
 from harness.ranks.protocol import (
     ORACLE,
     PING,

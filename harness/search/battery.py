@@ -8,6 +8,7 @@ cover.
 from __future__ import annotations
 
 from harness.case import Case, make_case
+from harness.search import variants as variant_cases
 from ring_impl.layouts import split_lengths
 from ring_impl.masks import Expr, MaskSpec, and_, not_, or_, prim
 
@@ -25,12 +26,17 @@ def _docs(total: int) -> MaskSpec:
 
 
 def default_battery(
-    world_size: int = 4, dtype: str | None = None, impl: str = "reference", model_calls: bool = True
+    world_size: int = 4,
+    dtype: str | None = None,
+    impl: str = "reference",
+    model_calls: bool = True,
+    variants: bool = True,
 ) -> list[Case]:
     """The fixed battery around `world_size`.
 
     `dtype` restricts it to one dtype. With `model_calls`, the cases of how models call a ring
-    (`model_call_cases`) run last.
+    (`model_call_cases`) run last; with `variants`, the attention variants' after them
+    (harness.search.variants).
     """
     w = world_size
     # Not divisible by W or 2W: every layout gets uneven shards.
@@ -54,6 +60,9 @@ def default_battery(
     b.cases = _run_order(b.cases, basics, len(language_cases(w, total)))
     if model_calls:
         for kw in model_call_cases(w):
+            b.add(**kw)
+    if variants:
+        for kw in variant_cases.battery_cases(w):
             b.add(**kw)
     cases = b.cases
     if dtype is not None:

@@ -39,7 +39,7 @@ except NameError:
 
 # Fresh-rank confirmations of shrunk candidates, newest first.
 MAX_SHRUNK_CONFIRMATIONS = 6
-TENSORS = ("out", "lse", "dq", "dk", "dv")
+TENSORS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ Hypothesis stops searching at its first failure and shrinks it. The check's shar
 (harness.checks.shared_features) then has little property-run data to tell failing from passing
 cases. This phase draws EXAMPLES more cases from the same strategy with the run's seed, so the
 same cases run on every machine. It stops at the first hang: a hang costs its deadline.
+Each of its cases that a claim rests on is in the check's JSON: a failing one among its group's
+`cases`, a passing one under the statistics condition it rules out. The group's first line comes
+from experiments on its shrunk smallest case (harness.checks.experiments), not from these.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The fault battery's cases (behind `ring-harness check --faults`): many small seeded cases, one
 fault kind each in turn over masks, layouts and world sizes. `harness.checks.fault_battery` runs
-them and tallies the verdicts."""
+them and tallies the verdicts. For a ring that communicates only by collectives, the faults select
+collectives instead (`collective=True`): one-shot faults the first one of a phase, since such a
+ring may make a single collective per phase."""
 
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ MASKS = (MaskSpec("none"), MaskSpec("causal"), MaskSpec("window", window=3))
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
-def fault_for(kind: str, world_size: int, rng: random.Random, n: int) -> dict:
-    """One seeded fault of `kind` whose schedule fires on any ring of `world` ranks (op < W - 1)."""
+def fault_for(
+    kind: str, world_size: int, rng: random.Random, n: int, collective: bool = False
+) -> dict:
+    """One seeded fault of `kind` whose schedule fires on any ring of `world` ranks (op < W - 1).
+
+    `collective`: it selects collectives (a one-shot fault the first of the forward's).
+    """
+    if collective:
+        return _collective_fault(kind, world_size, rng, n)
     rank = rng.randrange(world_size)
     phase = rng.choice(("forward", "backward"))
     index = rng.randrange(max(1, world_size - 1))
@@ -65,6 +74,31 @@ def fault_for(kind: str, world_size: int, rng: random.Random, n: int) -> dict:
     raise HarnessError(f"unknown fault kind {kind!r}")
 
 
+def _collective_fault(kind: str, world_size: int, rng: random.Random, n: int) -> dict:
+    """One seeded fault of `kind` on collectives: every ring that uses them makes one in forward."""
+    rank = rng.randrange(world_size)
+    if kind in ("drop", "corrupt", "crash"):
+        extra = {
+            "drop": {},
+            "corrupt": {"bit": rng.choice((30, 22)), "count": rng.choice((1, 4))},
+            "crash": {"how": CRASH_HOW[n % len(CRASH_HOW)]},
+        }[kind]
+        return make_fault(kind, rank=rank, phase="forward", op="collective", index=0, **extra)
+    if kind == "delay":
+        return make_fault(
+            kind,
+            rank=rng.choice((None, rank)),
+            phase=rng.choice(("forward", "backward", "any")),
+            op="collective",
+            seconds=rng.choice((0.0, 0.005, 0.02)),
+            jitter=rng.choice((0.0, 0.01)),
+            where=rng.choice(("post", "complete")),
+        )
+    if kind in ("early-read", "send-reuse"):  # fire on async collectives only
+        return make_fault(kind, rank=rng.choice((None, rank)), op="collective")
+    return fault_for(kind, world_size, rng, n)  # a straggler selects no op
+
+
 def fault_cases(
     kinds: tuple[str, ...],
     n: int,
@@ -73,9 +107,10 @@ def fault_cases(
     seed: int = 0,
     deadline_s: float = 8.0,
     max_world: int = 4,
+    collective: bool = False,
 ) -> list[Case]:
     """`n` small seeded faulted cases (W 2..max_world, every layout and mask), kinds taken in
-    turn."""
+    turn; `collective`: faults on collectives (fault_for)."""
     if n < 1:
         raise HarnessError(f"--fault-cases must be at least 1, got {n}")
     rng = random.Random(f"fault-battery:{seed}")
@@ -97,7 +132,7 @@ def fault_cases(
                 seed=rng.randrange(2**31),
                 impl=impl,
                 deadline_s=deadline_s,
-                faults=(fault_for(kind, w, rng, i // len(kinds)),),
+                faults=(fault_for(kind, w, rng, i // len(kinds), collective),),
             )
         )
     return cases

@@ -11,6 +11,7 @@ from __future__ import annotations
 from harness.case import Case, make_case
 from harness.context import Capabilities
 from harness.impls.capabilities import adapt
+from harness.search.variants import sink_values
 from ring_impl.masks import MaskSpec
 
 TILE_MULTIPLES = (1, 2, 4)
@@ -40,7 +41,7 @@ def _docs(total: int, *starts: int) -> MaskSpec:
 
 def base_cases(tiles: tuple[int, ...] = (64, 128), impl: str = "reference") -> list[Case]:
     """The stage's cases before adaptation. The reference runs them as they are."""
-    plan = [*_bf16_plans(edge_lengths(tiles)), *_fp16_plans(), *_fp32_plans()]
+    plan = [*_bf16_plans(edge_lengths(tiles)), *_fp16_plans(), *_fp32_plans(), *_variant_plans()]
     return [make_case(impl=impl, seed=SEED + i, **kw) for i, kw in enumerate(plan)]
 
 
@@ -142,6 +143,30 @@ def _fp32_plans() -> list[dict]:
     ]
 
 
+def _variant_plans() -> list[dict]:
+    """The attention variants at MLA's head dims (192 for q and k, 128 for v), past a tile.
+
+    bf16, GQA 4/2, zigzag causal across 64-token tiles, sinks above the rows' lse and a cap.
+    Run only by an implementation that declares every variant it uses.
+    """
+    lens = (67, 65, 69, 63)
+    return [
+        dict(
+            world_size=4,
+            seq_lens=lens,
+            layout="zigzag",
+            mask=MaskSpec("causal"),
+            dtype="bf16",
+            heads_q=4,
+            heads_kv=2,
+            head_dim=192,
+            head_dim_v=128,
+            sinks=sink_values("above", 4, sum(lens)),
+            softcap=30.0,
+        ),
+    ]
+
+
 def scale_cases(
     caps: Capabilities,
     impl: str = "reference",
@@ -154,6 +179,8 @@ def scale_cases(
     """
     out: dict[str, Case] = {}
     for c in base_cases(caps.tiles, impl):
+        if set(c.variants) - caps.variants:  # adapted to plain, it repeats a plain case
+            continue
         if dtype is not None:
             c = c.replace(dtype=dtype)
         if deadline_s is not None:

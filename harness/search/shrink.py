@@ -76,10 +76,14 @@ def _smaller_shape(c: Case) -> Iterator[Case | None]:
         if (hq, hkv) != (c.heads_q, c.heads_kv)
     )
     for hq, hkv in pairs[:8]:
-        yield _variant(c, heads_q=hq, heads_kv=hkv)
+        sinks = None if c.sinks is None else c.sinks[:hq]  # the first heads keep their sinks
+        yield _variant(c, heads_q=hq, heads_kv=hkv, sinks=sinks)
     for d in sorted({1, 2, 4, 8, c.head_dim // 2, c.head_dim - 1}):
         if 1 <= d < c.head_dim:
             yield _variant(c, head_dim=d)
+    for d in sorted({1, 2, 4, 8, c.dim_v // 2, c.dim_v - 1} - {c.head_dim}):
+        if c.head_dim_v is not None and 1 <= d < c.dim_v:
+            yield _variant(c, head_dim_v=d)
 
 
 def _simpler_params(e: Expr) -> Iterator[Expr]:
@@ -164,6 +168,16 @@ def _plainer(c: Case) -> Iterator[Case | None]:
         yield _variant(c, inputs="contiguous")
     if c.softmax_scale is not None:
         yield _variant(c, softmax_scale=None)
+    yield from _plainer_variants(c)
+
+
+def _plainer_variants(c: Case) -> Iterator[Case | None]:
+    """Towards plain attention: each variant off, then zero sinks (the usual initial value)."""
+    for name, plain in (("sinks", None), ("softcap", None), ("alibi", False), ("head_dim_v", None)):
+        if getattr(c, name) != plain:
+            yield _variant(c, **{name: plain})
+    if c.sinks is not None and any(c.sinks):
+        yield _variant(c, sinks=(0.0,) * c.heads_q)
 
 
 def candidates(c: Case) -> Iterator[Case]:
@@ -189,6 +203,8 @@ def case_size(c: Case) -> tuple:
         mask,
         LAYOUTS.index(c.layout),
         c.group_offset,
+        len(c.variants),
+        c.dim_v,
     )
 
 

@@ -18,6 +18,7 @@ from harness.context import Capabilities
 from harness.dtypes import EXACT_INTEGERS
 from harness.impls.capabilities import divisible_heads, odd_lengths
 from harness.search.mask_strategies import expressions, masks, primitives, shrink_ordered
+from harness.search.variants import variant_fields
 from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
 from ring_impl.masks import MaskSpec
 
@@ -338,6 +339,8 @@ def cases(
     scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0, allow_nan=False, allow_infinity=False)))
     seed = draw(st.integers(0, 2**32 - 1))
     extra = draw(model_call(caps)) if model_calls else {}
+    # drawn last: an implementation without variants keeps every draw it had
+    extra.update(draw(variant_fields(caps, hq, head_dim, sum(lens), max(max_head_dim, head_dim))))
     fields = {"values": values, **extra}
     return make_case(
         world_size=w,

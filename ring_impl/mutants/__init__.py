@@ -13,6 +13,7 @@ from typing import Any
 from ring_impl.mutants import (
     by_feature,
     calls,
+    collective_comm,
     comm,
     grads,
     history,
@@ -22,6 +23,7 @@ from ring_impl.mutants import (
     precision,
     scale,
     shapes,
+    variants,
 )
 
 _ALL = [
@@ -67,6 +69,14 @@ _ALL = [
     by_feature.steps_rounded_to_power_of_two,
     by_feature.uneven_split_crash_from_three,
     by_feature.last_rank_own_block_unmasked,
+    collective_comm.all_gather_read_before_wait,
+    collective_comm.all_to_all_input_reuse,
+    variants.sink_every_step,
+    variants.sink_forward_only,
+    variants.softcap_unscaled,
+    variants.softcap_grad_dropped,
+    variants.alibi_local_positions,
+    variants.value_buffers_sized_by_head_dim,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

@@ -78,7 +78,7 @@ class _QScaledInPlace(torch.autograd.Function):
     def forward(ctx, q, k, v, plan):
         q0 = q.detach().clone()
         q.mul_(plan.scale)  # the bug: the caller's q holds the scaled q from now on
-        return _RingAttention.forward(ctx, q0, k, v, REFERENCE_PARTS, plan)
+        return _RingAttention.forward(ctx, q0, k, v, None, REFERENCE_PARTS, plan)
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -93,6 +93,8 @@ def q_scaled_in_place(q, k, v, *, return_lse: bool = False, **kw: Any):
     version change and raises (pytorch/pytorch documents that reentrant checkpointing does not
     detect it). Visible under `torch.utils.checkpoint` (and loud on split views of a fused
     projection, which refuse in-place writes)."""
+    if {"sinks", "softcap", "alibi_slopes"} & set(kw):
+        return ring_attention(q, k, v, return_lse=return_lse, **kw)  # the bug predates them
     plan, k, v = plan_call(REFERENCE_PARTS, q, k, v, **kw)
     out, lse = _QScaledInPlace.apply(q, k, v, plan)
     return (out, lse) if return_lse else out

@@ -44,11 +44,12 @@ def test_one_saved_file_per_failure_group(tmp_path):
         rep.lines[-1].startswith("check FAILED (exit 1): battery ")
         and f"{len(res.groups)} failure group(s)" in rep.lines[-1]
     )
-    # one group per cause, each listing its saved file, its shared-feature line first
+    # one group per bug, each listing its saved file, its experiments' line first: the ring
+    # ignores the mask, and its smallest case passes with no mask and with nothing else changed
     assert len(res.groups) == len(res.distinct) >= 1
     assert {p for g in res.groups for p in g.saved} == {str(p) for p, _ in res.distinct.values()}
     block = rep.lines.index(next(x for x in rep.lines if " failure group" in x and "(one per" in x))
-    assert rep.lines[block + 1].lstrip().startswith("1. fails ")
+    assert rep.lines[block + 1].lstrip().startswith("1. passes at no mask; still fails at W = 2")
 
 
 def test_maxfail_stops_the_check(tmp_path):

@@ -59,7 +59,7 @@ def test_the_stage_is_reported_counted_and_stops_at_a_failure(pool, tmp_path):
     )
     res = run_check(pool, opts, stop_at_first_failure=True, reporter=Reporter(log))
     text = log.getvalue()
-    assert "scale stage: 7 cases at training sizes (kernel tiles 64, 128" in text
+    assert "scale stage: 8 cases at training sizes (kernel tiles 64, 128" in text
     assert res.failures[0].stage == "scale" and not res.passed and len(res.scale_results) == 1
     assert "stopped at scale stage case 1" in res.stopped
     assert "scale stage 1/1 cases" in verdict_line(res)

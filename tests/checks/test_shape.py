@@ -33,7 +33,7 @@ def test_the_spec_reads_every_field_with_defaults():
         ("hq4,d64,L3,W4", "W <= L"),
         ("hq4,x7,d64,L64,W2", "cannot read 'x7'"),
         ("hq4,hq4,d64,L64,W2", "given twice"),
-        ("hq4,d0,L64,W2", "head_dim must be at least 1"),
+        ("hq4,d0,L64,W2", "head_dim must be an integer in \\[1, 4096\\]"),
     ],
 )
 def test_a_bad_spec_is_one_line(spec, words):

@@ -79,6 +79,7 @@ BASES = [
     {**BASE, "heads_q": 4, "heads_kv": 2, "head_dim": 4, "impl": "mutant:gqa-repeat"},
     {**BASE, "faults": [{"kind": "early-read"}], "dtype": "fp16"},
     {**BASE, "seq_lens": None, "total_len": 5, "dtype": "fp32", "call": "no-grad"},
+    {**BASE, "sinks": [0.0, 2.5], "softcap": 5.0, "alibi": True, "head_dim_v": 4},
     {"format": 1, "sequence": [dict(BASE, leak_check=False), dict(BASE, seed=8)]},
 ]
 

@@ -65,7 +65,12 @@ def test_yaml_fault_list_is_readable():
         ("[{kind: drop}]", "faults[0].rank", "needs the group rank"),
         ("[{kind: drop, rank: 3}]", "faults[0].rank", "0..2"),
         ("[{kind: drop, rank: true}]", "faults[0].rank", "0..2"),
-        ("[{kind: drop, rank: 0, op: recv}]", "faults[0].op", "applies to send ops"),
+        (
+            "[{kind: drop, rank: 0, op: recv}]",
+            "faults[0].op",
+            "applies to send/collective ops or a collective family (all_gather, all_to_all",
+        ),
+        ("[{kind: send-reuse, op: recv}]", "faults[0].op", "applies to send/any/collective ops"),
         ("[{kind: drop, rank: 0, index: null}]", "faults[0].index", "happens once"),
         ("[{kind: delay}, {kind: delay, index: -2}]", "faults[1].index", "op number >= 0"),
         ("[{kind: delay, secs: 1}]", "faults[0].secs", "not a field of a delay fault"),

@@ -10,6 +10,7 @@ import time
 import torch
 
 from harness.context import Capabilities, Impl
+from harness.impls.adapters.reference import variant_arguments
 from ring_impl import ring_attention
 from ring_impl.masks import MASK_FEATURES, MaskSpec
 
@@ -24,6 +25,7 @@ def _reference(q, k, v, ctx):
         lengths=ctx.lengths,
         mask=ctx.mask,
         softmax_scale=ctx.softmax_scale,
+        **variant_arguments(ctx),
     )
 
 
@@ -110,7 +112,11 @@ hang_on_rank1 = Impl("tests-hang-on-rank1", _hang_on_rank1)
 # only one, and must show that the ring runs them (issue #30: a probe once also used undeclared
 # masks and layouts).
 no_idle = Impl(
-    "tests-no-idle", _reference, capabilities=Capabilities(masks=frozenset(MASK_FEATURES))
+    "tests-no-idle",
+    _reference,
+    capabilities=Capabilities(
+        masks=frozenset(MASK_FEATURES), sinks=True, softcap=True, alibi=True, head_dim_v=True
+    ),
 )
 
 
@@ -186,6 +192,7 @@ def _forward_only(q, k, v, ctx):
         mask=ctx.mask,
         softmax_scale=ctx.softmax_scale,
         return_lse=True,
+        **variant_arguments(ctx),
     )
 
 

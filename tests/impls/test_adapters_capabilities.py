@@ -56,7 +56,13 @@ def test_gpu_only_adapters_declare_nccl_and_no_fp32_flash(name):
 def test_specific_claims():
     ref = caps_of("reference")
     assert ref.returns_lse and ref == Capabilities(
-        returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True
+        returns_lse=True,
+        masks=frozenset(MASK_FEATURES),
+        idle_ranks=True,
+        sinks=True,
+        softcap=True,
+        alibi=True,
+        head_dim_v=True,
     )
     rap = caps_of("ring-attention-pytorch")
     assert rap.dtypes == {"fp32"} and not rap.uneven and rap.world_sizes[0] == 2

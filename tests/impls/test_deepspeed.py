@@ -69,6 +69,24 @@ def test_ulysses_equals_the_float64_oracle(pool, impl, shape):
     assert r.passed, _explain(r)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(sinks=(0.0, 2.5, 3.5, 5.0)),
+        dict(softcap=2.0, values="large"),
+        dict(alibi=True, layout="zigzag"),
+        dict(head_dim_v=8, heads_q=4, heads_kv=4),
+        dict(sinks=(3.0, 3.3, 3.6, 4.0), softcap=5.0, alibi=True, head_dim_v=24, dtype="bf16"),
+    ],
+)
+def test_ulysses_runs_the_attention_variants_for_the_heads_each_rank_holds(pool, impl, variant):
+    """Each rank holds a contiguous group of heads after the all-to-all: their sinks and slopes.
+    The sinks' gradient lands on the heads' owners; their sum is the gradient (#53)."""
+    r = run_case(_case(impl, **{**dict(world_size=2), **variant}), pool)
+    assert r.passed, _explain(r)
+
+
 def test_without_deepspeeds_mesh_the_uneven_heads_path_disagrees_on_the_split(pool):
     """`uneven_heads_all2all` takes this rank's share from `groups._get_sequence_parallel_rank()`,
     which is 0 on every rank unless a mesh or an mpu is registered: the all-to-all's splits then

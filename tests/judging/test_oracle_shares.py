@@ -20,7 +20,7 @@ from harness.runner import run_case
 from harness.search.battery import default_battery
 
 FIELDS = ("out", "lse", "dq", "dk", "dv")
-ROWS_FIELDS = ("rows", "out", "lse", "dq", "mx", "total", "delta", "amp")
+ROWS_FIELDS = ("rows", "out", "lse", "dq", "mx", "total", "delta", "amp", "dsinks")
 KEYS_FIELDS = ("keys", "dk", "dv")
 
 
@@ -49,8 +49,35 @@ def _same_keys(a: KeysPart, b: KeysPart, what: str) -> None:
 
 
 def _same_outputs(a: assemble.OracleOutputs, b: assemble.OracleOutputs, what: str) -> None:
-    _same(a, b, FIELDS, what)
+    _same(a, b, (*FIELDS, "dsinks"), what)
     assert a.term_scale == b.term_scale, what
+
+
+def _ranks_equal_local(pool, case, what: str) -> None:
+    """Every rank's parts of both passes, and the assembled outputs, equal the local oracle's."""
+    pool.ensure(case.pool_size)
+    world_size = range(case.world_size)
+    rows = pool.oracle(case, oracle_deadline(case, "rows"), "rows")
+    assert sorted(rows) == list(world_size), case.summary()
+    for g in world_size:
+        want = shares.share_rows(case, g)
+        _same_rows(rows[g][0], want[0], f"{what} rank {g} float64 rows")
+        _same_rows(rows[g][1], want[1], f"{what} rank {g} base rows")
+    stats = tuple(gather_stats([rows[g][d] for g in world_size], case.total_len) for d in (0, 1))
+    keys = pool.oracle(case, oracle_deadline(case, "keys"), "keys", stats)
+    for g in world_size:
+        want = shares.share_keys(case, g, stats)
+        _same_keys(keys[g][0], want[0], f"{what} rank {g} float64 keys")
+        _same_keys(keys[g][1], want[1], f"{what} rank {g} base keys")
+    exact, base = assemble.local(case)
+    for d, whole in enumerate((exact, base)):
+        got = assemble.assemble(
+            case.total_len,
+            case.scale,
+            [rows[g][d] for g in world_size],
+            [keys[g][d] for g in world_size],
+        )
+        _same_outputs(got, whole, f"{what} {'float64' if d == 0 else 'base'}")
 
 
 def test_the_ranks_oracle_equals_the_local_oracle_on_the_battery(pool):
@@ -58,31 +85,43 @@ def test_the_ranks_oracle_equals_the_local_oracle_on_the_battery(pool):
     torch.set_num_threads(1)  # as each rank: one thread
     try:
         for i, case in enumerate(default_battery(4)):
-            pool.ensure(case.pool_size)
-            world_size = range(case.world_size)
-            rows = pool.oracle(case, oracle_deadline(case, "rows"), "rows")
-            assert sorted(rows) == list(world_size), case.summary()
-            for g in world_size:
-                want = shares.share_rows(case, g)
-                _same_rows(rows[g][0], want[0], f"case {i} rank {g} float64 rows")
-                _same_rows(rows[g][1], want[1], f"case {i} rank {g} base rows")
-            stats = tuple(
-                gather_stats([rows[g][d] for g in world_size], case.total_len) for d in (0, 1)
-            )
-            keys = pool.oracle(case, oracle_deadline(case, "keys"), "keys", stats)
-            for g in world_size:
-                want = shares.share_keys(case, g, stats)
-                _same_keys(keys[g][0], want[0], f"case {i} rank {g} float64 keys")
-                _same_keys(keys[g][1], want[1], f"case {i} rank {g} base keys")
-            exact, base = assemble.local(case)
-            for d, whole in enumerate((exact, base)):
-                got = assemble.assemble(
-                    case.total_len,
-                    case.scale,
-                    [rows[g][d] for g in world_size],
-                    [keys[g][d] for g in world_size],
-                )
-                _same_outputs(got, whole, f"case {i} {'float64' if d == 0 else 'base'}")
+            _ranks_equal_local(pool, case, f"case {i}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_ranks_oracle_equals_the_local_oracle_with_every_variant(pool):
+    """Issue #53: softcap, ALiBi, sinks and a value head dim of its own, together, on uneven
+    shares; each rank's dsinks travels in its rows part."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    fields = dict(heads_q=4, heads_kv=2, head_dim=8, softcap=20.0, alibi=True, seed=6)
+    cases = [
+        make_case(
+            world_size=3,
+            seq_lens=(11, 4, 9),
+            layout="zigzag",
+            mask={"kind": "causal"},
+            head_dim_v=12,
+            sinks=(0.0, 3.2, 5.0, -1.5),
+            dtype="bf16",
+            **fields,
+        ),
+        make_case(
+            world_size=2,
+            seq_lens=(7, 10),
+            layout="striped",
+            mask={"kind": "window", "window": 4},
+            head_dim_v=4,
+            sinks=(1.0, 2.0, 3.0, 4.0),
+            dtype="fp16",
+            **fields,
+        ),
+    ]
+    try:
+        for i, case in enumerate(cases):
+            _ranks_equal_local(pool, case, f"variant case {i}")
+            assert shares.share_rows(case, 0)[0].dsinks.shape == (4,)
     finally:
         torch.set_num_threads(threads)
 
@@ -178,8 +217,15 @@ def test_queries_that_see_no_key(monkeypatch, compute, block):
         torch.testing.assert_close(s.dv, r.dv, rtol=1e-14, atol=1e-14)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
-def test_a_share_never_holds_more_than_one_block_of_other_positions(monkeypatch, layout):
+# the variants of issue #53 keep the plan: softcap, ALiBi, sinks and a wider value head dim
+VARIANT_FIELDS = dict(softcap=5.0, alibi=True, sinks=(1.0, 2.0, 3.0, 4.0), head_dim_v=24)
+
+
+@pytest.mark.parametrize(
+    "layout, variants",
+    [("contiguous", False), ("zigzag", False), ("striped", False), ("zigzag", True)],
+)
+def test_a_share_never_holds_more_than_one_block_of_other_positions(monkeypatch, layout, variants):
     """The memory claim, checked by what the passes make: past WHOLE_INPUTS_BYTES (here 0) every
     input a pass generates from the seed is either the share's own positions or at most one tile
     side of others', and what it returns has the share's size (plus B x Hq statistics per token), so
@@ -196,6 +242,7 @@ def test_a_share_never_holds_more_than_one_block_of_other_positions(monkeypatch,
         head_dim=8,
         dtype="bf16",
         seed=11,
+        **(VARIANT_FIELDS if variants else {}),
     )
     monkeypatch.setattr(tiles, "block", lambda c: 16)
     monkeypatch.setattr(shares, "WHOLE_INPUTS_BYTES", 0)

@@ -133,9 +133,8 @@ def test_parts_are_replaceable():
 
 
 def test_double_buffer_views_are_sized_per_owner():
-    buf = DoubleBuffer(
-        [(1, 3, 2, 4), (1, 0, 2, 4), (1, 5, 2, 4)], 2, torch.float32, torch.device("cpu")
-    )
+    shapes = [(1, 3, 2, 4), (1, 0, 2, 4), (1, 5, 2, 4)]
+    buf = DoubleBuffer([(s, s) for s in shapes], torch.float32, torch.device("cpu"))
     assert buf.slots[0].numel() == 2 * 5 * 8
     k, v = buf.load(0, 0, torch.ones(1, 3, 2, 4), torch.full((1, 3, 2, 4), 2.0))
     assert buf.flat(0, 0).numel() == 48 and buf.flat(0, 1).numel() == 0
@@ -145,3 +144,11 @@ def test_double_buffer_views_are_sized_per_owner():
     comm.wait()
     k1, v1 = buf.views(1, 0)
     assert (k1 == 1).all() and (v1 == 2).all()
+
+
+def test_double_buffer_blocks_may_hold_tensors_of_two_shapes():
+    """v with a head dim of its own (MLA) rides in the same slot as k."""
+    buf = DoubleBuffer([((1, 3, 2, 8), (1, 3, 2, 4))] * 2, torch.float32, torch.device("cpu"))
+    k, v = buf.load(0, 1, torch.ones(1, 3, 2, 8), torch.full((1, 3, 2, 4), 2.0))
+    assert buf.flat(0, 1).numel() == 48 + 24 and k.shape[-1] == 8 and v.shape[-1] == 4
+    assert (buf.views(0, 1)[1] == 2).all()

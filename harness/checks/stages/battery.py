@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 from harness.case import Case
 from harness.checks import report
-from harness.checks.capability_matrix import format_matrix, matrix
+from harness.checks.capability_matrix import AS_BASE, format_matrix, matrix
 from harness.checks.options import CheckOptions
+from harness.checks.outcome import ProbeBase
 from harness.context import Capabilities
-from harness.impls.capabilities import adapt, isolated_probe, unsupported
+from harness.impls.capabilities import VARIANT_WORDS, adapt, isolated_probe, unsupported
 from harness.judging.verdicts import probe_acceptable
 from harness.result import CaseResult, Verdict
 from harness.runner import run_case
@@ -38,7 +39,8 @@ def plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], list[Case]
     if opts.deadline is not None:
         cases = [c.replace(deadline_s=opts.deadline) for c in cases]
     found = probes(caps, cases)
-    cases = [adapt(caps, c) for c in cases]
+    # a variant's case adapted to plain attention repeats a plain case: it is probed, not run
+    cases = [adapt(caps, c) for c in cases if set(c.variants) <= caps.variants]
     return list({c.key(): c for c in cases if c is not None}.values()), found
 
 
@@ -139,8 +141,26 @@ def _run_cases(check: Check, cases: list[Case]) -> bool:
     return False
 
 
+def _base_of(check: Check, probe: Case, feats: tuple[str, ...]) -> ProbeBase | None:
+    """The declared case a probe was adapted from, as the battery ran it (else run now)."""
+    base = adapt(check.caps, probe)
+    if base is None or base.pool_size > check.pool.capacity:
+        return None
+    # a probe's deadline is shorter than its battery case's: the rest is the same case
+    ran = {_undated(r.case): r for r in check.outcome.results}
+    r = ran.get(_undated(base))
+    if r is None:
+        r = run_case(base, check.pool, check.opts.impl, allow_import=check.opts.allow_import)
+    return ProbeBase(feats, r)
+
+
+def _undated(c: Case) -> str:
+    return c.replace(deadline_s=1.0).key()
+
+
 def _run_probes(check: Check, found: list[Case]) -> None:
-    """Each probe. One file per distinct finding, confirmed on fresh ranks like a failure."""
+    """Each probe. A failing one is a finding only when its declared base case passes: one file
+    per distinct finding, confirmed on fresh ranks like a failure."""
     opts, caps, out = check.opts, check.caps, check.reporter
     out(f"probing {len(found)} case(s) with features {opts.impl} does not declare:")
     for i, c in enumerate(found, 1):
@@ -148,12 +168,42 @@ def _run_probes(check: Check, found: list[Case]) -> None:
         check.outcome.probe_results.append(r)
         feats = tuple(unsupported(caps, c))
         out(report.row(i, len(found), r) + "  [" + ", ".join(feats) + "]")
-        if not probe_acceptable(r):
-            note = (
-                f"undeclared feature probe: {', '.join(feats)}\n{r.verdict}: "
-                f"{r.case.summary()}\n{r.detail}"
-            )
-            check.save_failure(r, note=note, features=feats)
+        if probe_acceptable(r):
+            continue
+        base = _base_of(check, c, feats)
+        if base is not None:
+            check.outcome.probe_bases[c.key()] = base
+        if base is not None and not base.base.passed:
+            out(f"        {AS_BASE}: {base.base.case.summary()} ({base.base.verdict})")
+            continue
+        ignored = ignored_variants(r, base.base if base is not None else None, feats)
+        if ignored:
+            out(f"        FINDING: {ignored}")
+        note = (
+            f"undeclared feature probe: {', '.join(feats)}\n{r.verdict}: "
+            f"{r.case.summary()}\n{r.detail}" + (f"\n{ignored}" if ignored else "")
+        )
+        check.save_failure(r, note=note, features=feats)
+
+
+def ignored_variants(r: CaseResult, base: CaseResult | None, feats: tuple[str, ...]) -> str:
+    """'accepted learned attention sinks and ignored them ...' when a variant's probe returned,
+    bit for bit, what the ring returns without the variant: the same inputs, plain attention.
+    '' otherwise (a value head dim changes v itself, so it is never "ignored")."""
+    names = [f.partition(":")[2] for f in feats if f.startswith("variant:")]
+    names = [n for n in names if n != "head_dim_v"]
+    if not names or base is None or not base.passed or not r.hashes:
+        return ""
+    same = all(
+        r.hashes.get(g, {}).get("out") == base.hashes.get(g, {}).get("out") for g in r.hashes
+    )
+    if not same:
+        return ""
+    words = " and ".join(VARIANT_WORDS[n] for n in names)
+    return (
+        f"accepted {words} and ignored them: every rank's out is bit for bit the ring's out "
+        "without them (plain attention)"
+    )
 
 
 def run(check: Check) -> bool:
@@ -165,6 +215,8 @@ def run(check: Check) -> bool:
         _run_probes(check, found)
     outcome = check.outcome
     left = unprobed(check.caps, check.opts)
-    for line in format_matrix(matrix(check.caps, outcome.results, outcome.probe_results, left)):
+    as_base = {k for k, b in outcome.probe_bases.items() if not b.base.passed}
+    rows = matrix(check.caps, outcome.results, outcome.probe_results, left, as_base)
+    for line in format_matrix(rows):
         check.reporter(line)
     return False

@@ -1,7 +1,9 @@
 """The fault stage: buffer-discipline faults on every rank and every op of both phases.
 
 Results must not change under them. A bug then shows deterministically: a read before its wait sees
-NaN, and an overwrite of a buffer being sent is caught when it happens.
+NaN, and an overwrite of a buffer being sent (or of a collective's input) is caught when it
+happens. A ring whose op log shows collectives also gets one case per shape with one rank late to
+every collective: a blocking collective gives early-read and send-reuse nothing to act on.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from harness.case import Case, make_case
 from harness.checks import report
 from harness.checks.options import FAULT_STAGE_DEFAULT, FAULT_STAGE_KINDS, CheckOptions, parse_kinds
 from harness.context import Capabilities
+from harness.faults.oplog import uses_collectives
 from harness.faults.schema import make_fault
 from harness.impls.capabilities import adapt
 from harness.judging.run_record import record_of
 from harness.judging.verdicts import fault_ok
-from harness.result import Verdict
+from harness.result import CaseResult, Verdict
 from harness.runner import run_case
 from ring_impl.masks import MaskSpec
 
@@ -34,9 +37,33 @@ SHAPES = (
 )
 
 
+# one rank late to every collective: the others wait inside it
+LATE = {"seconds": 0.005, "jitter": 0.005, "where": "post"}
+
+
 def _stage_fault(kind: str, world_size: int) -> dict:
-    """`kind` on every rank and every op of both phases (a straggler needs one rank: the last)."""
-    return make_fault(kind, rank=world_size - 1) if kind == "straggler" else make_fault(kind)
+    """`kind` on every rank and every op of both phases (a straggler needs one rank: the last).
+
+    send-reuse watches sends and collectives' inputs alike.
+    """
+    if kind == "straggler":
+        return make_fault(kind, rank=world_size - 1)
+    return make_fault(kind, op="any") if kind == "send-reuse" else make_fault(kind)
+
+
+def collective_cases(cases: list[Case]) -> list[Case]:
+    """Per shape, its first case with the last rank late to every collective instead.
+
+    The same case without faults is the baseline the first one already ran (runner.baseline_for).
+    """
+    out, seen = [], set()
+    for c in cases:
+        if c.world_size in seen:
+            continue
+        seen.add(c.world_size)
+        late = make_fault("delay", rank=c.world_size - 1, op="collective", **LATE)
+        out.append(c.replace(faults=(late,)))
+    return out
 
 
 def plan(
@@ -127,20 +154,39 @@ def run(check: Check) -> bool:
         f"fault stage: {len(cases)} cases, {', '.join(kinds)} on every rank, both phases "
         "(results must not change)"
     )
+    collective = False
     for i, c in enumerate(cases, 1):
-        r = run_case(c, check.pool, opts.impl, allow_import=opts.allow_import)
-        check.outcome.fault_results.append(r)
-        check.outcome.cases += 1
-        out(report.row(i, len(cases), r) + f"  [{'+'.join(f['kind'] for f in c.faults)}]")
-        if r.verdict == Verdict.INVALID:
-            out(f"        -> not applicable here: {r.detail[:200]}")
-        elif not fault_ok(r):
-            if r.detail:
-                out(f"        -> {r.detail[:300]}")
-            else:
-                out(f"        -> {r.verdict}, expected pass")
-            check.save_failure(r, cause=_clean_cause(check, c))
-            if check.record_failure(name, r):
-                n, failing = len(check.outcome.fault_results), len(check.outcome.failures)
-                return check.stop(f"stopped at fault stage case {n} ({failing} failing)")
-    return False
+        r = _one(check, i, len(cases), c)
+        if r is None:
+            return True
+        collective = collective or uses_collectives(r.extra.get("comm", {}))
+    more = collective_cases(cases) if collective and "delay" not in kinds else []
+    if more:
+        out(
+            f"fault stage: the ring uses collectives: {len(more)} more cases, the last rank late "
+            "to every collective (results must not change)"
+        )
+    # any() stops at the first case that stops the check
+    return any(_one(check, i, len(more), c) is None for i, c in enumerate(more, 1))
+
+
+def _one(check: Check, i: int, n: int, c: Case) -> CaseResult | None:
+    """Run one case of the stage and report it; None: the check stops at its failure."""
+    opts, out = check.opts, check.reporter
+    r = run_case(c, check.pool, opts.impl, allow_import=opts.allow_import)
+    check.outcome.fault_results.append(r)
+    check.outcome.cases += 1
+    out(report.row(i, n, r) + f"  [{'+'.join(f['kind'] for f in c.faults)}]")
+    if r.verdict == Verdict.INVALID:
+        out(f"        -> not applicable here: {r.detail[:200]}")
+    elif not fault_ok(r):
+        if r.detail:
+            out(f"        -> {r.detail[:300]}")
+        else:
+            out(f"        -> {r.verdict}, expected pass")
+        check.save_failure(r, cause=_clean_cause(check, c))
+        if check.record_failure(name, r):
+            done, failing = len(check.outcome.fault_results), len(check.outcome.failures)
+            check.stop(f"stopped at fault stage case {done} ({failing} failing)")
+            return None
+    return r

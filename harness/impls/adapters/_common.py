@@ -97,6 +97,7 @@ def unsupported_reasons(
         head_dim=q.shape[-1],
         subgroup=is_subgroup(ctx),
         device=device_of(ctx),
+        variants=ctx.variants,
     )
     keys = [f for f in missing if f not in lets_run]
     why = [

@@ -29,6 +29,11 @@ def _caps() -> Capabilities:
     return Capabilities(
         # the local attention gets the whole sequence: any mask, as a dense one
         masks=frozenset(MASK_FEATURES),
+        # the local attention is ours: it carries every variant, for the heads each rank holds
+        sinks=True,
+        softcap=True,
+        alibi=True,
+        head_dim_v=True,
         dtypes=frozenset({"fp32", "fp16", "bf16"}),
         gqa=True,
         uneven=False,
@@ -111,14 +116,51 @@ def local_attention(positions: torch.Tensor, ctx: RunContext, seq_dim: int):
         pos = positions.to(q.device)
         mask = allowed(ctx.mask, pos, pos)
         mask = None if mask is None else mask.to(q.device)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=ctx.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        if ctx.variants:
+            out = variant_attention(q, k, v, mask, pos, ctx)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                scale=ctx.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
         if mask is not None:
             out = out.masked_fill(~mask.any(-1)[:, None], 0.0)
         return out.permute(2, 0, 1, 3) if seq_dim == 0 else out.transpose(1, 2)
 
     return attend
+
+
+def variant_attention(q, k, v, mask, pos: torch.Tensor, ctx: RunContext) -> torch.Tensor:
+    """Attention with the case's variants over this rank's heads (b, h, s, d), in float32.
+
+    Ulysses gives rank r the r-th contiguous group of heads, following the kv heads. So the sinks and
+    ALiBi slopes are those of heads r * h .. (r + 1) * h. The sink is a zero-valued logit column,
+    dropped after the softmax; autograd takes its gradient back to the whole sinks tensor.
+    """
+    import torch.distributed as dist
+
+    h, g = q.shape[1], q.shape[1] // k.shape[1]
+    heads = slice(dist.get_rank(ctx.group) * h, (dist.get_rank(ctx.group) + 1) * h)
+    kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * ctx.softmax_scale
+    if ctx.softcap is not None:
+        s = torch.tanh(s / ctx.softcap) * ctx.softcap
+    if ctx.alibi_slopes is not None:
+        dist_ij = (pos.view(-1, 1) - pos.view(1, -1)).abs().float()
+        s = s - ctx.alibi_slopes[heads].float().view(1, -1, 1, 1) * dist_ij
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if ctx.sinks is not None:
+        sink = ctx.sinks[heads].float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        s = torch.cat([s, sink], dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if ctx.sinks is not None:
+        p = p[..., :-1]
+    return torch.matmul(p, vf).to(q.dtype)
 
 
 def require_kv_head_per_rank(name: str, ctx: RunContext, k: torch.Tensor) -> None:

@@ -16,7 +16,13 @@ from ring_impl.masks import MASK_FEATURES
 EXTRA = None  # part of the project itself
 # every mask of the mask language (ring_impl.masks); the mutants' too: they are wrapped alike
 REFERENCE_CAPABILITIES = Capabilities(
-    returns_lse=True, masks=frozenset(MASK_FEATURES), idle_ranks=True
+    returns_lse=True,
+    masks=frozenset(MASK_FEATURES),
+    idle_ranks=True,
+    sinks=True,
+    softcap=True,
+    alibi=True,
+    head_dim_v=True,
 )
 VARIANTS = {"reference": Variant(REFERENCE_CAPABILITIES)}
 MUTANT_PREFIX = "mutant:"
@@ -36,6 +42,7 @@ def wrap(ring_attention: Callable[..., Any], name: str) -> Impl:
             mask=ctx.mask,
             softmax_scale=ctx.softmax_scale,
             return_lse=True,
+            **variant_arguments(ctx),
         )
 
     return Impl(
@@ -44,6 +51,15 @@ def wrap(ring_attention: Callable[..., Any], name: str) -> Impl:
         capabilities=REFERENCE_CAPABILITIES,
         version=installed_version("ring-harness"),
     )
+
+
+def variant_arguments(ctx: RunContext) -> dict:
+    """The variants of the run as ring_attention's keyword arguments, only those it uses.
+
+    A plain run passes none, so a mutant older than the variants is called as it always was.
+    """
+    given = {"sinks": ctx.sinks, "softcap": ctx.softcap, "alibi_slopes": ctx.alibi_slopes}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def make(name: str) -> Impl:

@@ -13,6 +13,8 @@ from harness.judging.verdicts import PROBE_OUTCOMES
 
 # a failing probe whose declared base case fails too: the base's failure, no finding
 AS_BASE = "fails as its declared case does"
+# a variant's probe that returned plain attention, bit for bit (stages.battery.ignored_variants)
+IGNORED = "FINDING: accepted it and returned plain attention"
 
 
 @dataclass
@@ -33,10 +35,12 @@ def matrix(
     probe_results: list,
     not_probed: list[str] = (),
     as_base: set[str] = frozenset(),
+    ignored: set[str] = frozenset(),
 ) -> list[MatrixRow]:
     """Aggregate case results by feature; probe results are cases using exactly one undeclared
     feature; `not_probed`: undeclared features the battery uses that no case isolates; `as_base`:
-    the case keys of probes whose declared base case fails too (no finding)."""
+    the case keys of probes whose declared base case fails too (no finding); `ignored`: those of
+    variant probes that returned plain attention."""
     rows: dict[str, MatrixRow] = {}
     probed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in results:
@@ -49,7 +53,8 @@ def matrix(
     for r in probe_results:
         for f in unsupported(caps, r.case):
             rows.setdefault(f, MatrixRow(f, False))
-            probed[f][AS_BASE if r.case.key() in as_base else r.verdict] += 1
+            key = r.case.key()
+            probed[f][AS_BASE if key in as_base else IGNORED if key in ignored else r.verdict] += 1
     for f, counts in probed.items():
         rows[f].probes = dict(counts)
     for f in not_probed:

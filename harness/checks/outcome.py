@@ -103,6 +103,8 @@ class CheckOutcome:
     groups: list = field(default_factory=list)
     # a failing probe's case key -> its declared base case and how that ended
     probe_bases: dict[str, ProbeBase] = field(default_factory=dict)
+    # case keys of variant probes that returned plain attention (stages.battery.ignored_variants)
+    probe_ignored: set[str] = field(default_factory=set)
     # what the failure groups' experiments and headline shrinking ran (harness.checks.experiments)
     lab_runs: list[RunRecord] = field(default_factory=list)
 

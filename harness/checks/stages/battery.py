@@ -179,6 +179,7 @@ def _run_probes(check: Check, found: list[Case]) -> None:
         ignored = ignored_variants(r, base.base if base is not None else None, feats)
         if ignored:
             out(f"        FINDING: {ignored}")
+            check.outcome.probe_ignored.add(c.key())
         note = (
             f"undeclared feature probe: {', '.join(feats)}\n{r.verdict}: "
             f"{r.case.summary()}\n{r.detail}" + (f"\n{ignored}" if ignored else "")
@@ -216,7 +217,9 @@ def run(check: Check) -> bool:
     outcome = check.outcome
     left = unprobed(check.caps, check.opts)
     as_base = {k for k, b in outcome.probe_bases.items() if not b.base.passed}
-    rows = matrix(check.caps, outcome.results, outcome.probe_results, left, as_base)
+    rows = matrix(
+        check.caps, outcome.results, outcome.probe_results, left, as_base, outcome.probe_ignored
+    )
     for line in format_matrix(rows):
         check.reporter(line)
     return False

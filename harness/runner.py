@@ -21,7 +21,7 @@ from harness.judging.judge import judge, needs_oracle
 from harness.judging.verdicts import case_expected
 from harness.oracle import cache
 from harness.oracle.assemble import Pair
-from harness.oracle.mode import current_mode, oracle_from_ranks, oracle_threads
+from harness.oracle.mode import mode_for, oracle_from_ranks, oracle_threads
 from harness.result import CaseResult, Verdict
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def check_memory(case: Case, mode: str | None = None) -> None:
     """
     from harness.ranks import oom
 
-    mode = mode or current_mode()
+    mode = mode_for(case, mode=mode)
     if oom.estimate(case, available=0, oracle=mode).work < oom.SMALL_WORK:
         return
     est = oom.estimate(case, oracle=mode)
@@ -130,11 +130,11 @@ def run_case(
 
     `impl` names the implementation, by default the case's own. With `keep_shards`, the result also
     holds every rank's output tensors, for the localisation probes. `harness.oracle.mode` says who
-    computes the oracle. By default the ranks do, after their run. Under `--oracle local`, this
-    process does, while the ranks run.
+    computes the oracle: the ranks, after their run, or this process, while the ranks run (a small
+    case on CPU ranks by default, every case under `--oracle local`).
     """
     name = impl or case.impl
-    mode = current_mode()
+    mode = mode_for(case, pool)
     check_memory(case, mode)
     baseline = baseline_for(case, pool, name, allow_import) if case.faults else None
     t_submit = time.perf_counter()

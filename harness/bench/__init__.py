@@ -10,4 +10,5 @@ FIGURES = {
     "oracle_split": "harness.bench.oracle_split",
     "check_cost": "harness.bench.check_cost",
     "report": "harness.bench.report",
+    "case_cost": "harness.bench.case_cost",
 }

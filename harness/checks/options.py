@@ -22,7 +22,7 @@ FAULT_STAGE_KINDS = ("early-read", "send-reuse", "delay", "straggler")
 FAULT_STAGE_DEFAULT = ("early-read", "send-reuse")
 PROFILES = ("ci", "nightly")  # hypothesis budgets: harness.search.fuzz.PROFILES
 LAUNCHERS = ("local", "torchrun")
-ORACLES = ("ranks", "local")  # who computes the float64 oracle (harness.oracle.mode)
+ORACLES = ("auto", "ranks", "local")  # who computes the float64 oracle (harness.oracle.mode)
 BACKENDS = ("gloo", "nccl")
 FAULT_BATTERY_PER_KIND = 4
 
@@ -167,8 +167,9 @@ class CheckOptions:
     shape: str | None = None
     # seconds: a --shape plan estimated to take longer is refused up front
     shape_budget: float = 3600.0
-    # ranks: each rank computes its query rows' share after its run; local: this process
-    oracle: str = "ranks"
+    # ranks: each rank computes its query rows' share after its run; local: this process; auto:
+    # local for a small case on CPU ranks, else ranks
+    oracle: str = "auto"
     # local ranks on cpu, or cuda (the visible GPUs); None: $RING_HARNESS_DEVICE or cpu
     device: str | None = None
     # P2P through host buffers on CPU too, as on cuda (or $RING_HARNESS_STAGE_P2P)
@@ -278,8 +279,9 @@ class ReplayOptions:
     plot: str | None = None  # heatmaps of a failing replay
     backend: str | None = None
     json: str | None = None
-    # ranks: the case's ranks compute the oracle's shares; local: this process does
-    oracle: str = "ranks"
+    # ranks: the case's ranks compute the oracle's shares; local: this process does; auto: local
+    # for small cases on CPU ranks
+    oracle: str = "auto"
     device: str | None = None  # as CheckOptions.device: replay a case on the GPU
     stage_p2p: bool = False  # as CheckOptions.stage_p2p
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.checks.options import FAULT_STAGE_KINDS, CheckOptions, FaultBatteryOptions
+from harness.checks.options import FAULT_STAGE_KINDS, ORACLES, CheckOptions, FaultBatteryOptions
 from harness.commands._args import add_placement, build, hint
 from harness.dtypes import DTYPES
 
@@ -69,11 +69,11 @@ def _add_ranks(p: argparse.ArgumentParser) -> None:
     add_placement(p)
     p.add_argument(
         "--oracle",
-        choices=("ranks", "local"),
+        choices=ORACLES,
         default=S,
         help="who computes the float64 oracle: ranks (each rank its own query rows, "
-        "after its run) or "
-        "local (this process, while the ranks run)" + hint(CheckOptions, "oracle"),
+        "after its run), local (this process, while the ranks run) or auto (local for a "
+        "small case on CPU ranks, else ranks)" + hint(CheckOptions, "oracle"),
     )
     p.add_argument(
         "--launcher",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.checks.options import ReplayOptions
+from harness.checks.options import ORACLES, ReplayOptions
 from harness.commands._args import add_placement, build
 
 S = argparse.SUPPRESS
@@ -29,11 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", default=S, help="write the replay result here")
     p.add_argument(
         "--oracle",
-        choices=("ranks", "local"),
+        choices=ORACLES,
         default=S,
-        help="who computes the float64 oracle: ranks (default: the case's ranks, each "
-        "its own query "
-        "rows) or local (this process)",
+        help="who computes the float64 oracle: ranks (the case's ranks, each its own query "
+        "rows), local (this process) or auto (default: local for a small case on CPU ranks)",
     )
 
 

@@ -7,6 +7,7 @@ is bound by argument name and goes to Interposer.collective. `originals()` is wh
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -141,9 +142,15 @@ def wrappers(ip: Interposer) -> dict[str, Callable]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _signature(fn: Callable) -> inspect.Signature:
+    """A collective's signature, read once per function: every case builds its wrappers."""
+    return inspect.signature(fn)
+
+
 def _collective_wrapper(ip: Interposer, name: str) -> Callable:
     """A collective's replacement: bind the call's arguments by name, hand them to `ip`."""
-    sig = inspect.signature(ip.orig[name])
+    sig = _signature(ip.orig[name])
 
     def wrapper(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)

@@ -1,8 +1,10 @@
 """Who computes the oracle, with what deadline and how many threads.
 
-Mode "ranks", the default: each rank of the ring computes its own share after the implementation's
-run, on its own device (`oracle_from_ranks`). Mode "local": the parent computes every share while
-the ranks run (`harness.oracle.assemble.local`). Both give the same bits on CPU.
+Mode "ranks": each rank of the ring computes its own share after the implementation's run, on its
+own device (`oracle_from_ranks`). Mode "local": the parent computes every share while the ranks run
+(`harness.oracle.assemble.local`). Both give the same bits on CPU. Mode "auto", the default: local
+for a small case on CPU ranks, where two more round trips cost more than the shares themselves, else
+ranks (`mode_for`; docs/benchmarks.md, figure 11).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ if TYPE_CHECKING:
     from harness.ranks.protocol import Pool
 
 # who computes the oracle: each rank its own share, or this process
-ORACLE_MODES = ("ranks", "local")
-_ORACLE_MODE = {"mode": "ranks"}
+ORACLE_MODES = ("auto", "ranks", "local")
+_ORACLE_MODE = {"mode": "auto"}
+# the largest oracle "auto" computes here: batch x q heads x head dim x n^2 (n = 256 at 4 heads of
+# 32, or 512 at 4 heads of 8): tens of milliseconds on one thread (docs/benchmarks.md, figure 11)
+SMALL_ORACLE = 2**23
 # flop/s a rank reaches at worst: 1/50 of one core's float64 rate here (~1e10): the deadline
 ORACLE_FLOPS_FLOOR = 2e8
 ORACLE_DEADLINE_MIN_S = 120.0
@@ -32,13 +37,40 @@ ORACLE_PASS_FLOPS = {"rows": 32.0, "keys": 20.0}
 
 
 def current_mode() -> str:
-    """The mode the cases run now are judged under: "ranks" or "local"."""
+    """The mode the cases run now are judged under: "auto", "ranks" or "local"."""
     return _ORACLE_MODE["mode"]
+
+
+def small_oracle(case: Case) -> bool:
+    """Whether a case's oracle is small enough for "auto" to compute it here."""
+    work = case.batch * case.heads_q * max(case.head_dim, case.dim_v) * case.total_len**2
+    return work <= SMALL_ORACLE
+
+
+def ranks_on_cpu(pool: Pool | None) -> bool:
+    """Whether a pool's ranks compute on CPU gloo (no pool: assume so)."""
+    if pool is None:
+        return True
+    if pool.backend != "gloo":
+        return False
+    placement = getattr(pool, "placement", None)
+    if placement is not None:
+        return placement.device == "cpu"
+    return str(getattr(pool, "device", "cpu")) == "cpu"
+
+
+def mode_for(case: Case, pool: Pool | None = None, mode: str | None = None) -> str:
+    """Who computes this case's oracle: "ranks" or "local", resolving "auto" for the case and the
+    pool's device. On a GPU, auto keeps the ranks' oracle."""
+    mode = mode or current_mode()
+    if mode != "auto":
+        return mode
+    return "local" if small_oracle(case) and ranks_on_cpu(pool) else "ranks"
 
 
 @contextlib.contextmanager
 def oracle_mode(mode: str) -> Iterator[None]:
-    """Run the cases of a block with the oracle computed by `mode` ("ranks" or "local")."""
+    """Run the cases of a block with the oracle computed by `mode` ("auto", "ranks" or "local")."""
     if mode not in ORACLE_MODES:
         raise HarnessError(f"unknown oracle {mode!r}; expected one of {', '.join(ORACLE_MODES)}")
     saved = _ORACLE_MODE["mode"]

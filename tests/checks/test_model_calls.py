@@ -34,7 +34,7 @@ def _check(pool, tmp_path, impl: str, **kw):
 
 
 def test_a_forward_only_ring_passes_with_every_out_judged(pool, tmp_path):
-    res = _check(pool, tmp_path, FORWARD_ONLY, max_examples=40, scale=False)
+    res = _check(pool, tmp_path, FORWARD_ONLY, max_examples=10, scale=False)
     assert res.passed, [f.result.detail for f in res.failures]
     judged = [r for r in res.results if r.case.faults == ()]
     assert judged and all({c.tensor for c in r.checks} == {"out", "lse"} for r in judged)
@@ -56,11 +56,10 @@ def test_a_wrong_forward_only_ring_fails(pool, tmp_path):
 
 
 @pytest.mark.parametrize("name", NEW_MUTANTS)
-def test_each_new_mutant_is_killed_by_the_battery_and_survives_it_without_model_calls(
-    pool, tmp_path, name
-):
+def test_each_new_mutant_is_killed_by_the_battery(pool, tmp_path, name):
     battery = dict(max_examples=0, scale=False, growth=False, fault_stage=())
-    on = _check(pool, tmp_path / "on", f"mutant:{name}", **battery)
+    # the first failure is enough: `off` passing shows every case outside the model calls passes
+    on = _check(pool, tmp_path / "on", f"mutant:{name}", maxfail=1, **battery)
     assert not on.passed
     assert all(
         f.result.case.call != "train"
@@ -68,8 +67,7 @@ def test_each_new_mutant_is_killed_by_the_battery_and_survives_it_without_model_
         or f.result.case.values in ("outliers", "qk-overflow", "sink")
         for f in on.failures
     )
-    off = _check(pool, tmp_path / "off", f"mutant:{name}", model_calls=False, **battery)
-    assert off.passed, [f.result.detail for f in off.failures]
+    # that it survives without the model calls: the slow test below, over the whole default check
 
 
 @pytest.mark.slow

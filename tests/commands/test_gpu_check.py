@@ -10,11 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
+@pytest.mark.slow
 def test_gpu_check_on_cpu_writes_a_report_of_every_step(tmp_path):
+    """~20 s, slow tier (#55): every step of the prepared GPU run, on CPU; its refusal without a
+    GPU is the README command test's, in the default suite."""
     out = tmp_path / "report"
     p = subprocess.run(
         [

@@ -12,6 +12,7 @@ example loads as a valid case and the fault list as valid faults.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -93,13 +94,13 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
         None,
     ),
     "ring-harness impls": ("fast", 0, None),
-    # the README's all-gather ring is O(n): exit 1 (tests/profiling/test_profile.py asserts the
-    # verdict itself); run at W <= 4 and without the straggler timing, to stay cheap
+    # the README's all-gather ring is O(n): exit 1, and `_readme_ring_is_o_of_n` reads the verdicts
+    # from the JSON; run at W <= 4 and without the straggler timing, to stay cheap
     "ring-harness profile --impl myring:my_ring --impl reference --trace profile/": (
         "fast",
         1,
         "ring-harness profile --impl myring:my_ring --impl reference --trace profile/ "
-        "--max-world-size 4 --straggler 0",
+        "--max-world-size 4 --straggler 0 --json profile.json",
     ),
     # no GPU here: both are refused in one line, exit 2 (tests/commands/test_gpu_check.py runs the
     # script on CPU)
@@ -198,6 +199,28 @@ def _run_command(command: str, tmp_path: Path) -> None:
     )
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     print(f"{command}: exit {p.returncode}; last line: {last}")
+    if command in AFTER:
+        AFTER[command](tmp_path)
+
+
+def _readme_ring_is_o_of_n(tmp_path: Path) -> None:
+    """The README's own example ring (torch's differentiable all_gather), profiled from its own
+    directory: O(n) in memory and over length, and its backward's traffic counted."""
+    rings = json.loads((tmp_path / "profile.json").read_text())["rings"]
+    mine = next(r for r in rings if r["impl"] == "myring:my_ring")
+    assert mine["memory"]["verdict"] == "O(n): gathers K/V"
+    assert mine["broken"][0].startswith("memory")
+    assert mine["memory"]["length"]["verdict"] == "O(n): gathers K/V"
+    # its backward: gloo's differentiable all-to-all, W scatters a rank, each root sending 3/4
+    assert mine["traffic"]["backward"]["messages"] == 8 and mine["traffic"]["backward"]["sent"] > 0
+
+
+# what a command's run must also show, read from what it wrote
+AFTER = {
+    "ring-harness profile --impl myring:my_ring --impl reference --trace profile/": (
+        _readme_ring_is_o_of_n
+    ),
+}
 
 
 @pytest.mark.parametrize("command", [c for c, v in COMMANDS.items() if v[0] == "fast"])
@@ -211,10 +234,11 @@ def test_readme_command_runs_as_written_slow(command, tmp_path):
     _run_command(command, tmp_path)
 
 
+@pytest.mark.slow
 def test_documented_python_blocks_run(tmp_path):
     """Every Python block of README.md and docs/ runs as a script (the pytest-plugin example runs
     under pytest: tests/commands/test_readme.py); the adapter example is imported and run on two
-    ranks."""
+    ranks. ~45 s, slow tier (#55): six interpreters, three of them checks."""
     blocks, seen = [], set()
     for name, text in DOCS.items():  # a block shown in two places runs once
         for b in re.findall(r"```python\n(.*?)```", text, re.S):

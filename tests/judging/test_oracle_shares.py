@@ -372,3 +372,24 @@ def test_the_base_errs_like_plain_attention_under_autograd(dtype):
         err_plain = float((plain.detach().double() - r).abs().max())
         err_base = float((getattr(base, name).double() - r).abs().max())
         assert err_base <= 2 * err_plain + 1e-30, (name, err_base, err_plain)
+
+
+def test_auto_computes_a_small_case_here_and_a_large_one_on_the_ranks(pool):
+    """Issue #55: "auto", the default, saves a small case two round trips. A large case and a pool
+    of GPU ranks keep the ranks' oracle. Verdicts and tolerances are those of the ranks' oracle: the
+    same bits (the test above)."""
+    from types import SimpleNamespace
+
+    from harness.oracle.mode import SMALL_ORACLE, mode_for
+
+    small = make_case(world_size=4, total_len=64, heads_q=4, heads_kv=2, head_dim=16, seed=3)
+    n = int(math.isqrt(SMALL_ORACLE // (4 * 16))) + 1
+    large = small.replace(seq_lens=(n // 4 + 1,) * 4)
+    gpu = SimpleNamespace(backend="gloo", placement=SimpleNamespace(device="cuda"))
+    nccl = SimpleNamespace(backend="nccl", device="cuda:0")
+    assert mode_for(small, pool, "auto") == "local" and mode_for(large, pool, "auto") == "ranks"
+    assert mode_for(small, gpu, "auto") == mode_for(small, nccl, "auto") == "ranks"
+    assert mode_for(large, pool, "local") == "local" and mode_for(small, pool, "ranks") == "ranks"
+    cache.clear()
+    r = run_case(small, pool)
+    assert r.verdict == Verdict.PASS and r.timings["oracle_share_s"] == 0

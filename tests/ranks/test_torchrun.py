@@ -42,7 +42,7 @@ def test_check_under_torchrun_passes(tmp_path):
             "2",
             "--no-scale",
             "--max-examples",
-            "30",
+            "5",
             "--json",
             str(tmp_path / "r.json"),
         ]

@@ -33,7 +33,9 @@ def _probe(directory: Path, what: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=".ring-harness-probe-", dir=directory)
     except OSError as e:
-        raise HarnessError(f"{what}: cannot write in {directory}: {e.strerror or e}") from None
+        raise HarnessError(
+            f"{what}: cannot create a file in {directory} ({e.strerror or e})"
+        ) from None
     os.close(fd)
     os.unlink(tmp)
 

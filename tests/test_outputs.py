@@ -32,11 +32,11 @@ def _no_ranks(*_args, **_kwargs):
 def test_an_unwritable_file_or_directory_is_one_line(tmp_path):
     (tmp_path / "f").write_text("x")
     for bad, check, why in [
-        ("/proc/x.json", outputs.check_file, "cannot write in /proc"),
+        ("/proc/x.json", outputs.check_file, "cannot create a file in /proc"),
         (str(tmp_path), outputs.check_file, "is a directory"),
         (str(tmp_path / "f" / "x.json"), outputs.check_file, "is not a directory"),
         (str(tmp_path / "f"), outputs.check_dir, "exists and is not a directory"),
-        ("/proc/new/dir", outputs.check_dir, "cannot write in /proc"),
+        ("/proc/new/dir", outputs.check_dir, "cannot create a file in /proc"),
         ("", outputs.check_dir, "an empty path"),
     ]:
         with pytest.raises(HarnessError, match=why) as e:

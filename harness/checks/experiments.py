@@ -300,9 +300,9 @@ class Explanation:
         by: dict[str, list[str]] = {}
         for e in self.passes():
             by.setdefault(e.variant.feature, []).append(e.variant.words)
-        passed = _listed([" and ".join(words) for words in by.values()], ", at ", " and at ")
+        passed = _listed([_at(" and ".join(words)) for words in by.values()], ", ", " and ")
         failed = [e.words(head) for e in self.experiments if not e.record.passed]
-        said = f"passes at {passed}" if passed else "no one change makes it pass"
+        said = f"passes {passed}" if passed else "no one change makes it pass"
         if failed:
             said += f"; still fails at {', '.join(failed)}"
         n = len(self.experiments)
@@ -322,8 +322,13 @@ class Explanation:
 
 
 def _listed(items: list[str], sep: str, last: str) -> str:
-    """'a', 'a and at b', 'a, at b and at c'."""
+    """'a', 'a and b', 'a, b and c'."""
     return sep.join(items[:-1]) + last + items[-1] if len(items) > 1 else "".join(items)
+
+
+def _at(words: str) -> str:
+    """'at W = 2', but 'without sinks': a variant switched off reads without 'at'."""
+    return words if words.startswith(("with ", "without ")) else f"at {words}"
 
 
 @dataclass

@@ -38,6 +38,11 @@ def _caps(c: dict | None) -> str:
             ("even-zigzag-chunks", not c.get("zigzag_odd", True)),
             ("heads%W", c.get("heads_divisible_by_world", False)),
             ("idle-ranks", c.get("idle_ranks", False)),
+            # the attention variants (harness.context.VARIANTS)
+            ("sinks", c.get("sinks", False)),
+            ("softcap", c.get("softcap", False)),
+            ("alibi", c.get("alibi", False)),
+            ("dv", c.get("head_dim_v", False)),
         )
         if ok
     ]

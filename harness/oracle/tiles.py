@@ -160,20 +160,38 @@ def groups(shares: Sequence[torch.Tensor], size: int) -> list[Group]:
 # -- a case's tiles --------------------------------------------------------------------------
 
 
+# the last case's geometry, by identity: `local` asks for it 2W times (a Case is frozen, and the
+# reference held here keeps its id from being reused)
+_LAST: dict = {"case": None, "made": {}}
+
+
+def _of_case(case: Case, what: str, make):
+    if _LAST["case"] is not case:
+        _LAST.update(case=case, made={})
+    made = _LAST["made"]
+    if what not in made:
+        made[what] = make()
+    return made[what]
+
+
+def _all_positions(case: Case) -> list[torch.Tensor]:
+    return _of_case(case, "positions", lambda: all_positions(case.layout, case.seq_lens))
+
+
 def positions(case: Case, index: int) -> torch.Tensor:
     """The global positions of share `index` (group rank): the rows and the keys that rank holds."""
-    return all_positions(case.layout, case.seq_lens)[index]
+    return _all_positions(case)[index]
 
 
 def blocks(case: Case) -> list[torch.Tensor]:
     """Every share's blocks of positions (`runs`, shares in order): the query blocks of both
     passes."""
     size = block(case)
-    return [
-        pos[a:z] for pos in all_positions(case.layout, case.seq_lens) for a, z in runs(pos, size)
-    ]
+    return _of_case(
+        case, "blocks", lambda: [p[a:z] for p in _all_positions(case) for a, z in runs(p, size)]
+    )
 
 
 def key_groups(case: Case) -> list[Group]:
     """The case's canonical key groups (`Group`)."""
-    return groups(all_positions(case.layout, case.seq_lens), block(case))
+    return _of_case(case, "groups", lambda: groups(_all_positions(case), block(case)))

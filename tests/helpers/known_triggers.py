@@ -22,6 +22,7 @@ from ring_impl.comm import RingComm
 from ring_impl.kernel import block_backward
 from ring_impl.masks import MASK_FEATURES
 from ring_impl.ring import DKV_TAG, REFERENCE_PARTS, make_ring_attention
+from tests.helpers.impls import call_ring as _call
 
 # what the reference declares: no probes of undeclared features
 FULL = Capabilities(masks=frozenset(MASK_FEATURES), idle_ranks=True, returns_lse=True)
@@ -32,20 +33,6 @@ ISSUE_52 = Capabilities(
     uneven=False,
     returns_lse=True,
 )
-
-
-def _call(ring, q, k, v, ctx):
-    return ring(
-        q,
-        k,
-        v,
-        group=ctx.group,
-        layout=ctx.layout,
-        lengths=ctx.lengths,
-        mask=ctx.mask,
-        softmax_scale=ctx.softmax_scale,
-        return_lse=True,
-    )
 
 
 def _ring(**parts):

@@ -115,8 +115,10 @@ def test_the_default_check_runs_the_growth_stage(pool, tmp_path):
     from harness.checks.report import ListReporter
     from harness.checks.summary import outcome_json, verdict_line
 
+    # the battery at W = 2 (cheaper); the growth check runs its own W = 1, 2, 4, 8
     opts = CheckOptions(
         impl="mutant:out-merge-in-input-dtype",
+        world_size=2,
         dtype="bf16",
         max_examples=0,
         fault_stage=(),
@@ -141,9 +143,7 @@ def test_the_default_check_runs_the_growth_stage(pool, tmp_path):
     assert ok.passed and ok.growth is not None and len(ok.growth.cases) == 2
     assert "growth check 16" not in verdict_line(ok) and "growth check 8," in verdict_line(ok)
     assert "the growth check's worst x" in verdict_line(ok)
-    assert not run_check(
-        pool, opts.with_(impl="reference", growth=False, world_size=2), reporter=rep
-    ).growth
+    assert not run_check(pool, opts.with_(impl="reference", growth=False), reporter=rep).growth
 
 
 def test_selftest_counts_a_growth_kill(pool, tmp_path):

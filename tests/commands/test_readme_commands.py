@@ -95,12 +95,12 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     ),
     "ring-harness impls": ("fast", 0, None),
     # the README's all-gather ring is O(n): exit 1, and `_readme_ring_is_o_of_n` reads the verdicts
-    # from the JSON; run at W <= 4 and without the straggler timing, to stay cheap
+    # from the JSON; run at W <= 4, 32 tokens a rank and without the straggler timing, to stay cheap
     "ring-harness profile --impl myring:my_ring --impl reference --trace profile/": (
         "fast",
         1,
         "ring-harness profile --impl myring:my_ring --impl reference --trace profile/ "
-        "--max-world-size 4 --straggler 0 --json profile.json",
+        "--max-world-size 4 --straggler 0 --tokens-per-rank 32 --json profile.json",
     ),
     # no GPU here: both are refused in one line, exit 2 (tests/commands/test_gpu_check.py runs the
     # script on CPU)

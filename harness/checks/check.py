@@ -25,7 +25,7 @@ from harness.context import Capabilities
 from harness.diagnose import localise
 from harness.errors import HarnessError, Interrupted
 from harness.impls import registry
-from harness.impls.capabilities import adapt
+from harness.impls.capabilities import adapt, without_variants
 from harness.judging.verdicts import adapter_error, failure_signature
 from harness.oracle.mode import oracle_mode
 from harness.ranks.launch import open_pool
@@ -89,6 +89,8 @@ class Check:
         self.reporter = reporter or report.out
         self.resolved = registry.resolve(opts.impl, allow_import=opts.allow_import)
         self.caps: Capabilities = self.resolved.capabilities
+        if not opts.variants:
+            self.caps = without_variants(self.caps)
         self.version = str(getattr(self.resolved, "version", "unknown"))  # into saved files
         self.outcome = outcome if outcome is not None else CheckOutcome(impl=opts.impl)
         self.stop_at_first_failure = stop_at_first_failure

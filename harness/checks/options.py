@@ -163,6 +163,9 @@ class CheckOptions:
     scale: bool = True
     # calls, input forms and values of trained models (harness.calls; False: as before #40)
     model_calls: bool = True
+    # the attention variants a ring declares: sinks, softcap, ALiBi, a value head dim (False: plain
+    # attention only, as before #53)
+    variants: bool = True
     # e.g. "b1,hq32,hkv8,d128,L8192,W8": the basics and the growth check at that shape only
     shape: str | None = None
     # seconds: a --shape plan estimated to take longer is refused up front

@@ -149,6 +149,14 @@ def _add_stage_switches(p: argparse.ArgumentParser) -> None:
         "<= 32), as the check did before the scale stage",
     )
     p.add_argument(
+        "--no-variants",
+        dest="variants",
+        action="store_false",
+        default=S,
+        help="plain attention only: no sinks, softcap, ALiBi or value head dim of its own, "
+        "even where the ring declares them (the check before #53)",
+    )
+    p.add_argument(
         "--no-model-calls",
         dest="model_calls",
         action="store_false",

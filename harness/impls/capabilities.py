@@ -9,6 +9,7 @@ lists the feature keys.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -439,3 +440,9 @@ def _head_changes(caps: Capabilities, c: Case, changes: dict) -> dict:
     if "heads_q" in out and sinks is not None:  # one sink per query head, repeated as needed
         out["sinks"] = tuple(sinks[i % len(sinks)] for i in range(out["heads_q"]))
     return out
+
+
+def without_variants(caps: Capabilities) -> Capabilities:
+    """`caps` with no attention variant declared: the check of `--no-variants` (plain attention,
+    as before #53)."""
+    return dataclasses.replace(caps, **{v: False for v in VARIANTS})

@@ -29,7 +29,11 @@ name = "battery"  # the stage's name (harness.checks.stages.Stage)
 def _battery(opts: CheckOptions) -> list[Case]:
     """The default battery for `opts`, before adaptation."""
     return default_battery(
-        opts.world_size, opts.dtype, impl=opts.impl, model_calls=opts.model_calls
+        opts.world_size,
+        opts.dtype,
+        impl=opts.impl,
+        model_calls=opts.model_calls,
+        variants=opts.variants,
     )
 
 

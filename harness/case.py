@@ -20,11 +20,12 @@ from typing import Any
 
 import yaml
 
-from harness import case_yaml, limits, outputs
+from harness import case_yaml, limits, outputs, serving_case
 from harness.case_schema import mask_from_dict, validate
 from harness.errors import HarnessError
 from ring_impl.layouts import split_lengths
 from ring_impl.masks import MaskSpec
+from ring_impl.serving import Requests
 
 FORMAT = 1
 
@@ -57,6 +58,8 @@ class Case:
     softcap: float | None = None  # scores become cap * tanh(s / cap)
     alibi: bool = False  # ALiBi: -slope_h * |p_i - p_j| from global positions
     sinks: tuple[float, ...] | None = None  # one learnable logit per query head
+    # an inference shape (harness.serving_case): requests with cached and new tokens; None: training
+    serving: Requests | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -86,6 +89,11 @@ class Case:
             "head_dim_v": self.head_dim_v is not None,
         }
         return tuple(name for name, used in on.items() if used)
+
+    @property
+    def shape(self) -> str:
+        """The attention's shape: train, prefill (onto a cache) or decode."""
+        return serving_case.shape_of(self.serving)
 
     @property
     def scale(self) -> float:
@@ -119,8 +127,11 @@ class Case:
         extra += f" cap{self.softcap:g}" if self.softcap is not None else ""
         extra += " alibi" if self.alibi else ""
         extra += f" sinks={_sinks_words(self.sinks)}" if self.sinks is not None else ""
+        extra += f" {serving_case.describe(self.serving)}" if self.serving is not None else ""
+        # a serving case's KV distribution is in its serving words; its shape stands for the layout
+        layout = self.layout if self.serving is None else self.shape
         return (
-            f"W{self.world_size} {self.layout} {mask} {self.dtype} b{self.batch} {heads} "
+            f"W{self.world_size} {layout} {mask} {self.dtype} b{self.batch} {heads} "
             f"d{self.head_dim} "
             f"L{lens}{extra}"
         )
@@ -152,7 +163,20 @@ def make_case(total_len: int | None = None, **fields: Any) -> Case:
         fields["seq_lens"] = tuple(fields["seq_lens"])
     if fields.get("sinks") is not None:
         fields["sinks"] = tuple(fields["sinks"])
+    _derive_serving(fields)
     return Case(**fields)
+
+
+def _derive_serving(fields: dict) -> None:
+    """A serving mapping read into `Requests`, and its ranks' KV lengths as `seq_lens` when absent."""
+    req = fields.get("serving")
+    if req is not None and not isinstance(req, Requests):
+        req = fields["serving"] = serving_case.from_dict(req)
+    if isinstance(req, Requests) and "seq_lens" not in fields:
+        try:
+            fields["seq_lens"] = serving_case.seq_lens(req, int(fields.get("world_size", 4)))
+        except (ValueError, TypeError) as e:
+            raise HarnessError(f"case field 'serving': {e}") from None
 
 
 # -- dict / YAML -----------------------------------------------------------------------------
@@ -209,6 +233,8 @@ def to_dict(c: Case) -> dict:
         d["alibi"] = True
     if c.sinks is not None:
         d["sinks"] = list(c.sinks)
+    if c.serving is not None:
+        d["serving"] = serving_case.to_dict(c.serving)
     return d
 
 
@@ -257,8 +283,11 @@ def from_dict(d: Any) -> Case:
         limits.case_field("total_len", total)
         limits.case_field("world_size", w)
         fields["seq_lens"] = tuple(split_lengths(total, w))
-    elif "world_size" in fields and "seq_lens" not in fields:
+    elif "world_size" in fields and "seq_lens" not in fields and "serving" not in fields:
         raise HarnessError("case needs 'seq_lens' (per-rank lengths) or 'total_len'")
+    if "serving" in fields:
+        limits.case_field("world_size", fields.get("world_size", 4))
+        _derive_serving(fields)
     try:
         return Case(**fields)
     # A wrongly typed field, which the dataclass's construction rejects.

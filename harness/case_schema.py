@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness import limits
+from harness import limits, serving_case
 from harness.calls import CALLS, INPUT_FORMS
 from harness.dtypes import DTYPES
 from harness.errors import HarnessError
@@ -43,6 +43,8 @@ def validate(c: Case) -> None:
     _check_tolerance(c)
     _check_call(c)
     _check_variants(c)
+    if c.serving is not None:
+        serving_case.check(c)
 
 
 def _check_sizes(c: Case) -> None:

@@ -18,6 +18,28 @@ from harness.dtypes import DTYPES, TORCH_DTYPES  # noqa: F401 - re-exported (`fr
 from harness.errors import ImplError
 from ring_impl.layouts import LAYOUTS
 from ring_impl.masks import MASK_FEATURES, MASK_KINDS, MaskSpec
+from ring_impl.serving import KV_LAYOUTS, QUERY_FORMS
+
+SHAPES = ("train", "prefill", "decode")
+LSE_BASES = ("e", "2")
+
+
+@dataclass(frozen=True)
+class ServingInfo:
+    """A serving case's requests, as every rank sees them (docs/case-model.md, "Inference shapes").
+
+    Requests are packed along the tokens: request r is global positions starts[r] .. starts[r] +
+    context[r] + new[r] - 1, its new tokens last. `kv_lengths[g][r]` is how many of request r's
+    tokens rank g holds; a rank's KV is its tokens of request 0, then of request 1, and so on.
+    """
+
+    context: tuple[int, ...]
+    new: tuple[int, ...]
+    starts: tuple[int, ...]
+    kv: str  # contiguous | interleaved | zigzag | striped
+    interleave: int  # I: token t on rank floor(t / I) mod W, for kv = interleaved
+    queries: str  # own: a rank holds the new tokens it holds the KV of; replicated: every one
+    kv_lengths: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,16 @@ class RunContext:
     softcap: float | None = None  # scores become cap * tanh(s / cap)
     alibi_slopes: torch.Tensor | None = None  # float32 (heads_q,): -slope * |p_i - p_j|, global
     head_dim_v: int | None = None  # v's head dim when it differs from q's and k's
+    # an inference shape (docs/case-model.md): every rank's query rows' global positions (None:
+    # each rank's queries are its own tokens, `all_positions`), and the requests
+    query_positions: tuple[torch.Tensor, ...] | None = None
+    serving: ServingInfo | None = None
+
+    @property
+    def q_positions(self) -> torch.Tensor:
+        """Global positions of this rank's query rows (its own tokens in a training case)."""
+        every = self.all_positions if self.query_positions is None else self.query_positions
+        return every[self.rank]
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -113,6 +145,11 @@ class Capabilities:
     softcap: bool = False  # ctx.softcap
     alibi: bool = False  # ctx.alibi_slopes, from global positions
     head_dim_v: bool = False  # v with a head dim of its own
+    # the inference shapes (docs/case-model.md): train, prefill (onto a cache), decode
+    shapes: frozenset[str] = frozenset({"train"})
+    kv_layouts: frozenset[str] = frozenset(KV_LAYOUTS)  # how a serving case's KV is spread
+    queries: frozenset[str] = frozenset({"own"})  # own, replicated
+    lse_base: str = "e"  # the base of the returned lse: e (natural log) or 2
     # the old name of `devices`: when given, it sets them (gloo means cpu, nccl means cuda)
     backends: InitVar[Iterable[str] | None] = None
 
@@ -131,6 +168,9 @@ class Capabilities:
             ("dtypes", DTYPES),
             ("devices", DEVICES),
             ("input_forms", INPUT_FORMS),
+            ("shapes", SHAPES),
+            ("kv_layouts", KV_LAYOUTS),
+            ("queries", QUERY_FORMS),
         ):
             object.__setattr__(self, name, _names(name, getattr(self, name), known))
         for name in (
@@ -148,6 +188,13 @@ class Capabilities:
                 raise ImplError(
                     f"Capabilities.{name}: expected True or False, got {getattr(self, name)!r}"
                 )
+        if self.lse_base not in LSE_BASES:
+            raise ImplError(f"Capabilities.lse_base: expected 'e' or '2', got {self.lse_base!r}")
+        if "train" not in self.shapes:
+            raise ImplError(
+                "Capabilities.shapes: must include 'train': the check's stages run training "
+                "shapes, and inference shapes join them (docs/case-model.md)"
+            )
         ws = self.world_sizes
         if not (
             isinstance(ws, (tuple, list))
@@ -190,6 +237,10 @@ class Capabilities:
             "tiles": list(self.tiles),
             "input_forms": sorted(self.input_forms),
             **{name: getattr(self, name) for name in VARIANTS},
+            "shapes": sorted(self.shapes),
+            "kv_layouts": sorted(self.kv_layouts),
+            "queries": sorted(self.queries),
+            "lse_base": self.lse_base,
         }
 
     @property

@@ -87,7 +87,9 @@ def _group_rank_world(group: Any) -> tuple[Any, int, int]:
     return group, rank, world_size
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_queries: bool = True
+) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be (batch, seq, heads, dim); got {q.shape}, {k.shape}, {v.shape}"
@@ -98,7 +100,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must agree on batch and head_dim; got {q.shape} and {k.shape}")
-    if q.shape[1] != k.shape[1]:
+    if own_queries and q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q and k/v shards must have the same length; got {q.shape[1]} and {k.shape[1]}"
         )
@@ -126,17 +128,32 @@ def plan_call(
     mask: MaskSpec = NO_MASK,
     softmax_scale: float | None = None,
     variant: Variant = PLAIN,
+    positions: Sequence[torch.Tensor] | None = None,
+    q_positions: torch.Tensor | None = None,
 ) -> tuple[RingPlan, torch.Tensor, torch.Tensor]:
     """Check the inputs and plan one call: (plan, k, v), k and v cut to the K/V length the parts
-    ride."""
-    _check_inputs(q, k, v)
+    ride.
+
+    `positions` (every rank's KV positions) and `q_positions` (this rank's query rows) replace the
+    layout's: an inference shape, whose queries are not its keys (pass-KV prefill onto a cache)."""
+    _check_inputs(q, k, v, own_queries=q_positions is None)
     group, rank, world_size = _group_rank_world(group)
-    lengths = [q.shape[1]] * world_size if lengths is None else [int(n) for n in lengths]
+    if positions is not None:
+        lengths = [int(p.numel()) for p in positions]
+    lengths = [k.shape[1]] * world_size if lengths is None else [int(n) for n in lengths]
     if len(lengths) != world_size:
         raise ValueError(f"lengths names {len(lengths)} ranks but the group has {world_size}")
-    if lengths[rank] != q.shape[1]:
-        raise ValueError(f"rank {rank} holds {q.shape[1]} tokens but lengths says {lengths[rank]}")
-    pos = [parts.position_values(p.to(q.device), q.dtype) for p in parts.positions(layout, lengths)]
+    if lengths[rank] != k.shape[1]:
+        raise ValueError(f"rank {rank} holds {k.shape[1]} tokens but lengths says {lengths[rank]}")
+    every = parts.positions(layout, lengths) if positions is None else positions
+    pos = [parts.position_values(p.to(q.device), q.dtype) for p in every]
+    mine = (
+        pos[rank]
+        if q_positions is None
+        else parts.position_values(q_positions.to(q.device), q.dtype)
+    )
+    if mine.numel() != q.shape[1]:
+        raise ValueError(f"q holds {q.shape[1]} rows but its positions name {mine.numel()}")
     kv_len = parts.kv_lengths(lengths)
     if kv_len[rank] != k.shape[1]:
         k, v = k[:, : kv_len[rank]], v[:, : kv_len[rank]]
@@ -145,7 +162,7 @@ def plan_call(
         rank=rank,
         world_size=world_size,
         layout=layout,
-        q_pos=pos[rank],
+        q_pos=mine,
         k_pos=tuple(p[:n] for p, n in zip(pos, kv_len, strict=True)),
         mask=mask,
         scale=parts.scale(softmax_scale, q.shape[-1]),

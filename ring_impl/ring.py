@@ -213,6 +213,8 @@ def make_ring_attention(
         softcap: float | None = None,
         alibi_slopes: Sequence[float] | torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        positions: Sequence[torch.Tensor] | None = None,
+        q_positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of the local query shard over the whole (sharded) sequence.
 
@@ -221,6 +223,8 @@ def make_ring_attention(
         dtype (and float32 lse (B, Hq, L_local) with return_lse). The variants (docs/case-model.md):
         `softcap`, `alibi_slopes` (one per query head, from global positions) and `sinks` (one
         learnable logit per query head; its gradient comes back through autograd).
+        An inference shape (pass-KV prefill onto a cache): `positions`, every rank's KV positions,
+        and `q_positions`, this rank's query rows, replace the layout's; q then has its own length.
         """
         plan, k, v = plan_call(
             parts,
@@ -233,6 +237,8 @@ def make_ring_attention(
             mask=mask,
             softmax_scale=softmax_scale,
             variant=variant_of(q, softcap, alibi_slopes, sinks),
+            positions=positions,
+            q_positions=q_positions,
         )
         if forward_only:
             with torch.no_grad():

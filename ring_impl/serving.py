@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ring_impl.layouts import all_positions, split_lengths
+from ring_impl.masks import MaskSpec, and_, prim
 
 KV_LAYOUTS = ("contiguous", "interleaved", "zigzag", "striped")
 QUERY_FORMS = ("own", "replicated")
@@ -130,6 +131,14 @@ def local_lengths(req: Requests, world_size: int) -> list[tuple[int, ...]]:
 def document_starts(req: Requests) -> tuple[int, ...]:
     """The requests' starts as a document mask's: attention never crosses a request."""
     return tuple(s for s, n in zip(req.starts, req.lengths, strict=True) if n > 0)
+
+
+def mask_within(mask: MaskSpec, starts: Sequence[int]) -> MaskSpec:
+    """`mask` within each request (document starts `starts`): attention never crosses a request, and
+    causal is bottom-right causal for the new tokens."""
+    if len(starts) <= 1:
+        return mask
+    return MaskSpec.of(and_(prim("document", tuple(starts)), mask.expression()))
 
 
 def check_positions(positions: Sequence[torch.Tensor], total: int) -> None:

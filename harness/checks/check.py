@@ -25,7 +25,7 @@ from harness.context import Capabilities
 from harness.diagnose import localise
 from harness.errors import HarnessError, Interrupted
 from harness.impls import registry
-from harness.impls.capabilities import adapt, without_variants
+from harness.impls.capabilities import adapt, without_inference, without_variants
 from harness.judging.verdicts import adapter_error, failure_signature
 from harness.oracle.mode import oracle_mode
 from harness.ranks.launch import open_pool
@@ -91,6 +91,8 @@ class Check:
         self.caps: Capabilities = self.resolved.capabilities
         if not opts.variants:
             self.caps = without_variants(self.caps)
+        if not opts.inference:
+            self.caps = without_inference(self.caps)
         self.version = str(getattr(self.resolved, "version", "unknown"))  # into saved files
         self.outcome = outcome if outcome is not None else CheckOutcome(impl=opts.impl)
         self.stop_at_first_failure = stop_at_first_failure

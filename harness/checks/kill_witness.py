@@ -168,7 +168,7 @@ def shrink_and_save(
     if not reproduces(pool, name, r, REPRODUCE_RUNS):
         run.note = "the minimal case did not reproduce bit for bit: no regression case saved"
         return
-    ref = run_case(r.case, pool, REFERENCE)
+    ref = run_case(r.case, pool, base_reference(name))
     run.reference_verdict = ref.verdict
     run.comm = comm_difference(r, ref)
     if not ref.passed:
@@ -182,6 +182,15 @@ def shrink_and_save(
         note=corpus_note(name, run, kill),
         expect="reproduce",
     )
+
+
+def base_reference(name: str) -> str:
+    """The reference a mutant was made from: the decode reference for the decode mutants
+    (ring_impl.mutants.serving), the reference ring for the rest. Its comm count is the mutant's."""
+    from ring_impl.mutants import MUTANTS
+
+    fn = MUTANTS.get(short(name))
+    return "reference-decode" if getattr(fn, "decode_form", None) else REFERENCE
 
 
 def _shrink_and_save_sequence(

@@ -166,6 +166,9 @@ class CheckOptions:
     # the attention variants a ring declares: sinks, softcap, ALiBi, a value head dim (False: plain
     # attention only, as before #53)
     variants: bool = True
+    # the inference shapes a ring declares: prefill onto a cache, decode (False: training shapes
+    # only, as before #54)
+    inference: bool = True
     # e.g. "b1,hq32,hkv8,d128,L8192,W8": the basics and the growth check at that shape only
     shape: str | None = None
     # seconds: a --shape plan estimated to take longer is refused up front

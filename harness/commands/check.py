@@ -157,6 +157,14 @@ def _add_stage_switches(p: argparse.ArgumentParser) -> None:
         "even where the ring declares them (the check before #53)",
     )
     p.add_argument(
+        "--no-inference",
+        dest="inference",
+        action="store_false",
+        default=S,
+        help="training shapes only: no prefill onto a cache or decode, even where the ring "
+        "declares them (the check before #54)",
+    )
+    p.add_argument(
         "--no-model-calls",
         dest="model_calls",
         action="store_false",

@@ -246,6 +246,10 @@ def localise(
     loc = Localisation(case=case, verdict=result.verdict, worst=worst_checks(result))
     if not result.checks:
         return loc
+    if case.serving is not None:
+        # the token and block splits read a rank's queries as its keys: a training shape's
+        loc.findings.append("a serving case is localised by its worst values only (#54)")
+        return loc
     loc.tokens = token_ratios(result)
     tok_shares, tok_words = token_findings(case, loc.tokens)
     loc.shares.update({f"tokens/{t}": v for t, v in tok_shares.items()})

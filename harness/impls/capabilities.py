@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING
 
 from harness.calls import needs_backward, useful_form
 from harness.context import PLAIN_VARIANT, VARIANT_WORDS, VARIANTS, Capabilities
+from harness.serving_case import seq_lens as serving_seq_lens
+from harness.serving_case import shape_of
 from ring_impl.layouts import split_lengths
 from ring_impl.masks import MASK_FEATURES, MaskSpec, fit
+from ring_impl.serving import Requests
 
 # Annotations only: the adapters import this module inside the ranks.
 if TYPE_CHECKING:
@@ -39,6 +42,7 @@ def missing_features(
     call: str | None = None,
     inputs: str | None = None,
     variants: Sequence[str] = (),
+    serving: Requests | None = None,
 ) -> list[str]:
     """The feature keys of a run that `caps` does not declare, in a fixed order.
 
@@ -80,7 +84,21 @@ def missing_features(
     if inputs is not None and inputs not in caps.input_forms:
         missing.append(f"inputs:{inputs}")
     missing.extend(f"variant:{v}" for v in VARIANTS if v in variants and v not in caps.variants)
+    missing.extend(f for f in serving_features(serving) if not _declares(caps, f))
     return missing
+
+
+def serving_features(req: Requests | None) -> list[str]:
+    """The inference shape's feature keys: shape:prefill or shape:decode, kv:D, queries:Q."""
+    if req is None:
+        return []
+    return [f"shape:{shape_of(req)}", f"kv:{req.kv}", f"queries:{req.queries}"]
+
+
+def _declares(caps: Capabilities, feature: str) -> bool:
+    kind, _, value = feature.partition(":")
+    field = {"shape": "shapes", "kv": "kv_layouts", "queries": "queries"}[kind]
+    return value in getattr(caps, field)
 
 
 def feature_words(
@@ -123,6 +141,12 @@ def feature_words(
         return f"input form {value} (supports {', '.join(sorted(caps.input_forms))})"
     if kind == "variant":
         return VARIANT_WORDS[value]
+    if kind == "shape":
+        return f"the {value} shape (queries are new tokens over a KV cache)"
+    if kind == "kv":
+        return f"a KV cache spread {value} (supports {', '.join(sorted(caps.kv_layouts))})"
+    if kind == "queries":
+        return f"{value} queries (supports {', '.join(sorted(caps.queries))})"
     return f"{kind} {value}" if value else kind  # layout, mask, dtype, head_dim
 
 
@@ -158,7 +182,7 @@ def divisible_heads(heads_q: int, heads_kv: int, world_size: int) -> tuple[int, 
 def case_features(c: Case) -> list[str]:
     """The features a case exercises, as `kind:value` strings: the capability matrix's rows."""
     feats = [
-        f"layout:{c.layout}",
+        *([f"layout:{c.layout}"] if c.serving is None else []),
         *(f"mask:{n}" for n in MASK_FEATURES if n in c.mask.needs()),
         f"dtype:{c.dtype}",
         f"world:{c.world_size}",
@@ -182,6 +206,7 @@ def case_features(c: Case) -> list[str]:
     if c.inputs != "contiguous":
         feats.append(f"inputs:{c.inputs}")
     feats.extend(f"variant:{v}" for v in c.variants)
+    feats.extend(serving_features(c.serving))
     return feats
 
 
@@ -205,6 +230,7 @@ def unsupported(caps: Capabilities, c: Case, device: str | None = None) -> list[
         call=c.call,
         inputs=c.inputs,
         variants=c.variants,
+        serving=c.serving,
     )
 
 
@@ -234,6 +260,12 @@ def declare(caps: Capabilities, feature: str) -> Capabilities:
         return r(caps, input_forms=caps.input_forms | {value})
     if kind == "variant":
         return r(caps, **{value: True})
+    if kind == "shape":
+        return r(caps, shapes=caps.shapes | {value})
+    if kind == "kv":
+        return r(caps, kv_layouts=caps.kv_layouts | {value})
+    if kind == "queries":
+        return r(caps, queries=caps.queries | {value})
     flags = {
         "gqa": ("gqa", True),
         "mqa": ("gqa", True),
@@ -264,6 +296,9 @@ _DIMENSIONS = {
     "heads": "heads",
     "backward": "call",
     "inputs": "inputs",
+    "shape": "serving",
+    "kv": "serving",
+    "queries": "serving",
 }
 
 
@@ -394,7 +429,24 @@ def _feature_changes(caps: Capabilities, c: Case) -> dict:
     if form != c.inputs:
         out["inputs"] = form
     out.update({v: PLAIN_VARIANT[v] for v in c.variants if v not in caps.variants})
+    out.update(_serving_changes(caps, c))
     return out
+
+
+def _serving_changes(caps: Capabilities, c: Case) -> dict:
+    """An undeclared inference shape gives way to training on the same tokens; an undeclared KV
+    distribution to contiguous shares; replicated queries to owned ones."""
+    req = c.serving
+    if req is None or not [f for f in serving_features(req) if not _declares(caps, f)]:
+        return {}
+    if not _declares(caps, f"shape:{shape_of(req)}"):
+        return {"serving": None}
+    kv = req.kv if req.kv in caps.kv_layouts else "contiguous"
+    queries = req.queries if req.queries in caps.queries else "own"
+    if not _declares(caps, f"kv:{kv}"):
+        return {"serving": None}
+    new = dataclasses.replace(req, kv=kv, queries=queries)
+    return {"serving": new, "seq_lens": serving_seq_lens(new, c.world_size)}
 
 
 def _world_changes(caps: Capabilities, c: Case) -> dict:
@@ -440,6 +492,11 @@ def _head_changes(caps: Capabilities, c: Case, changes: dict) -> dict:
     if "heads_q" in out and sinks is not None:  # one sink per query head, repeated as needed
         out["sinks"] = tuple(sinks[i % len(sinks)] for i in range(out["heads_q"]))
     return out
+
+
+def without_inference(caps: Capabilities) -> Capabilities:
+    """`caps` with the training shape alone: the check of `--no-inference` (as before #54)."""
+    return dataclasses.replace(caps, shapes=frozenset({"train"}))
 
 
 def without_variants(caps: Capabilities) -> Capabilities:

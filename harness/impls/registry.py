@@ -51,6 +51,7 @@ ADAPTER_PACKAGE = "harness.impls.adapters"
 # the built-in adapter modules, in listing order; each declares VARIANTS, EXTRA and make(name)
 ADAPTER_MODULES = (
     "reference",
+    "serving",
     "flash_ring",
     "ring_attention_pytorch",
     "torch_ring",

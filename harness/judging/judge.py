@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.case import Case
-from harness.judging.tensor_checks import check_leak, check_tensors
+from harness.judging.tensor_checks import check_leak, check_tensors, lse_base_slip
 from harness.judging.verdicts import apply_faults
 from harness.oracle.assemble import Pair
 from harness.result import CaseResult, Verdict
@@ -167,8 +167,19 @@ def _judge(
             parts.append(
                 f"leak: {lk['tensor']} nonzero at hidden key {lk['token']} on rank {lk['rank']}"
             )
+        slip = _lse_slip(case, got.shards, exact, bad)
+        if slip:
+            parts.insert(0, slip)
         res.detail = "; ".join(parts)
     return res
+
+
+def _lse_slip(case: Case, shards: dict, exact, bad: list) -> str:
+    """The lse's base named, when the failed lse checks are right in the other base."""
+    lse_checks = [c for c in bad if c.tensor == "lse"]
+    if not lse_checks:
+        return ""
+    return lse_base_slip(case, shards, exact, max(c.allowed for c in lse_checks))
 
 
 def _fail_stop_story(res: CaseResult, when: dict[int, float]) -> tuple[str, list[int]]:

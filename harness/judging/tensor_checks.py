@@ -13,6 +13,8 @@ evidence.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from harness import inputs
@@ -21,6 +23,7 @@ from harness.dtypes import TORCH_DTYPES
 from harness.judging import tolerance
 from harness.oracle.assemble import OracleOutputs
 from harness.result import LeakCheck, TensorCheck
+from harness.serving_case import kv_positions, query_positions
 from ring_impl.layouts import all_positions
 from ring_impl.mask_eval import visible_keys
 
@@ -102,7 +105,7 @@ def check_tensors(
 
     With `maps`, also fill maps[tensor] with the (batch, global token, head) max-abs error (inf
     where non-finite), so harness.localise can say where errors concentrate."""
-    pos_all = all_positions(case.layout, case.seq_lens)
+    rows_all, keys_all = query_positions(case), kv_positions(case)
     checks = []
     lse_terms = exact.term_scale.get("lse", {}).get("terms", 0.0)
     lse_max = tolerance.score_units(_finite_max(exact.lse), lse_terms, case.softcap)
@@ -126,6 +129,7 @@ def check_tensors(
             scales.get("blocks", {}).get("max_v", 0.0),
             case.sinks is not None,
         )
+        pos_all = keys_all if name in ("dk", "dv") else rows_all
         for rank, tensors in sorted(shards.items()):
             if name not in tensors:
                 continue
@@ -164,6 +168,36 @@ def check_tensors(
                 )
             )
     return checks + check_dsinks(case, shards, exact, base, lse_max)
+
+
+LN2 = math.log(2.0)
+
+
+def lse_base_slip(
+    case: Case, shards: dict[int, dict[str, torch.Tensor]], exact: OracleOutputs, allowed: float
+) -> str:
+    """Words naming the lse's base when a wrong lse is right in the other one, else "".
+
+    The ranks' lse reached the judge in natural log (a ring declaring base 2 had its lse multiplied
+    by ln 2). An lse that matches times ln 2 was log2 where ln was declared (vLLM PR #47079); one
+    that matches divided by ln 2 was ln where log2 was declared (SGLang #33064)."""
+    rows_all = query_positions(case)
+    want_all = _as_bnhd(exact.lse, "lse")
+    for factor, words in ((LN2, "log2 where ln"), (1.0 / LN2, "ln where log2")):
+        fits = []
+        for rank, t in sorted(shards.items()):
+            if "lse" not in t:
+                continue
+            got = _as_bnhd(t["lse"], "lse").to(torch.float64) * factor
+            want = want_all.index_select(1, rows_all[rank])
+            if got.shape != want.shape:
+                return ""
+            if got.numel() == 0:  # a rank with no query row says nothing either way
+                continue
+            fits.append(float(_diff(got, want).nan_to_num(nan=float("inf")).max()) <= allowed)
+        if fits and all(fits):
+            return f"lse in the wrong base: the ranks returned {words} was declared"
+    return ""
 
 
 def check_dsinks(
@@ -224,7 +258,7 @@ def check_dsinks(
 
 def check_leak(case: Case, leak_shards: dict[int, dict[str, torch.Tensor]]) -> LeakCheck | None:
     """Exact check: with dout zero outside S, keys invisible to S get dk = dv = 0 exactly."""
-    if case.mask.kind == "none" or not leak_shards:
+    if case.mask.kind == "none" or not leak_shards or case.serving is not None:
         return None
     n = case.total_len
     queries = inputs.leak_queries(case)

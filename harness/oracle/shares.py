@@ -1,6 +1,7 @@
 """One rank's share of the oracle for a case: its rows pass and its keys pass.
 
-Share g is the positions rank g holds under the case's layout. `share_rows` and `share_keys` run
+Share g is the positions rank g holds under the case's layout: its query rows and its keys, which a
+serving case tells apart (`harness.serving_case`). `share_rows` and `share_keys` run
 the two passes (`rows_pass`, `keys_pass`) for a case on a rank's device. `case_fetch` makes the
 case's inputs from its seed for any positions. docs/oracle.md has the derivation.
 """
@@ -19,8 +20,9 @@ from harness.oracle import tiles
 from harness.oracle.keys_pass import keys_part
 from harness.oracle.parts import Fetch, KeysPart, RowsPart, RowStats
 from harness.oracle.rows_pass import rows_part
-from harness.oracle.tiles import positions, trimmer
+from harness.oracle.tiles import key_positions, positions, trimmer
 from harness.oracle.variant import variant_of
+from harness.serving_case import mask_of
 
 WHOLE_INPUTS_BYTES = 16 << 20  # a case whose four global inputs fit here makes each once
 # the last small case's whole inputs: both passes, every local share
@@ -68,7 +70,7 @@ def share_rows(case: Case, index: int, device="cpu") -> tuple[RowsPart, RowsPart
         positions(case, index),
         [g.pos for g in tiles.key_groups(case)],
         case.heads_kv,
-        case.mask,
+        mask_of(case),
         case.scale,
         TORCH_DTYPES[case.dtype],
         tiles.block(case),
@@ -85,13 +87,13 @@ def share_keys(
     trimmer(_work(case))(0)
     parts = keys_part(
         case_fetch(case, device),
-        positions(case, index),
+        key_positions(case, index),
         index,
         tiles.blocks(case),
         tiles.key_groups(case),
         case.heads_kv,
         stats,
-        case.mask,
+        mask_of(case),
         case.scale,
         TORCH_DTYPES[case.dtype],
         case.values in FLASH_BASE_VALUES,

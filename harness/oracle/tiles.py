@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.case import Case
-from ring_impl.layouts import all_positions
+from harness.serving_case import kv_positions, oracle_rows
 from ring_impl.mask_eval import allowed
 from ring_impl.masks import MaskSpec
 
@@ -174,24 +174,26 @@ def _of_case(case: Case, what: str, make):
     return made[what]
 
 
-def _all_positions(case: Case) -> list[torch.Tensor]:
-    return _of_case(case, "positions", lambda: all_positions(case.layout, case.seq_lens))
-
-
 def positions(case: Case, index: int) -> torch.Tensor:
-    """The global positions of share `index` (group rank): the rows and the keys that rank holds."""
-    return _all_positions(case)[index]
+    """The query rows of share `index` (group rank): a training case's rows are the tokens the rank
+    holds; a serving case's are its new tokens, each query in one share (`oracle_rows`)."""
+    return oracle_rows(case)[index]
+
+
+def key_positions(case: Case, index: int) -> torch.Tensor:
+    """The keys of share `index`: the tokens whose K and V rank `index` holds."""
+    return kv_positions(case)[index]
 
 
 def blocks(case: Case) -> list[torch.Tensor]:
-    """Every share's blocks of positions (`runs`, shares in order): the query blocks of both
+    """Every share's blocks of query rows (`runs`, shares in order): the query blocks of both
     passes."""
     size = block(case)
     return _of_case(
-        case, "blocks", lambda: [p[a:z] for p in _all_positions(case) for a, z in runs(p, size)]
+        case, "blocks", lambda: [p[a:z] for p in oracle_rows(case) for a, z in runs(p, size)]
     )
 
 
 def key_groups(case: Case) -> list[Group]:
-    """The case's canonical key groups (`Group`)."""
-    return _of_case(case, "groups", lambda: groups(_all_positions(case), block(case)))
+    """The case's canonical key groups (`Group`) over every share's keys."""
+    return _of_case(case, "groups", lambda: groups(kv_positions(case), block(case)))

@@ -19,9 +19,9 @@ import traceback
 
 import torch
 
-from harness import calls, inputs
+from harness import calls, inputs, serving_case
 from harness import case as case_mod
-from harness.context import RunContext
+from harness.context import RunContext, ServingInfo
 from harness.errors import ShapeError
 from harness.faults import interpose, schema
 from harness.impls import registry
@@ -41,7 +41,7 @@ from harness.ranks.protocol import (
     ResultMessage,
     RunMessage,
 )
-from ring_impl.layouts import all_positions
+from ring_impl.serving import local_lengths
 from ring_impl.variants import alibi_slopes
 
 
@@ -203,7 +203,33 @@ def _context(case, group, grank, global_ranks, pos_all, dtype, device) -> RunCon
         softcap=case.softcap,
         alibi_slopes=slopes,
         head_dim_v=case.head_dim_v,
+        query_positions=None if case.serving is None else serving_case.query_positions(case),
+        serving=None if case.serving is None else serving_info(case.serving, case.world_size),
     )
+
+
+def serving_info(req, world_size: int) -> ServingInfo:
+    """What a rank is told of a serving case's requests (`RunContext.serving`)."""
+    return ServingInfo(
+        context=req.context,
+        new=req.new,
+        starts=req.starts,
+        kv=req.kv,
+        interleave=req.interleave,
+        queries=req.queries,
+        kv_lengths=tuple(local_lengths(req, world_size)),
+    )
+
+
+def _natural_lse(lse: torch.Tensor, impl) -> torch.Tensor:
+    """The lse in natural log: one declared in base 2 (`Capabilities.lse_base`) times ln 2."""
+    caps = getattr(impl, "capabilities", None)
+    if getattr(caps, "lse_base", "e") == "2" and isinstance(lse, torch.Tensor):
+        return lse.detach().double().mul(LN2).to(lse.dtype)
+    return lse
+
+
+LN2 = 0.6931471805599453
 
 
 def run_on_rank(
@@ -223,10 +249,12 @@ def run_on_rank(
         if group is not None
         else (0,)
     )
-    pos_all = tuple(all_positions(case.layout, case.seq_lens))
-    pos = pos_all[grank]
+    pos_all = serving_case.kv_positions(case)
+    pos, q_pos = pos_all[grank], serving_case.query_positions(case)[grank]
     t_in = time.perf_counter()
-    q, k, v, dout = (inputs.make(case, n, pos).to(device) for n in inputs.NAMES)
+    q, k, v, dout = (
+        inputs.make(case, n, q_pos if n in ("q", "dout") else pos).to(device) for n in inputs.NAMES
+    )
     t_in = time.perf_counter() - t_in
     ctx = _context(case, group, grank, gl, pos_all, q.dtype, device)
     out, lse, grads, times = _forward_backward(
@@ -238,7 +266,7 @@ def run_on_rank(
         if grads[3] is not None:
             tensors["dsinks"] = grads[3]
     if lse is not None:
-        tensors["lse"] = lse
+        tensors["lse"] = _natural_lse(lse, impl)
     t_pack = time.perf_counter()
     reply = {
         "tensors": {n: t.detach().cpu() for n, t in tensors.items()},
@@ -249,7 +277,9 @@ def run_on_rank(
     times.update(inputs_s=t_in, pack_s=time.perf_counter() - t_pack)
     # the leak run reads gradients: a call without a backward has none (its out is judged against
     # the oracle)
-    if leak and grads is not None and case.mask.kind != "none" and not case.faults:
+    # a serving case's leak run is left out: its queries are not its keys (docs/case-model.md)
+    serve = case.serving is not None
+    if leak and grads is not None and case.mask.kind != "none" and not case.faults and not serve:
         chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
         dout_s = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
         _, _, leak_grads, leak_times = _forward_backward(

@@ -18,6 +18,7 @@ from harness.context import Capabilities
 from harness.dtypes import EXACT_INTEGERS
 from harness.impls.capabilities import divisible_heads, odd_lengths
 from harness.search.mask_strategies import expressions, masks, primitives, shrink_ordered
+from harness.search.serving_draws import serving_fields
 from harness.search.variants import variant_fields
 from ring_impl.layouts import LAYOUTS, all_positions, split_lengths, zigzag_chunks
 from ring_impl.masks import MaskSpec
@@ -341,11 +342,17 @@ def cases(
     extra = draw(model_call(caps)) if model_calls else {}
     # drawn last: an implementation without variants keeps every draw it had
     extra.update(draw(variant_fields(caps, hq, head_dim, sum(lens), max(max_head_dim, head_dim))))
-    fields = {"values": values, **extra}
+    # drawn after the variants: an implementation of training shapes keeps every draw it had
+    served = draw(serving_fields(caps, w, extra.get("call", "train")))
+    if served:
+        offset, layout, mask, lens = 0, "contiguous", served.pop("mask"), None
+        extra.update(served)
+        if extra.get("inputs") == "fused-qkv":  # one fused tensor needs as many queries as keys
+            del extra["inputs"]
+    fields = {"values": values, **extra, **({} if lens is None else {"seq_lens": lens})}
     return make_case(
         world_size=w,
         group_offset=offset,
-        seq_lens=lens,
         heads_q=hq,
         heads_kv=hkv,
         head_dim=head_dim,

@@ -22,6 +22,7 @@ from ring_impl.mutants import (
     merges,
     precision,
     scale,
+    serving,
     shapes,
     variants,
 )
@@ -77,6 +78,11 @@ _ALL = [
     variants.softcap_grad_dropped,
     variants.alibi_local_positions,
     variants.value_buffers_sized_by_head_dim,
+    serving.decode_lse_log2_merged,
+    serving.decode_lse_returned_log2,
+    serving.decode_causal_bound_from_local_length,
+    serving.decode_empty_share_nan,
+    serving.decode_multi_token_causal_offset,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

@@ -29,6 +29,9 @@ SOURCES = (
     "pytorch/pytorch",
     "GPT-NeoX",
     "TransformerEngine",
+    "vLLM",
+    "SGLang",
+    "TokenSpeed",
     "no single public report",
 )
 

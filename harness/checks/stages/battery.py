@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.case import Case
+from harness.case import Case, make_case
 from harness.checks import report
 from harness.checks.capability_matrix import AS_BASE, format_matrix, matrix
 from harness.checks.options import CheckOptions
@@ -18,6 +18,7 @@ from harness.impls.capabilities import VARIANT_WORDS, adapt, isolated_probe, uns
 from harness.judging.verdicts import probe_acceptable
 from harness.result import CaseResult, Verdict
 from harness.runner import run_case
+from harness.search import serving_draws
 from harness.search.battery import battery_pool_size, default_battery
 
 if TYPE_CHECKING:
@@ -37,9 +38,19 @@ def _battery(opts: CheckOptions) -> list[Case]:
     )
 
 
+def _serving(opts: CheckOptions, caps: Capabilities) -> list[Case]:
+    """The inference shapes' battery cases, seeded after the rest, for a ring that declares them."""
+    if not opts.inference:
+        return []
+    return [
+        make_case(world_size=opts.world_size, impl=opts.impl, seed=1001 + i, **kw)
+        for i, kw in enumerate(serving_draws.battery_cases(opts.world_size, caps))
+    ]
+
+
 def plan(opts: CheckOptions, caps: Capabilities) -> tuple[list[Case], list[Case]]:
     """(the battery's cases adapted to the capabilities, the probe cases of undeclared features)."""
-    cases = _battery(opts)
+    cases = _battery(opts) + _serving(opts, caps)
     if opts.deadline is not None:
         cases = [c.replace(deadline_s=opts.deadline) for c in cases]
     found = probes(caps, cases)

@@ -15,7 +15,7 @@ from harness.checks.options import CheckOptions
 from harness.checks.progress import FuzzProgress
 from harness.checks.report import Reporter
 from harness.diagnose import localise
-from harness.impls.capabilities import without_variants
+from harness.impls.capabilities import without_inference, without_variants
 from harness.result import Verdict
 from harness.search import explore, fuzz, strategies
 
@@ -63,6 +63,8 @@ def run_property(opts: CheckOptions, pool, reporter: Reporter | None = None) -> 
     caps, version = fuzz.impl_info(impl, allow_import)
     if not opts.variants:
         caps = without_variants(caps)
+    if not opts.inference:
+        caps = without_inference(caps)
     # --dtype shapes every stage: draw only cases of that dtype.
     if opts.dtype is not None:
         caps = dataclasses.replace(caps, dtypes=frozenset({opts.dtype}))

@@ -6,10 +6,11 @@ reference and `mutant` for the bug variants in `ring_impl.mutants` (`mutant:NAME
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from harness.context import Capabilities, Impl, RunContext
+from harness.context import SHAPES, Capabilities, Impl, RunContext
 from harness.impls.adapters._common import Variant, installed_version, variant
 from ring_impl.masks import MASK_FEATURES
 
@@ -25,6 +26,15 @@ REFERENCE_CAPABILITIES = Capabilities(
     head_dim_v=True,
 )
 VARIANTS = {"reference": Variant(REFERENCE_CAPABILITIES)}
+# the references of the inference shapes (harness.impls.adapters.serving) and the decode mutants
+PASS_KV_CAPABILITIES = dataclasses.replace(REFERENCE_CAPABILITIES, shapes=frozenset(SHAPES))
+DECODE_CAPABILITIES = dataclasses.replace(
+    REFERENCE_CAPABILITIES,
+    shapes=frozenset(SHAPES),
+    queries=frozenset({"own", "replicated"}),
+    backward=False,
+)
+
 MUTANT_PREFIX = "mutant:"
 
 
@@ -32,10 +42,7 @@ def wrap(ring_attention: Callable[..., Any], name: str) -> Impl:
     """An Impl calling `ring_attention` with everything the context says; returns (out, lse)."""
 
     def run(q: Any, k: Any, v: Any, ctx: RunContext) -> Any:
-        return ring_attention(
-            q,
-            k,
-            v,
+        given = dict(
             group=ctx.group,
             layout=ctx.layout,
             lengths=ctx.lengths,
@@ -44,6 +51,7 @@ def wrap(ring_attention: Callable[..., Any], name: str) -> Impl:
             return_lse=True,
             **variant_arguments(ctx),
         )
+        return ring_attention(q, k, v, **{**given, **serving_arguments(ctx)})
 
     return Impl(
         name=name,
@@ -60,6 +68,53 @@ def variant_arguments(ctx: RunContext) -> dict:
     """
     given = {"sinks": ctx.sinks, "softcap": ctx.softcap, "alibi_slopes": ctx.alibi_slopes}
     return {name: value for name, value in given.items() if value is not None}
+
+
+def serving_arguments(ctx: RunContext) -> dict:
+    """An inference shape's positions and its mask within each request, for ring_attention.
+
+    A training run passes none, so every mutant is called as it always was."""
+    if ctx.serving is None:
+        return {}
+    from ring_impl.serving import mask_within
+
+    return {
+        "positions": ctx.all_positions,
+        "q_positions": ctx.q_positions,
+        "mask": mask_within(ctx.mask, ctx.serving.starts),
+    }
+
+
+def decode_arguments(ctx: RunContext) -> dict:
+    """What `decode_attention` needs from the context: positions, queries, the mask, variants."""
+    from ring_impl.serving import mask_within
+
+    q_all = ctx.all_positions if ctx.query_positions is None else ctx.query_positions
+    mask = ctx.mask if ctx.serving is None else mask_within(ctx.mask, ctx.serving.starts)
+    return dict(
+        positions=ctx.all_positions,
+        q_positions=q_all,
+        replicated=ctx.serving is not None and ctx.serving.queries == "replicated",
+        group=ctx.group,
+        mask=mask,
+        softmax_scale=ctx.softmax_scale,
+        requests=ctx.serving,
+        **variant_arguments(ctx),
+    )
+
+
+def wrap_decode(fn: Callable[..., Any], name: str, form: str) -> Impl:
+    """An Impl calling `fn` (the `decode_attention` signature, plus `requests`) in merge `form`."""
+
+    def run(q: Any, k: Any, v: Any, ctx: RunContext) -> Any:
+        return fn(q, k, v, form=form, **decode_arguments(ctx))
+
+    return Impl(
+        name=name,
+        run=run,
+        capabilities=DECODE_CAPABILITIES,
+        version=installed_version("ring-harness"),
+    )
 
 
 def make(name: str) -> Impl:
@@ -91,4 +146,8 @@ def mutant(name: str) -> Impl:
     from ring_impl.mutants.profile import PROFILE_MUTANTS
 
     short = name.removeprefix(MUTANT_PREFIX)
-    return wrap({**MUTANTS, **PROFILE_MUTANTS}[short], MUTANT_PREFIX + short)
+    fn = {**MUTANTS, **PROFILE_MUTANTS}[short]
+    form = getattr(fn, "decode_form", None)
+    if form is not None:  # a mutant of the decode reference (ring_impl.mutants.serving)
+        return wrap_decode(fn, MUTANT_PREFIX + short, form)
+    return wrap(fn, MUTANT_PREFIX + short)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from harness.calls import CALLS, INPUT_FORMS, needs_backward
 from harness.case import Case, to_dict
 from harness.case_schema import VALUE_KINDS
+from harness.checks import serving_changes
 from harness.context import Capabilities
 from harness.errors import HarnessError
 from harness.impls.capabilities import unsupported
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 STAGE = "experiment"
 BUDGET_S = 20.0  # experiments and headline shrinking, every group together
 DEADLINE_S = 15.0  # a variant's deadline at most: a hang costs this, not the case's 60 s
-EVERY_VALUE = ("layout", "dtype")  # few values: each other declared one is tried
+# few values: each other declared one is tried
+EVERY_VALUE = ("layout", "dtype", *serving_changes.EVERY_VALUE)
 MODEL_CALLS = ("call", "inputs")  # not varied under --no-model-calls
 
 Changes = Iterator[tuple[str, dict]]
@@ -50,6 +52,9 @@ def _drop_one(lens: tuple[int, ...]) -> tuple[int, ...] | None:
 
 def _world(c: Case) -> Changes:
     """W - 1 from W >= 3, else W + 1: one rank is no ring, so a W = 2 case goes up."""
+    if c.serving is not None:
+        yield from serving_changes.serving_world(c)
+        return
     lens = c.seq_lens
     new = _drop_one(lens) if c.world_size >= 3 else (*lens, lens[-1])
     if new and all(f.get("rank") is None or f["rank"] < len(new) for f in c.faults):
@@ -163,6 +168,7 @@ CHANGES: tuple[tuple[str, Callable[[Case], Changes]], ...] = (
     ("softcap", _variant_off("softcap", "without softcap", None)),
     ("alibi", _variant_off("alibi", "without ALiBi", False)),
     ("value head dim", _variant_off("head_dim_v", "v of q's head dim", None)),
+    *serving_changes.CHANGES,
 )
 
 
@@ -186,6 +192,7 @@ PLAIN: dict[str, Callable[[Case], object]] = {
     "softcap": lambda c: c.softcap is not None,
     "alibi": lambda c: c.alibi,
     "value head dim": lambda c: c.head_dim_v is not None,
+    **serving_changes.PLAIN,
 }
 
 

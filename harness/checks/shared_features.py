@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from harness.case import Case
+from harness.checks import serving_changes
 from harness.judging.run_record import RunRecord
 
 # one token a rank, then the kernel tiles the scale stage aims past (harness/search/scale.py)
@@ -107,6 +108,23 @@ FEATURES: tuple[Feature, ...] = (
         lambda c: c.head_dim_v is not None,
         yes="v has a head dim of its own",
         no="it has q's",
+    ),
+    Feature("shape", lambda c: c.shape, "the shape is {}"),
+    Feature("KV distribution", serving_changes.kv_of, "the KV distribution is {}"),
+    Feature("queries", serving_changes.queries_of, "the queries are {}"),
+    Feature(
+        "new tokens",
+        serving_changes.new_of,
+        "a request has {} new tokens",
+        ordered=True,
+        above="a request has more than {1} new token{s}",
+    ),
+    Feature(
+        "interleave",
+        serving_changes.interleave_of,
+        "the KV is interleaved by {}",
+        ordered=True,
+        above="the KV is interleaved by more than {1} token{s}",
     ),
 )
 

@@ -108,7 +108,11 @@ def test_200_faulted_cases_no_hang_no_leftover():
     left."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "check", "--faults", "all", "--fault-cases", "200"],
+        [
+            *[sys.executable, "-m", "harness", "check", "--faults", "all", "--fault-cases", "200"],
+            # the property stage guards nothing here; 30 of its cases keep it in the run
+            *["--max-examples", "30"],
+        ],
         cwd=root,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

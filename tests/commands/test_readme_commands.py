@@ -48,12 +48,12 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
     "pip install -e '.[dev]'": (SETUP, None, None),
     "ring-harness check": ("slow", 0, None),
     # the README's adapter example, end to end
-    # 100 property-based examples (~190 s with the ci profile's 300); the reference's whole default
-    # check is the command above
+    # 50 property-based examples (~190 s with the ci profile's 300, ~118 s with 100); the
+    # reference's whole default check is the command above
     "ring-harness check --impl myring:my_ring": (
         "slow",
         0,
-        "ring-harness check --impl myring:my_ring --max-examples 100",
+        "ring-harness check --impl myring:my_ring --max-examples 50",
     ),
     "python -m pytest -n 2": (
         "skip: it is this test suite, which CI runs verbatim in the README's "
@@ -71,9 +71,9 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
         "--plot plots/",
     ),
     "ring-harness check --faults all --fault-cases 200": (
-        "skip: the same command runs in tests/checks/test_fault_battery.py::"
-        "test_200_faulted_cases_no_hang_no_leftover (slow tier), which also checks that no "
-        "process is left",
+        "skip: the same command, with 30 property-based cases, runs in "
+        "tests/checks/test_fault_battery.py::test_200_faulted_cases_no_hang_no_leftover "
+        "(slow tier), which also checks that no process is left",
         None,
         None,
     ),

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 
 from harness.case import make_case
+from harness.impls.adapters.reference import DECODE_CAPABILITIES
 from harness.impls.registry import resolve
 from harness.runner import run_case
 from harness.search.serving_draws import battery_cases
 
 POOL_SIZE = 4
 W = 4
-REFERENCES = ("reference-pass-kv", "reference-decode", "reference-decode-a2a")
+REFERENCES = ("reference-pass-kv", "reference-pass-q", "reference-decode", "reference-decode-a2a")
 
 
 def _battery(name: str) -> list[dict]:
@@ -23,7 +24,9 @@ def _battery(name: str) -> list[dict]:
 @pytest.mark.parametrize("name", REFERENCES)
 def test_each_reference_passes_every_serving_battery_case(pool, name):
     cases = _battery(name)
-    assert len(cases) >= 8 if name != "reference-pass-kv" else len(cases) >= 6
+    assert len(cases) >= (
+        8 if DECODE_CAPABILITIES.queries <= resolve(name).capabilities.queries else 6
+    )
     for i, kw in enumerate(cases):
         c = make_case(world_size=W, seed=70 + i, impl=name, **kw)
         r = run_case(c, pool)

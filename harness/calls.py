@@ -48,9 +48,13 @@ class Presented:
     dout: torch.Tensor
     leaves: tuple[torch.Tensor, ...]
     form: str
+    slots: torch.Tensor | None = None  # paged KV: each local token's pool slot (harness.paged)
 
     def grads(self) -> tuple[torch.Tensor | None, ...]:
         """dq, dk, dv read from the leaves, in the ring's (batch, seq, heads, dim) layout."""
+        if self.slots is not None:  # dk, dv read from the pools' gradients at the tokens' slots
+            g = tuple(t.grad for t in self.leaves)
+            return g[0], *(None if x is None else x.flatten(0, 1)[self.slots] for x in g[1:])
         if self.form == "fused-qkv":
             g = self.leaves[0].grad
             if g is None:

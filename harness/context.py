@@ -18,7 +18,13 @@ from harness.dtypes import DTYPES, TORCH_DTYPES  # noqa: F401 - re-exported (`fr
 from harness.errors import ImplError
 from ring_impl.layouts import LAYOUTS
 from ring_impl.masks import MASK_FEATURES, MASK_KINDS, MaskSpec
+from ring_impl.paged import PagedKV
 from ring_impl.serving import KV_LAYOUTS, QUERY_FORMS
+
+# the forms the inputs may come in: q, k, v and dout's views (harness.calls), and a paged KV
+# cache, which only an implementation that declares it gets (harness.paged)
+PAGED = "paged"
+KNOWN_INPUT_FORMS = (*INPUT_FORMS, PAGED)
 
 SHAPES = ("train", "prefill", "decode")
 LSE_BASES = ("e", "2")
@@ -40,6 +46,7 @@ class ServingInfo:
     interleave: int  # I: token t on rank floor(t / I) mod W, for kv = interleaved
     queries: str  # own: a rank holds the new tokens it holds the KV of; replicated: every one
     kv_lengths: tuple[tuple[int, ...], ...]
+    page_size: int = 0  # P >= 1: k and v come as pools of P-token pages (RunContext.pages)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,8 @@ class RunContext:
     # each rank's queries are its own tokens, `all_positions`), and the requests
     query_positions: tuple[torch.Tensor, ...] | None = None
     serving: ServingInfo | None = None
+    # a paged KV cache: k and v are page pools (pages, P, heads, dim), read by these block tables
+    pages: PagedKV | None = None
 
     @property
     def q_positions(self) -> torch.Tensor:
@@ -167,7 +176,7 @@ class Capabilities:
             ("masks", MASK_FEATURES),
             ("dtypes", DTYPES),
             ("devices", DEVICES),
-            ("input_forms", INPUT_FORMS),
+            ("input_forms", KNOWN_INPUT_FORMS),
             ("shapes", SHAPES),
             ("kv_layouts", KV_LAYOUTS),
             ("queries", QUERY_FORMS),

@@ -30,7 +30,8 @@ from ring_impl.serving import KV_LAYOUTS, QUERY_FORMS, Requests
 if TYPE_CHECKING:
     from harness.case import Case
 
-KEYS = ("context", "new", "kv", "interleave", "queries")
+KEYS = ("context", "new", "kv", "interleave", "queries", "page_size")
+MAX_PAGE = 1024
 MAX_REQUESTS = 256
 SHAPES = ("train", "prefill", "decode")
 
@@ -68,19 +69,24 @@ def from_dict(d: Any) -> Requests:
     interleave = d.get("interleave", 1)
     if not limits.Range(1, 2**20).holds(interleave):
         raise _field(f"interleave must be an integer in [1, 2**20], got {interleave!r}")
+    page_size = d.get("page_size", 0)
+    if not limits.Range(0, MAX_PAGE).holds(page_size):
+        raise _field(f"page_size must be an integer in [0, {MAX_PAGE}], got {page_size!r}")
     try:
-        return Requests(context, new, kv, interleave, queries)
+        return Requests(context, new, kv, interleave, queries, page_size)
     except ValueError as e:
         raise _field(str(e)) from None
 
 
 def to_dict(req: Requests) -> dict:
-    """The plain-data form; `interleave` and `queries` only when they differ from their default."""
+    """The plain-data form; `interleave`, `queries` and `page_size` only when they matter."""
     d: dict = {"context": list(req.context), "new": list(req.new), "kv": req.kv}
     if req.kv == "interleaved":
         d["interleave"] = req.interleave
     if req.queries != "own":
         d["queries"] = req.queries
+    if req.page_size:
+        d["page_size"] = req.page_size
     return d
 
 
@@ -92,12 +98,13 @@ def shape_of(req: Requests | None) -> str:
 
 
 def describe(req: Requests) -> str:
-    """A short form for tables: 'ctx700,33,0 new1,1,4 kv=interleaved/16 q=replicated'."""
+    """A short form: 'ctx700,33,0 new1,1,4 kv=interleaved/16 q=replicated paged/16'."""
     kv = f"{req.kv}/{req.interleave}" if req.kv == "interleaved" else req.kv
     q = " q=replicated" if req.queries == "replicated" else ""
+    paged = f" paged/{req.page_size}" if req.page_size else ""
     ctx = ",".join(map(str, req.context))
     new = ",".join(map(str, req.new))
-    return f"ctx{ctx} new{new} kv={kv}{q}"
+    return f"ctx{ctx} new{new} kv={kv}{q}{paged}"
 
 
 def seq_lens(req: Requests, world_size: int) -> tuple[int, ...]:
@@ -174,6 +181,11 @@ def check(c: Case) -> None:
     if c.layout != "contiguous":
         raise HarnessError(
             "case field 'layout': a serving case spreads its KV by serving.kv; leave layout out"
+        )
+    if req.page_size and c.inputs != "contiguous":
+        raise HarnessError(
+            f"case field 'inputs': a paged KV cache (serving.page_size) comes with contiguous "
+            f"queries, got inputs {c.inputs!r}"
         )
     try:
         want = seq_lens(req, c.world_size)

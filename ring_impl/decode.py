@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ring_impl.masks import MaskSpec
+from ring_impl.paged import PagedKV, read_kv
 from ring_impl.parts import REFERENCE_PARTS, BlockAt, RingParts
 from ring_impl.plan import NO_MASK, variant_of
 from ring_impl.variants import sink_lse
@@ -133,15 +134,17 @@ def decode_attention(
     softcap: float | None = None,
     alibi_slopes: Sequence[float] | torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    pages: PagedKV | None = None,
     parts: RingParts = REFERENCE_PARTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, float32 lse (B, Hq, Lq)) of this rank's queries over every rank's KV.
 
     `positions[r]`: rank r's KV positions; `q_positions[r]`: rank r's query rows (all equal when
     `replicated`). `mask` is over global positions (within each request). `form`: all-gather or
-    all-to-all merge."""
+    all-to-all merge. With `pages`, k and v are page pools (`ring_impl.paged`)."""
     if form not in FORMS:
         raise ValueError(f"unknown merge form {form!r}; expected one of {', '.join(FORMS)}")
+    k, v = read_kv(k, v, pages)
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if initialised else 1
     rank = dist.get_rank(group) if initialised else 0

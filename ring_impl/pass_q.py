@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ring_impl.comm import LocalComm, RingComm, ring_peers
 from ring_impl.masks import MaskSpec
+from ring_impl.paged import PagedKV, read_kv
 from ring_impl.parts import REFERENCE_PARTS, BlockAt, RingParts
 from ring_impl.plan import NO_MASK, variant_of
 from ring_impl.variants import Variant, sink_lse
@@ -68,12 +69,14 @@ def pass_q_attention(
     softcap: float | None = None,
     alibi_slopes: Sequence[float] | torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    pages: PagedKV | None = None,
     parts: RingParts = REFERENCE_PARTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, float32 lse (B, Hq, Lq)) of this rank's query rows over every rank's KV.
 
     `positions[r]`: rank r's KV positions; `q_positions[r]`: rank r's query rows. `mask` is over
-    global positions (within each request)."""
+    global positions (within each request). With `pages`, k and v are page pools."""
+    k, v = read_kv(k, v, pages)
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if initialised else 1
     rank = dist.get_rank(group) if initialised else 0

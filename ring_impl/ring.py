@@ -18,6 +18,7 @@ import torch
 
 from ring_impl.buffers import DoubleBuffer
 from ring_impl.masks import MaskSpec
+from ring_impl.paged import PagedKV, read_kv
 from ring_impl.parts import (  # noqa: F401 - the pieces, re-exported for the mutants
     REFERENCE_PARTS,
     BlockAt,
@@ -215,6 +216,7 @@ def make_ring_attention(
         sinks: torch.Tensor | None = None,
         positions: Sequence[torch.Tensor] | None = None,
         q_positions: torch.Tensor | None = None,
+        pages: PagedKV | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of the local query shard over the whole (sharded) sequence.
 
@@ -225,7 +227,9 @@ def make_ring_attention(
         learnable logit per query head; its gradient comes back through autograd).
         An inference shape (pass-KV prefill onto a cache): `positions`, every rank's KV positions,
         and `q_positions`, this rank's query rows, replace the layout's; q then has its own length.
+        With `pages`, k and v are page pools of a paged KV cache (`ring_impl.paged`).
         """
+        k, v = read_kv(k, v, pages)
         plan, k, v = plan_call(
             parts,
             q,

@@ -9,6 +9,8 @@ KV cache of each request is spread over the W ranks by `kv`:
   slot c on rank r holds t = floor(c / I) W I + r I + c mod I;
 - zigzag and striped: the training layouts, applied to each request alone.
 
+With `page_size` P, each rank holds its share in pages of P tokens (`ring_impl.paged`).
+
 A rank's KV is its tokens of request 0, then of request 1, ..., each in increasing position. Its
 queries (`queries: own`) are the new tokens it holds the KV of; `replicated` gives every rank every
 query. Pure data and integer maps: the reference rings, the oracle and the harness share them.
@@ -38,6 +40,7 @@ class Requests:
     kv: str = "contiguous"
     interleave: int = 1
     queries: str = "own"
+    page_size: int = 0  # 0: each rank's KV share contiguous; P >= 1: paged, P tokens a page
 
     def __post_init__(self) -> None:
         if not self.context or len(self.context) != len(self.new):
@@ -53,6 +56,8 @@ class Requests:
             raise ValueError(f"unknown queries {self.queries!r}; expected one of {QUERY_FORMS}")
         if self.interleave < 1:
             raise ValueError(f"interleave must be >= 1, got {self.interleave}")
+        if self.page_size < 0:
+            raise ValueError(f"page_size must be >= 0, got {self.page_size}")
 
     @property
     def lengths(self) -> tuple[int, ...]:

@@ -3,7 +3,7 @@ the one-feature changes that explain them by experiment (issue #54).
 
 `FEATURES` joins `harness.checks.shared_features.FEATURES` and `CHANGES` joins
 `harness.checks.experiments.CHANGES`, under the same names. A training case has the shape
-"train", and no KV distribution, query form, new tokens or interleave of its own.
+"train", and no KV distribution, query form, new tokens, interleave or pages of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ def queries_of(c: Case) -> str:
 
 def new_of(c: Case) -> int:
     return 0 if c.serving is None else max(c.serving.new)
+
+
+def paged_of(c: Case) -> bool:
+    return c.serving is not None and c.serving.page_size > 0
 
 
 def interleave_of(c: Case) -> int:
@@ -91,12 +95,20 @@ def _interleave(c: Case) -> Changes:
         yield from _served(c, f"interleave {i}", interleave=i)
 
 
+def _pages(c: Case) -> Changes:
+    if paged_of(c):
+        yield from _served(c, "contiguous KV shares", page_size=0)
+        size = 1 if c.serving.page_size > 1 else 16
+        yield from _served(c, f"pages of {size} token{'s' if size > 1 else ''}", page_size=size)
+
+
 CHANGES: tuple[tuple[str, Callable[[Case], Changes]], ...] = (
     ("shape", _shape),
     ("KV distribution", _kv),
     ("queries", _queries),
     ("new tokens", _new),
     ("interleave", _interleave),
+    ("pages", _pages),
 )
 EVERY_VALUE = ("KV distribution",)
 PLAIN: dict[str, Callable[[Case], object]] = {
@@ -105,4 +117,5 @@ PLAIN: dict[str, Callable[[Case], object]] = {
     "queries": lambda c: queries_of(c) == "replicated",
     "new tokens": new_of,
     "interleave": interleave_of,
+    "pages": paged_of,
 }

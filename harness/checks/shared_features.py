@@ -126,6 +126,7 @@ FEATURES: tuple[Feature, ...] = (
         ordered=True,
         above="the KV is interleaved by more than {1} token{s}",
     ),
+    Feature("pages", serving_changes.paged_of, yes="the KV cache is paged", no="not paged"),
 )
 
 

@@ -92,13 +92,14 @@ def serving_features(req: Requests | None) -> list[str]:
     """The inference shape's feature keys: shape:prefill or shape:decode, kv:D, queries:Q."""
     if req is None:
         return []
-    return [f"shape:{shape_of(req)}", f"kv:{req.kv}", f"queries:{req.queries}"]
+    paged = ["inputs:paged"] if req.page_size else []
+    return [f"shape:{shape_of(req)}", f"kv:{req.kv}", f"queries:{req.queries}", *paged]
 
 
 def _declares(caps: Capabilities, feature: str) -> bool:
     kind, _, value = feature.partition(":")
-    field = {"shape": "shapes", "kv": "kv_layouts", "queries": "queries"}[kind]
-    return value in getattr(caps, field)
+    field = {"shape": "shapes", "kv": "kv_layouts", "queries": "queries", "inputs": "input_forms"}
+    return value in getattr(caps, field[kind])
 
 
 def feature_words(
@@ -445,7 +446,8 @@ def _serving_changes(caps: Capabilities, c: Case) -> dict:
     queries = req.queries if req.queries in caps.queries else "own"
     if not _declares(caps, f"kv:{kv}"):
         return {"serving": None}
-    new = dataclasses.replace(req, kv=kv, queries=queries)
+    page = req.page_size if "paged" in caps.input_forms else 0
+    new = dataclasses.replace(req, kv=kv, queries=queries, page_size=page)
     return {"serving": new, "seq_lens": serving_seq_lens(new, c.world_size)}
 
 

@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from harness import calls, inputs, serving_case
+from harness import calls, inputs, paged, serving_case
 from harness import case as case_mod
 from harness.context import RunContext, ServingInfo
 from harness.errors import ShapeError
@@ -119,6 +119,8 @@ def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict
     # A serving model makes its q, k, v under inference_mode too.
     with mode:
         x = calls.present(form, q, k, v, dout, grad)
+        if ctx.serving is not None and ctx.serving.page_size:
+            x, ctx = paged.present(x, ctx, grad)
         phase("forward")
         t0 = time.perf_counter()
         out, lse = calls.forward(call, fn, x.q, x.k, x.v)
@@ -218,6 +220,7 @@ def serving_info(req, world_size: int) -> ServingInfo:
         interleave=req.interleave,
         queries=req.queries,
         kv_lengths=tuple(local_lengths(req, world_size)),
+        page_size=req.page_size,
     )
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from harness.calls import needs_backward
-from harness.context import Capabilities
+from harness.context import PAGED, Capabilities
 from ring_impl.masks import MaskSpec
 from ring_impl.serving import KV_LAYOUTS
 
 NEW_TOKENS = (1, 1, 2, 4, 8)  # decode, decode, speculative, speculative, a prefill chunk
 INTERLEAVES = (1, 2, 4, 16)
+PAGE_SIZES = (0, 1, 2, 16, 64)  # 0: contiguous shares; a paged cache's page sizes
 CAUSAL = MaskSpec("causal")
 
 
@@ -55,6 +56,8 @@ def serving_fields(draw, caps: Capabilities, world_size: int, call: str, max_con
     serving = {"context": context, "new": new, "kv": kv, "interleave": interleave}
     if queries != "own":
         serving["queries"] = queries
+    if PAGED in caps.input_forms:  # contiguous shares first: a failure shrinks towards them
+        serving["page_size"] = draw(st.sampled_from(PAGE_SIZES))
     out = {"serving": serving, "mask": _mask(draw, caps)}
     out["call"] = call if needs_backward(call) and caps.backward else "inference-mode"
     return out
@@ -65,7 +68,8 @@ def battery_cases(w: int, caps: Capabilities) -> list[dict]:
 
     Decode over every declared KV distribution, interleaved by 1 and by I > 1; ragged requests, one
     with no cached context; several new tokens per request; a window that leaves some rank no
-    visible key for a row; replicated queries where declared; sinks and GQA in bf16.
+    visible key for a row; replicated queries where declared; sinks and GQA in bf16; a paged KV
+    cache with pages of 1, 4 and 16 tokens where declared.
     """
     if not declares_inference(caps):
         return []
@@ -87,6 +91,12 @@ def battery_cases(w: int, caps: Capabilities) -> list[dict]:
                           queries="replicated"), heads_q=4, heads_kv=2),
         dict(serving=dict(context=[5 * w, 1], new=[1, 1], kv="interleaved", interleave=16,
                           queries="replicated"), dtype="bf16", sinks=(2.5, 3.0)),
+        dict(serving=dict(context=[4 * w + 2, 2 * w + 1], new=[1, 1], kv="contiguous",
+                          page_size=4)),
+        dict(serving=dict(context=ragged, new=[2, 1, 1], kv="interleaved", interleave=2,
+                          page_size=1), heads_q=4, heads_kv=2),
+        dict(serving=dict(context=[6 * w + 5], new=[3], kv="interleaved", interleave=4,
+                          page_size=16), dtype="bf16"),
     ]  # fmt: skip
     out = []
     for kw in cases:
@@ -96,6 +106,8 @@ def battery_cases(w: int, caps: Capabilities) -> list[dict]:
         if req.get("queries", "own") not in caps.queries or req["kv"] not in caps.kv_layouts:
             continue
         if "sinks" in kw and not caps.sinks:
+            continue
+        if req.get("page_size") and PAGED not in caps.input_forms:
             continue
         shape = "decode" if max(req["new"]) == 1 else "prefill"
         if shape in caps.shapes and kw["mask"].needs() <= caps.masks:

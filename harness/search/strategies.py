@@ -349,6 +349,8 @@ def cases(
         extra.update(served)
         if extra.get("inputs") == "fused-qkv":  # one fused tensor needs as many queries as keys
             del extra["inputs"]
+        if served["serving"].get("page_size"):  # a paged KV cache comes with contiguous queries
+            extra.pop("inputs", None)
     fields = {"values": values, **extra, **({} if lens is None else {"seq_lens": lens})}
     return make_case(
         world_size=w,

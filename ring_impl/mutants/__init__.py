@@ -83,6 +83,7 @@ _ALL = [
     serving.decode_causal_bound_from_local_length,
     serving.decode_empty_share_nan,
     serving.decode_multi_token_causal_offset,
+    serving.decode_pages_by_global_length,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

@@ -115,6 +115,39 @@ def _multi_token_offset(q, k, v, *, requests=None, **given):
     return decode_attention(q, k, v, **given)
 
 
+def _even_share_read(requests, rank: int, positions: torch.Tensor, world: int):
+    """(tokens of each request read, their positions): ceil(n / W) of request r's n tokens, the
+    even share of its global length, instead of the rank's own count. A slot past its own tokens
+    is taken as the request's last position, which every new token sees."""
+    counts, pieces, at = [], [], 0
+    for r, start in enumerate(requests.starts):
+        own = requests.kv_lengths[rank][r]
+        mine = positions[at : at + own]
+        at += own
+        share = -(-(requests.context[r] + requests.new[r]) // world)
+        last = start + requests.context[r] + requests.new[r] - 1
+        pad = torch.full((max(0, share - own),), last, dtype=torch.long)
+        counts.append(share)
+        pieces.append(torch.cat([mine, pad])[:share])
+    return counts, torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def _pages_by_global_length(q, k, v, *, requests=None, pages=None, **given):
+    if pages is not None:
+        import torch.distributed as dist
+
+        from ring_impl.paged import slots
+
+        group = given.get("group")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        positions = list(given["positions"])
+        counts, positions[rank] = _even_share_read(requests, rank, positions[rank].cpu(), world)
+        where = slots(pages, counts).to(k.device)
+        k, v = k.flatten(0, 1)[where], v.flatten(0, 1)[where]
+        given["positions"] = positions
+    return decode_attention(q, k, v, **given)
+
+
 decode_lse_log2_merged = decode_mutant(
     "decode-lse-log2-merged",
     """The partial results' lse comes from the kernel in base 2 and is merged as a natural log
@@ -158,4 +191,14 @@ decode_multi_token_causal_offset = decode_mutant(
     request are read as its last ones. Right for causal decode, one new token per request. Visible
     with speculative or chunked new tokens at W >= 2.""",
     _multi_token_offset,
+)
+
+decode_pages_by_global_length = decode_mutant(
+    "decode-pages-by-global-length",
+    """Reads each request's pages for ceil(n / W) tokens, the even share of its global length,
+    instead of the rank's own count (vLLM #41623 / PR #48003: paged-KV metadata from global
+    lengths, so ranks read pages they do not own). Past its own tokens a rank reads stale slots
+    and the null page as keys; short of them it drops keys. Right on contiguous shares and in
+    training. Visible in a paged case whose ranks hold uneven shares of a request.""",
+    _pages_by_global_length,
 )

@@ -5,8 +5,8 @@ dropped) and each command must appear in COMMANDS with how it is run: in the def
 slow tier (`--run-slow`, CI runs both), or not at all with the reason. A command added without an
 entry fails `test_every_documented_command_is_classified`. Commands run in a fresh directory (so
 their outputs, e.g. `ring-harness-failures/`, `selftest.json`, `plots/`, never land in the
-repository) that links the repository's `cases/` and holds the README's adapter example
-(`myring.py`); placeholders are filled in as noted. The Python blocks run as scripts, the case-file
+repository) that links the repository's `cases/` and holds the docs' example modules
+(`myring.py`, `mydecode.py`); placeholders are filled in as noted. The Python blocks run as scripts, the case-file
 example loads as a valid case and the fault list as valid faults.
 """
 
@@ -29,6 +29,12 @@ DOCS = {
     for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 }
 ALL = "\n".join(DOCS.values())
+
+
+def documented_modules() -> dict[str, str]:
+    """The docs' example modules: each Python block that starts `# NAME.py`, by file name."""
+    found = re.findall(r"```python\n# (\w+\.py)(.*?)```", ALL, re.S)
+    return {name: f"# {name}{body}" for name, body in found}
 
 
 def my_ring_example(text: str = README) -> str:
@@ -100,6 +106,9 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
         None,
     ),
     "ring-harness impls": ("fast", 0, None),
+    # docs/serving.md's decode attention, written for the docs: its whole default check, training
+    # and serving cases (~25 s)
+    "ring-harness check --impl mydecode:decode": ("fast", 0, None),
     # the README's all-gather ring is O(n): exit 1, and `_readme_ring_is_o_of_n` reads the verdicts
     # from the JSON; run at W <= 4, 32 tokens a rank and without the straggler timing. ~45 s: slow
     # tier (#55); the profile command's exit and verdicts stay in the default suite
@@ -189,7 +198,8 @@ def _argv(command: str) -> list[str]:
 def _run_command(command: str, tmp_path: Path) -> None:
     tier, code, actual = COMMANDS[command]
     (tmp_path / "cases").symlink_to(ROOT / "cases")
-    (tmp_path / "myring.py").write_text(my_ring_example())
+    for name, text in documented_modules().items():
+        (tmp_path / name).write_text(text)
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

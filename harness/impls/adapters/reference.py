@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from harness.context import SHAPES, Capabilities, Impl, RunContext
+from harness.context import PAGED, SHAPES, Capabilities, Impl, RunContext
 from harness.impls.adapters._common import Variant, installed_version, variant
 from ring_impl.masks import MASK_FEATURES
 
@@ -27,12 +27,13 @@ REFERENCE_CAPABILITIES = Capabilities(
 )
 VARIANTS = {"reference": Variant(REFERENCE_CAPABILITIES)}
 # the references of the inference shapes (harness.impls.adapters.serving) and the decode mutants
-PASS_KV_CAPABILITIES = dataclasses.replace(REFERENCE_CAPABILITIES, shapes=frozenset(SHAPES))
-DECODE_CAPABILITIES = dataclasses.replace(
+PASS_KV_CAPABILITIES = dataclasses.replace(
     REFERENCE_CAPABILITIES,
     shapes=frozenset(SHAPES),
-    queries=frozenset({"own", "replicated"}),
-    backward=False,
+    input_forms=REFERENCE_CAPABILITIES.input_forms | {PAGED},
+)
+DECODE_CAPABILITIES = dataclasses.replace(
+    PASS_KV_CAPABILITIES, queries=frozenset({"own", "replicated"}), backward=False
 )
 
 MUTANT_PREFIX = "mutant:"
@@ -78,10 +79,12 @@ def serving_arguments(ctx: RunContext) -> dict:
         return {}
     from ring_impl.serving import mask_within
 
+    paged = {} if ctx.pages is None else {"pages": ctx.pages}
     return {
         "positions": ctx.all_positions,
         "q_positions": ctx.q_positions,
         "mask": mask_within(ctx.mask, ctx.serving.starts),
+        **paged,
     }
 
 
@@ -100,6 +103,7 @@ def decode_arguments(ctx: RunContext) -> dict:
         softmax_scale=ctx.softmax_scale,
         requests=ctx.serving,
         **variant_arguments(ctx),
+        **({} if ctx.pages is None else {"pages": ctx.pages}),
     )
 
 

@@ -345,6 +345,8 @@ def _print_replay(
     if opts.plot and loc is not None and loc.blocks:
         for p in prop_stage.plot(loc, opts.plot, Path(opts.case).stem):
             out(f"heatmap {p}")
+    elif opts.plot and loc is not None and rp.result.case.serving is not None:
+        out("no heatmap: a serving case is localised by its worst values, not by key block (#54)")
     return loc
 
 

@@ -18,6 +18,7 @@ from harness.profiling import balance, devicetime, timeline
 from harness.profiling.measure import CallProfile, profile_call
 from harness.profiling.memory import LengthSweep, MemoryClass, kv_token_bytes
 from harness.profiling.overlap import PhaseOverlap, overlap
+from harness.profiling.serving_traffic import ServingTraffic, serving_traffic
 from harness.profiling.traffic import PhaseTraffic, traffic
 from harness.ranks.protocol import Pool
 
@@ -38,6 +39,7 @@ class RingProfile:
     call: CallProfile | None = None  # that call: its timeline
     balance: dict[str, float] = field(default_factory=dict)  # layout -> max / mean FLOPs, causal
     straggler: tuple[float, float, float] | None = None  # (factor, plain s, straggled s)
+    serving: ServingTraffic | None = None  # a decode call's bytes, for a ring that declares decode
 
     @property
     def kept(self) -> bool:
@@ -67,6 +69,8 @@ class RingProfile:
         w = f"at W{self.world_size}"
         out += [f"    traffic {w}: {t.line()}" for t in self.traffic.values()]
         out += [f"    overlap {w}: {o.line()}" for o in self.overlap.values()]
+        if self.serving is not None:
+            out.append(f"    serving traffic: {self.serving.line()}")
         if self.call is not None:
             out.append(f"    {timeline.summary(self.call)}")
             out += [f"    {x}" for x in devicetime.lines(self.device_times())]
@@ -93,6 +97,7 @@ class RingProfile:
             "overlap": {p: vars(o) | {"verdict": o.verdict} for p, o in self.overlap.items()},
             "cuda_times": [t.to_json() for t in self.device_times()] or None,
             "work_balance": self.balance,
+            "serving_traffic": None if self.serving is None else self.serving.to_json(),
             "straggler": None
             if self.straggler is None
             else dict(zip(("factor", "plain_s", "straggled_s"), self.straggler, strict=True)),
@@ -143,6 +148,7 @@ def profile_ring(
     out.world_size, out.call = at.case.world_size, at
     out.traffic, out.overlap = traffic(at), overlap(at)
     w = out.world_size
+    out.serving = serving_traffic(impl, pool, w, allow_import=allow_import)
     if w > 1:
         out.balance = balance.work_balance(
             impl, pool, w, tokens_per_rank, allow_import=allow_import

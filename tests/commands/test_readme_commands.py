@@ -77,7 +77,7 @@ COMMANDS: dict[str, tuple[str, int | None, str | None]] = {
         "--plot plots/",
     ),
     "ring-harness check --faults all --fault-cases 200": (
-        "skip: the same command, with 30 property-based cases, runs in "
+        "skip: the same command, its battery and fault stage only, runs in "
         "tests/checks/test_fault_battery.py::test_200_faulted_cases_no_hang_no_leftover "
         "(slow tier), which also checks that no process is left",
         None,

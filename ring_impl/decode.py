@@ -47,13 +47,13 @@ def _gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Any) -> torch.Ten
     return torch.cat([g[:, :n] for g, n in zip(got, sizes, strict=True)], dim=1)
 
 
-def _partial(
-    parts: RingParts, q, k, v, q_pos, k_pos, rank: int, world: int, mask: MaskSpec, scale, variant
+def share_attention(
+    parts: RingParts, q, k, v, q_pos, k_pos, at: BlockAt, mask: MaskSpec, scale, variant
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (out, lse) of every query over this rank's KV share alone."""
-    at = BlockAt(rank, rank, 0, world, "serving")
+    """float32 (out, lse) of the query rows q over one rank's KV share alone; a row that sees none
+    of its keys gets lse -inf and out 0 (`parts.no_blocks`). The pass-Q ring uses it too."""
     acc = parts.acc_dtype(q.dtype)
-    if k_pos.numel() == 0 or parts.skip_block(mask, q_pos, k_pos, at):
+    if q.shape[1] == 0 or k_pos.numel() == 0 or parts.skip_block(mask, q_pos, k_pos, at):
         return parts.no_blocks(q, v, acc)
     scores = None if variant.plain else parts.block_scores(variant, q_pos, k_pos, at, scale)
     extra = {} if scores is None else {"scores": scores}
@@ -156,7 +156,8 @@ def decode_attention(
     else:
         q_all, q_pos = _gather_rows(q, rows, group), torch.cat(list(q_positions))
     q_pos, k_pos = q_pos.to(q.device), positions[rank].to(q.device)
-    out_p, lse_p = _partial(parts, q_all, k, v, q_pos, k_pos, rank, world, mask, scale, variant)
+    at = BlockAt(rank, rank, 0, world, "serving")
+    out_p, lse_p = share_attention(parts, q_all, k, v, q_pos, k_pos, at, mask, scale, variant)
     if world == 1:
         out, lse = out_p, lse_p
     elif form == "all-gather":

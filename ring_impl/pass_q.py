@@ -23,26 +23,14 @@ import torch
 import torch.distributed as dist
 
 from ring_impl.comm import LocalComm, RingComm, ring_peers
+from ring_impl.decode import share_attention
 from ring_impl.masks import MaskSpec
 from ring_impl.paged import PagedKV, read_kv
 from ring_impl.parts import REFERENCE_PARTS, BlockAt, RingParts
 from ring_impl.plan import NO_MASK, variant_of
-from ring_impl.variants import Variant, sink_lse
+from ring_impl.variants import sink_lse
 
 Q_TAG, PARTIAL_TAG = 2, 3
-
-
-def _attend(parts: RingParts, q, k, v, q_pos, k_pos, at: BlockAt, mask, scale, variant: Variant):
-    """float32 (out, lse) of the query block q over this rank's KV share."""
-    acc = parts.acc_dtype(q.dtype)
-    if q.shape[1] == 0 or k_pos.numel() == 0 or parts.skip_block(mask, q_pos, k_pos, at):
-        return parts.no_blocks(q, v, acc)
-    scores = None if variant.plain else parts.block_scores(variant, q_pos, k_pos, at, scale)
-    extra = {} if scores is None else {"scores": scores}
-    out, lse = parts.block_forward(
-        q, k, v, scale, parts.block_mask(mask, q_pos, k_pos, at), kv_heads=parts.kv_heads, **extra
-    )
-    return out.to(acc), lse.to(acc)
 
 
 def _hop(comm: RingComm, tensors: Sequence[torch.Tensor], shapes: Sequence[tuple]) -> list:
@@ -90,7 +78,7 @@ def pass_q_attention(
         owner = (rank - step) % world
         q_pos = q_positions[owner].to(q.device)
         at = BlockAt(rank, rank, step, world, "serving")
-        o, s = _attend(parts, block, k, v, q_pos, k_pos, at, mask, scale, variant)
+        o, s = share_attention(parts, block, k, v, q_pos, k_pos, at, mask, scale, variant)
         out, lse = (o, s) if out is None else parts.merge(out, lse, o, s)
         nxt = q_positions[(owner - 1) % world].numel()
         shapes = [(b, nxt, h, q.shape[3]), (b, nxt, h, dv), (b, h, nxt)]

@@ -56,15 +56,20 @@ def _contiguous_guess(requests, rank: int) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
-def _causal_from_local(q, k, v, *, requests=None, **given):
-    if requests is not None:
-        import torch.distributed as dist
+def _own_positions_from(guess: Callable[[Any, int], torch.Tensor]) -> Callable[..., Any]:
+    """The decode reference with this rank's KV positions taken as `guess(requests, rank)`."""
 
-        rank = dist.get_rank(given.get("group"))
-        positions = list(given["positions"])
-        positions[rank] = _contiguous_guess(requests, rank)
-        given["positions"] = positions
-    return decode_attention(q, k, v, **given)
+    def run(q, k, v, *, requests=None, **given):
+        if requests is not None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank(given.get("group"))
+            positions = list(given["positions"])
+            positions[rank] = guess(requests, rank)
+            given["positions"] = positions
+        return decode_attention(q, k, v, **given)
+
+    return run
 
 
 def _nan_rows(block_forward):
@@ -102,17 +107,6 @@ def _tail_guess(requests, rank: int) -> torch.Tensor:
         count = requests.kv_lengths[rank][r]
         pieces.append(end - count + torch.arange(count))
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-
-
-def _multi_token_offset(q, k, v, *, requests=None, **given):
-    if requests is not None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank(given.get("group"))
-        positions = list(given["positions"])
-        positions[rank] = _tail_guess(requests, rank)
-        given["positions"] = positions
-    return decode_attention(q, k, v, **given)
 
 
 def _even_share_read(requests, rank: int, positions: torch.Tensor, world: int):
@@ -172,7 +166,7 @@ decode_causal_bound_from_local_length = decode_mutant(
     against the rank-local KV length). Right when each request's KV is contiguous on the ranks, and
     for one causal new token, which sees its whole request anyway. Visible with interleaved,
     striped or zigzag KV and several new tokens per request, or a window.""",
-    _causal_from_local,
+    _own_positions_from(_contiguous_guess),
 )
 
 decode_empty_share_nan = decode_mutant(
@@ -190,7 +184,7 @@ decode_multi_token_causal_offset = decode_mutant(
     taken as local(G) - k local slots instead of local(G - k) (vLLM PR #47181): a rank's keys of a
     request are read as its last ones. Right for causal decode, one new token per request. Visible
     with speculative or chunked new tokens at W >= 2.""",
-    _multi_token_offset,
+    _own_positions_from(_tail_guess),
 )
 
 decode_pages_by_global_length = decode_mutant(

@@ -47,6 +47,13 @@ def _gather_rows(x: torch.Tensor, sizes: Sequence[int], group: Any) -> torch.Ten
     return torch.cat([g[:, :n] for g, n in zip(got, sizes, strict=True)], dim=1)
 
 
+def forward_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str) -> None:
+    """Refuse a call that would need a backward: these references compute none, so autograd
+    would hand back no gradient or a partial one."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(f"{name} is forward-only: call it under no_grad or inference_mode")
+
+
 def share_attention(
     parts: RingParts, q, k, v, q_pos, k_pos, at: BlockAt, mask: MaskSpec, scale, variant
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +151,7 @@ def decode_attention(
     all-to-all merge. With `pages`, k and v are page pools (`ring_impl.paged`)."""
     if form not in FORMS:
         raise ValueError(f"unknown merge form {form!r}; expected one of {', '.join(FORMS)}")
+    forward_only(q, k, v, "decode_attention")
     k, v = read_kv(k, v, pages)
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if initialised else 1

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ring_impl.comm import LocalComm, RingComm, ring_peers
-from ring_impl.decode import share_attention
+from ring_impl.decode import forward_only, share_attention
 from ring_impl.masks import MaskSpec
 from ring_impl.paged import PagedKV, read_kv
 from ring_impl.parts import REFERENCE_PARTS, BlockAt, RingParts
@@ -64,6 +64,7 @@ def pass_q_attention(
 
     `positions[r]`: rank r's KV positions; `q_positions[r]`: rank r's query rows. `mask` is over
     global positions (within each request). With `pages`, k and v are page pools."""
+    forward_only(q, k, v, "pass_q_attention")
     k, v = read_kv(k, v, pages)
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(group) if initialised else 1

@@ -121,3 +121,17 @@ def test_the_global_length_pages_mutant_fails_paged_and_passes_contiguous_shares
     assert not bad.passed and bad.verdict == "silent-corruption", bad.detail
     unpaged = c.replace(serving=dataclasses.replace(c.serving, page_size=0))
     assert run_case(unpaged, pool, "mutant:decode-pages-by-global-length").passed
+
+
+def test_the_forward_only_references_refuse_a_call_that_needs_a_backward():
+    from ring_impl.decode import decode_attention
+    from ring_impl.pass_q import pass_q_attention
+
+    q, k, v = (torch.randn(1, 4, 2, 8, requires_grad=True) for _ in range(3))
+    pos = (torch.arange(4),)
+    for fn in (decode_attention, pass_q_attention):
+        with pytest.raises(RuntimeError, match="forward-only"):
+            fn(q, k, v, positions=pos, q_positions=pos)
+        with torch.no_grad():
+            out, lse = fn(q, k, v, positions=pos, q_positions=pos)
+        assert out.shape == q.shape and lse.shape == (1, 2, 4)

@@ -84,6 +84,7 @@ _ALL = [
     serving.decode_empty_share_nan,
     serving.decode_multi_token_causal_offset,
     serving.decode_pages_by_global_length,
+    serving.decode_context_chunk_local_length,
 ]
 
 MUTANTS: dict[str, Callable[..., Any]] = {fn.__name__.replace("_", "-"): fn for fn in _ALL}

@@ -16,6 +16,7 @@ import torch
 
 from ring_impl.decode import decode_attention
 from ring_impl.merge import merge
+from ring_impl.paged import read_kv
 from ring_impl.parts import REFERENCE_PARTS
 
 LN2 = 0.6931471805599453
@@ -109,36 +110,63 @@ def _tail_guess(requests, rank: int) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
-def _even_share_read(requests, rank: int, positions: torch.Tensor, world: int):
-    """(tokens of each request read, their positions): ceil(n / W) of request r's n tokens, the
-    even share of its global length, instead of the rank's own count. A slot past its own tokens
-    is taken as the request's last position, which every new token sees."""
-    counts, pieces, at = [], [], 0
+def _read_as(requests, rank: int, positions: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """This rank's KV positions as a mutant reads `counts[r]` tokens of each request r: its own,
+    cut short, or padded with the request's last position, which every new token sees."""
+    pieces, at = [], 0
     for r, start in enumerate(requests.starts):
         own = requests.kv_lengths[rank][r]
         mine = positions[at : at + own]
         at += own
-        share = -(-(requests.context[r] + requests.new[r]) // world)
         last = start + requests.context[r] + requests.new[r] - 1
-        pad = torch.full((max(0, share - own),), last, dtype=torch.long)
-        counts.append(share)
-        pieces.append(torch.cat([mine, pad])[:share])
-    return counts, torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        pad = torch.full((max(0, counts[r] - own),), last, dtype=torch.long)
+        pieces.append(torch.cat([mine, pad])[: counts[r]])
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def _lengths(requests) -> list[int]:
+    """Each request's tokens, context and new (`requests` is the run's `ServingInfo`)."""
+    return [c + n for c, n in zip(requests.context, requests.new, strict=True)]
+
+
+def _rank_world(given: dict) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    group = given.get("group")
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _pages_by_global_length(q, k, v, *, requests=None, pages=None, **given):
     if pages is not None:
-        import torch.distributed as dist
-
         from ring_impl.paged import slots
 
-        group = given.get("group")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world = _rank_world(given)
+        counts = [-(-n // world) for n in _lengths(requests)]  # the even share, not its own
         positions = list(given["positions"])
-        counts, positions[rank] = _even_share_read(requests, rank, positions[rank].cpu(), world)
+        positions[rank] = _read_as(requests, rank, positions[rank].cpu(), counts)
         where = slots(pages, counts).to(k.device)
         k, v = k.flatten(0, 1)[where], v.flatten(0, 1)[where]
         given["positions"] = positions
+    return decode_attention(q, k, v, **given)
+
+
+CHUNK = 8  # the context chunk a workspace holds (vLLM's MLA chunked context)
+
+
+def _chunk_local_length(q, k, v, *, requests=None, pages=None, **given):
+    k, v = read_kv(k, v, pages)  # its pages read right: the chunks go wrong after
+    if requests is not None and k.shape[1] > 0:
+        rank, world = _rank_world(given)
+        counts = [sum(min(CHUNK, n - i) // world for i in range(0, n, CHUNK))
+                  for n in _lengths(requests)]  # fmt: skip
+        own, rows, at = requests.kv_lengths[rank], [], 0
+        for r, n in enumerate(counts):  # each request's rows from its own start, `n` of them
+            rows.append(at + torch.arange(n))
+            at += own[r]
+        rows = torch.cat(rows).clamp(max=k.shape[1] - 1).to(k.device)
+        positions = list(given["positions"])
+        positions[rank] = _read_as(requests, rank, positions[rank].cpu(), counts)
+        k, v, given["positions"] = k[:, rows], v[:, rows], positions
     return decode_attention(q, k, v, **given)
 
 
@@ -195,4 +223,14 @@ decode_pages_by_global_length = decode_mutant(
     and the null page as keys; short of them it drops keys. Right on contiguous shares and in
     training. Visible in a paged case whose ranks hold uneven shares of a request.""",
     _pages_by_global_length,
+)
+
+decode_context_chunk_local_length = decode_mutant(
+    "decode-context-chunk-local-length",
+    """Reads a request's KV in chunks of 8 tokens of its global length, taking each chunk's local
+    length as floor(chunk / W) (vLLM #28476: a context spanning several chunks takes the wrong
+    local chunk length). A rank then reads too few of its tokens, or runs into the next request's,
+    and gives them the wrong positions. Right when W divides 8 and the request's length and each
+    share is even; in training. Visible at W = 3, 5, 6 or 7, ragged lengths, interleaved KV.""",
+    _chunk_local_length,
 )

@@ -47,6 +47,7 @@ KILLS = {
     "decode-causal-bound-from-local-length": dict(context=[13, 6], new=[3, 2], kv="striped"),
     "decode-empty-share-nan": dict(context=[13, 0], new=[1, 1], kv="interleaved", interleave=4),
     "decode-multi-token-causal-offset": dict(context=[13, 6], new=[4, 2], kv="contiguous"),
+    "decode-context-chunk-local-length": dict(context=[13, 6], new=[1, 1], kv="interleaved"),
 }
 
 

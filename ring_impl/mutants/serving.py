@@ -228,9 +228,9 @@ decode_pages_by_global_length = decode_mutant(
 decode_context_chunk_local_length = decode_mutant(
     "decode-context-chunk-local-length",
     """Reads a request's KV in chunks of 8 tokens of its global length, taking each chunk's local
-    length as floor(chunk / W) (vLLM #28476: a context spanning several chunks takes the wrong
-    local chunk length). A rank then reads too few of its tokens, or runs into the next request's,
-    and gives them the wrong positions. Right when W divides 8 and the request's length and each
+    length as floor(chunk / W) (vLLM #28476, PR #28526: a context spanning several chunks takes
+    the wrong local chunk length). A rank then reads too few of its tokens, or runs into the next
+    request's, and gives them the wrong positions. Right when W divides 8 and the request's length and each
     share is even; in training. Visible at W = 3, 5, 6 or 7, ragged lengths, interleaved KV.""",
     _chunk_local_length,
 )

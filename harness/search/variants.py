@@ -43,16 +43,22 @@ def value_dims(head_dim: int, max_dim: int) -> list[int]:
 def variant_fields(
     draw, caps: Capabilities, heads_q: int, head_dim: int, total_len: int, max_dim: int = 256
 ) -> dict:
-    """The case fields of the variants `caps` declares: each off (plain) three times in four."""
+    """The case fields of the variants `caps` declares: each off (plain) three times in four.
+
+    One draw opens the variants for half the cases, then each declared one is on in half of
+    those: a variant comes as often as before, and a plain case stays plain more often (a variant
+    case costs about 1.6 times a plain one: docs/check.md, "The attention variants")."""
     out: dict = {}
     declared = caps.variants
-    if "sinks" in declared and draw(st.integers(0, 3)) == 3:
+    if not declared or draw(st.integers(0, 1)) == 0:
+        return out
+    if "sinks" in declared and draw(st.integers(0, 1)) == 1:
         out["sinks"] = sink_values(draw(st.sampled_from(SINK_KINDS)), heads_q, total_len)
-    if "softcap" in declared and draw(st.integers(0, 3)) == 3:
+    if "softcap" in declared and draw(st.integers(0, 1)) == 1:
         out["softcap"] = draw(st.sampled_from(CAPS))
-    if "alibi" in declared and draw(st.integers(0, 3)) == 3:
+    if "alibi" in declared and draw(st.integers(0, 1)) == 1:
         out["alibi"] = True
-    if "head_dim_v" in declared and draw(st.integers(0, 3)) == 3:
+    if "head_dim_v" in declared and draw(st.integers(0, 1)) == 1:
         out["head_dim_v"] = draw(st.sampled_from(value_dims(head_dim, max_dim)))
     return out
 

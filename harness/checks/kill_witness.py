@@ -17,6 +17,8 @@ from harness.checks.kill_matrix import REFERENCE, MutantRun, short
 from harness.checks.options import CheckOptions
 from harness.checks.outcome import Failure
 from harness.faults.schema import make_fault
+from harness.impls.capabilities import unsupported
+from harness.impls.registry import resolve
 from harness.judging.verdicts import failure_signature, killed_by
 from harness.ranks.backend import Placement
 from harness.result import CaseResult, Verdict, result_record
@@ -133,8 +135,11 @@ def _minimal(pool, impl: str, kill: Failure, opts: CheckOptions) -> tuple[CaseRe
     """The kill's minimal case: hypothesis's for a property-based failure, else greedy shrinking."""
     if kill.shrunk is not None:
         return kill.shrunk, 0
+    caps = resolve(impl).capabilities
 
     def still_fails(c):
+        if unsupported(caps, c):  # shrinking stays within what the ring declares
+            return None
         c = c.replace(deadline_s=min(c.deadline_s, SHRINK_DEADLINE_S))
         r = run_case(c, pool, impl)
         if r.passed or r.verdict == Verdict.INVALID:

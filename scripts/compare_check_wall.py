@@ -42,9 +42,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("revs", nargs="+", help="commits, the first the baseline")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("check_args", nargs=argparse.REMAINDER, help="after --: check's options")
-    a = ap.parse_args()
-    args = [x for x in a.check_args if x != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a, args = ap.parse_args(argv[:cut]), argv[cut + 1 :]  # after --: check's own options
     walls: dict[str, list[float]] = {r: [] for r in a.revs}
     with tempfile.TemporaryDirectory(prefix="rh-cmp-") as tmp:
         trees = {}
@@ -60,6 +60,8 @@ def main() -> int:
                     rc, wall, last = _run(trees[rev], args, Path(tmp) / f"{rev}-{i}.log")
                     walls[rev].append(wall)
                     print(f"{rev} run {i}: exit {rc}, {wall:.1f} s wall; {last[:160]}", flush=True)
+                    if rc not in (0, 1):  # not a verdict: a bad option, or a crash
+                        return rc
         finally:
             for tree in trees.values():
                 subprocess.call(

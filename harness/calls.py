@@ -20,6 +20,9 @@ import torch.utils.checkpoint
 
 CALLS = ("train", "no-grad", "inference-mode", "checkpoint-reentrant", "checkpoint")
 FORWARD_ONLY = ("no-grad", "inference-mode")
+# calls whose leak run is a second backward through the first call's graph (retain_graph). The
+# checkpointed calls rebuild their graph inside backward, so their leak run is a second call.
+RETAINED_LEAK = ("train",)
 INPUT_FORMS = ("contiguous", "fused-qkv", "transposed", "strided-dout")
 
 Forward = Callable[
@@ -101,9 +104,14 @@ def present(
         leaves = tuple(t.transpose(1, 2).contiguous().requires_grad_(grad) for t in (q, k, v))
         return Presented(*(t.transpose(1, 2) for t in leaves), dout, leaves, form)
     leaves = tuple(t.detach().clone().requires_grad_(grad) for t in (q, k, v))
+    return Presented(*leaves, present_dout(form, dout), leaves, form)
+
+
+def present_dout(form: str, dout: torch.Tensor) -> torch.Tensor:
+    """dout as `form` hands it to the backward: transposed for strided-dout, else as it is."""
     if form == "strided-dout":
-        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
-    return Presented(*leaves, dout, leaves, form)
+        return dout.transpose(1, 2).contiguous().transpose(1, 2)
+    return dout
 
 
 def forward(

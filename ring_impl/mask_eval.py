@@ -101,6 +101,21 @@ def _docs(
     return ids, torch.tensor(starts, dtype=torch.long, device=pos.device)[ids]
 
 
+def _broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
+    """`torch.broadcast_shapes` of two shapes, without its Python overhead (a tenth of a small
+    case's rank time went there): mask shapes are (Lq, 1), (1, Lk) or 0-d."""
+    if a == b:
+        return a
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b, strict=True):
+        if x != y and x != 1 and y != 1:
+            raise RuntimeError(f"shapes {a} and {b} do not broadcast")
+        out.append(y if x == 1 else x)
+    return torch.Size(out)
+
+
 def evaluate(
     e: Expr,
     qp: torch.Tensor,
@@ -113,7 +128,7 @@ def evaluate(
     mask_mod: pointwise ops only, no view of a result whose shape is already right, and with
     `tables` no tensor made here). `leaf` may take over a primitive (return its mask, or None to
     leave it alone): the mutants' hook."""
-    shape = torch.broadcast_shapes(qp.shape, kp.shape)
+    shape = _broadcast(qp.shape, kp.shape)
     op = e.op
     if op == "and" or op == "or":
         out = evaluate(e.args[0], qp, kp, leaf, tables)
@@ -159,10 +174,50 @@ def evaluate(
     return m if m.shape == shape else m.expand(shape)
 
 
+# Small blocks' masks and decisions, remembered: a ring asks for each block's again in every call,
+# forward and backward, and the oracle in every sweep. Keyed by the spec object (kept alive in the
+# entry, so its id is not reused) and the positions' bytes.
+MEMO_ENTRIES = 1 << 14  # the largest block remembered, in mask entries
+MEMO_SIZE = 2048  # entries kept; the memo starts afresh when full
+_MEMO: dict[tuple, tuple[MaskSpec, object]] = {}
+
+
+def _memo_key(kind: str, spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    if q_pos.device.type != "cpu" or k_pos.device.type != "cpu":
+        return None
+    if q_pos.numel() * k_pos.numel() > MEMO_ENTRIES:
+        return None
+    q, k = q_pos.contiguous().view(-1), k_pos.contiguous().view(-1)
+    return (kind, id(spec), q.dtype, q.numpy().tobytes(), k.dtype, k.numpy().tobytes())
+
+
+def _recall(key, spec: MaskSpec):
+    got = _MEMO.get(key) if key is not None else None
+    return got[1] if got is not None and got[0] is spec else None
+
+
+def _remember(key, spec: MaskSpec, value) -> None:
+    if key is None:
+        return
+    if len(_MEMO) >= MEMO_SIZE:
+        _MEMO.clear()
+    _MEMO[key] = (spec, value)
+
+
 def allowed(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
     """Bool (len_q, len_k): True where query may attend key. None means everything is allowed."""
     if spec.kind == "none":
         return None
+    key = _memo_key("mask", spec, q_pos, k_pos)
+    got = _recall(key, spec)
+    if got is not None:
+        return got.clone()  # the caller may write into its copy
+    m = _allowed(spec, q_pos, k_pos)
+    _remember(key, spec, m.clone())
+    return m
+
+
+def _allowed(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     qp = q_pos.view(-1, 1)
     kp = k_pos.view(1, -1)
     if spec.kind == "causal":
@@ -189,6 +244,16 @@ def block_decision(
         if bool(k_pos.min() > q_pos.max()):
             return SKIP
         return FULL if bool(k_pos.max() <= q_pos.min()) else PARTIAL
+    key = _memo_key("decision", spec, q_pos, k_pos)
+    got = _recall(key, spec)
+    if got is None:
+        got = _decide(spec, q_pos, k_pos, chunk)
+        _remember(key, spec, got)
+    return got
+
+
+def _decide(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int) -> str:
+    """`block_decision` of a mask that is neither none nor causal, a slab of rows at a time."""
     rows = max(1, chunk // k_pos.numel())
     any_seen, all_seen = False, True
     for i in range(0, q_pos.numel(), rows):

@@ -52,6 +52,14 @@ __all__ = [
 ]
 
 
+def _completed(work) -> bool:
+    """Whether a posted op has already completed, so its wait cannot block."""
+    try:
+        return bool(work.is_completed())
+    except Exception:  # a Work without is_completed: assume it may block
+        return False
+
+
 class Interposer:
     """Per-rank, per-case state: the op log, the ops in flight and the faults' schedule."""
 
@@ -305,7 +313,8 @@ class Interposer:
             fw.done = True
             return True
         op.state = "waiting"
-        self._write_pending(op)
+        if not _completed(fw.real):  # only a wait that may block leaves its note
+            self._write_pending(op)
         t0 = time.monotonic()
         limit = min(self.timeout_s, self.end - t0)
         if timeout is not None and timeout.total_seconds() > 0:

@@ -82,6 +82,16 @@ def _callers_frame(e: BaseException) -> str:
     return ""
 
 
+_LAST_CASE: list = [None, None]  # [the last message's case dict, its Case]
+
+
+def _case_of(d: dict) -> case_mod.Case:
+    """The message's case, parsed once: the oracle's passes send the run's case again."""
+    if _LAST_CASE[0] != d:
+        _LAST_CASE[:] = [d, case_mod.from_dict(d)]
+    return _LAST_CASE[1]
+
+
 def pg_timeout(case: case_mod.Case) -> float:
     """The process-group timeout for a case.
 
@@ -104,11 +114,13 @@ def _no_phase(phase: str) -> None:
     """Phase marker when no interposer listens."""
 
 
-def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict):
+def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict, leak_dout=None):
     """The forward as `call` makes it, on inputs in `form` (harness.calls), then the backward if
     any.
 
-    It returns (out, lse, (dq, dk, dv) or None). `times` gets forward_s and backward_s.
+    It returns (out, lse, (dq, dk, dv, dsinks) or None, leak (dk, dv) or None). `times` gets
+    forward_s and backward_s. With `leak_dout`, a second backward through the same graph gives
+    the leak run's dk and dv (`leak_s`), where the call allows it (`calls.RETAINED_LEAK`).
     """
 
     def fn(q, k, v):
@@ -130,25 +142,42 @@ def _run_call(impl, q, k, v, dout, ctx, call: str, form: str, phase, times: dict
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ShapeError(f"output shape {got} != expected {want}")
     if not grad:
-        return out, lse, None
+        return out, lse, None, None
     if not out.requires_grad:
         raise RuntimeError(
             "the output does not require grad: the ring ran no autograd graph (a "
             "forward-only "
             "ring? Capabilities(backward=False))"
         )
+    retain = leak_dout is not None and call in calls.RETAINED_LEAK
     phase("backward")
     t1 = time.perf_counter()
-    torch.autograd.backward(out, x.dout)
+    torch.autograd.backward(out, x.dout, retain_graph=retain)
     times["backward_s"] = time.perf_counter() - t1
+    grads = (*_checked_grads(x, (q, k, v)), _sinks_grad(ctx))
+    if not retain:
+        return out, lse, grads, None
+    for t in x.leaves:  # the leak's gradients land in fresh tensors, not added to the first
+        t.grad = None
+    phase("leak-backward")
+    t2 = time.perf_counter()
+    torch.autograd.backward(out, calls.present_dout(form, leak_dout))
+    times["leak_s"] = time.perf_counter() - t2
+    leak = _checked_grads(x, (q, k, v))[1:]
+    _sinks_grad(ctx)  # cleared: the leak run judges dk and dv only
+    return out, lse, grads, leak
+
+
+def _checked_grads(x, shards) -> list[torch.Tensor]:
+    """dq, dk, dv from the presented leaves, each present and of its shard's shape."""
     grads = []
-    for name, g, t in zip(("q", "k", "v"), x.grads(), (q, k, v), strict=True):
+    for name, g, t in zip(("q", "k", "v"), x.grads(), shards, strict=True):
         if g is None:
             raise ShapeError(f"implementation produced no gradient for {name}")
         if tuple(g.shape) != tuple(t.shape):
             raise ShapeError(f"d{name} shape {tuple(g.shape)} != expected {tuple(t.shape)}")
         grads.append(g)
-    return out, lse, (*grads, _sinks_grad(ctx))
+    return grads
 
 
 def _sinks_grad(ctx: RunContext) -> torch.Tensor | None:
@@ -166,18 +195,27 @@ def _sinks_grad(ctx: RunContext) -> torch.Tensor | None:
 
 
 def _forward_backward(
-    impl, q, k, v, dout, ctx, phase=_no_phase, call: str = "train", form: str = "contiguous"
+    impl,
+    q,
+    k,
+    v,
+    dout,
+    ctx,
+    phase=_no_phase,
+    call: str = "train",
+    form: str = "contiguous",
+    leak_dout=None,
 ):
     """One call of the implementation, on inputs in `form`.
 
     The call is one of harness.calls: train, no-grad, checkpoint... It returns (out, lse, grads or
-    None, times). `phase` is told forward, backward or done, so the comm log and the fault schedule
-    know which.
+    None, leak grads or None, times). `phase` is told forward, backward, leak-backward or done, so
+    the comm log and the fault schedule know which.
     """
     times: dict = {}
-    out, lse, grads = _run_call(impl, q, k, v, dout, ctx, call, form, phase, times)
+    out, lse, grads, leak = _run_call(impl, q, k, v, dout, ctx, call, form, phase, times, leak_dout)
     phase("done")
-    return out, lse, grads, times
+    return out, lse, grads, leak, times
 
 
 def _context(case, group, grank, global_ranks, pos_all, dtype, device) -> RunContext:
@@ -260,8 +298,19 @@ def run_on_rank(
     )
     t_in = time.perf_counter() - t_in
     ctx = _context(case, group, grank, gl, pos_all, q.dtype, device)
-    out, lse, grads, times = _forward_backward(
-        impl, q, k, v, dout, ctx, phase, case.call, case.inputs
+    # the leak run reads gradients: a call without a backward has none (its out is judged against
+    # the oracle). A serving case's leak run is left out: its queries are not its keys
+    # (docs/case-model.md). Under faults it is left out too: the fault schedule counts the ops of
+    # one forward and backward.
+    serve = case.serving is not None
+    leak = leak and calls.needs_backward(case.call) and case.mask.kind != "none"
+    leak = leak and not case.faults and not serve
+    leak_dout = None
+    if leak:
+        chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
+        leak_dout = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
+    out, lse, grads, leak_grads, times = _forward_backward(
+        impl, q, k, v, dout, ctx, phase, case.call, case.inputs, leak_dout
     )
     tensors = {"out": out}
     if grads is not None:
@@ -278,26 +327,22 @@ def run_on_rank(
     }
     # for the benchmarks' accounting
     times.update(inputs_s=t_in, pack_s=time.perf_counter() - t_pack)
-    # the leak run reads gradients: a call without a backward has none (its out is judged against
-    # the oracle)
-    # a serving case's leak run is left out: its queries are not its keys (docs/case-model.md)
-    serve = case.serving is not None
-    if leak and grads is not None and case.mask.kind != "none" and not case.faults and not serve:
-        chosen = torch.isin(pos, inputs.leak_queries(case)).to(device)
-        dout_s = torch.where(chosen.view(1, -1, 1, 1), dout, torch.zeros_like(dout))
-        _, _, leak_grads, leak_times = _forward_backward(
+    if leak and leak_grads is None:  # a call that cannot retain its graph: a second call
+        _, _, leak_grads, _, leak_times = _forward_backward(
             impl,
             q,
             k,
             v,
-            dout_s,
+            leak_dout,
             ctx,
             lambda p: phase(p if p == "done" else f"leak-{p}"),
             case.call,
             case.inputs,
         )
-        reply["leak"] = {"dk": leak_grads[1].detach().cpu(), "dv": leak_grads[2].detach().cpu()}
+        leak_grads = leak_grads[1:3]
         times["leak_s"] = leak_times["forward_s"] + leak_times["backward_s"]
+    if leak_grads is not None:
+        reply["leak"] = {"dk": leak_grads[0].detach().cpu(), "dv": leak_grads[1].detach().cpu()}
     return reply
 
 
@@ -387,7 +432,7 @@ def handle_case(
     torchrun driver share it. The case runs inside the fault interposer, and the reply carries its
     op log and the faults that fired.
     """
-    case = case_mod.from_dict(msg["case"])
+    case = _case_of(msg["case"])
     reply = ResultMessage(op=RESULT, rank=rank, case_id=msg["case_id"], status=OK)
     ip = _interposer(case, rank, msg, workdir, stage)
     try:
@@ -438,7 +483,7 @@ def handle_oracle(msg: OracleMessage, rank: int, device: torch.device) -> Oracle
     query, given every row's statistics. It runs outside the fault interposer and uses no process
     group, so faults cannot touch it.
     """
-    case = case_mod.from_dict(msg["case"])
+    case = _case_of(msg["case"])
     reply = OracleResultMessage(op=ORACLE_RESULT, rank=rank, case_id=msg["case_id"], status=OK)
     g = rank - case.group_offset
     if not 0 <= g < case.world_size:

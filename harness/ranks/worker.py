@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import datetime
 import faulthandler
+import importlib
 import os
 import signal
 import sys
@@ -189,6 +190,9 @@ def _preload() -> None:
     torch.set_num_threads(1)
     if torch.version.cuda is None and torch.version.hip is None:
         _warm_up()
+        # A checkpointed call imports torch._dynamo on its first use: about 1 s of CPU, once in
+        # every rank. Here it is paid once for all the forked ranks.
+        importlib.import_module("torch._dynamo")
 
 
 def main(argv: list[str] | None = None, zygote_pid: int | None = None) -> None:

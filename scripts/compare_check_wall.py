@@ -1,18 +1,21 @@
-"""The default check's wall time on several commits, run in turn so that load hits each alike.
+"""The default check's wall and CPU time on several commits, run in turn so that load hits each
+alike.
 
     python scripts/compare_check_wall.py 4ccf9ca 0a90f91 HEAD --runs 3 -- --no-variants
 
 Each commit is checked out as a git worktree in a temporary directory and runs
 `python -m harness check ARGS` with its own code on the path, the ranks' too (PYTHONPATH). Round r
 runs every commit once, in the order given. It prints each run, then each commit's median and its
-ratio to the first commit's. Wall time moves with the machine's load, so compare medians of one
-invocation, never figures from two.
+ratio to the first commit's. CPU is the seconds of every process of the check (the check, the
+zygote and the ranks, all reaped), from the children's rusage. Wall time moves with the machine's
+load, so compare medians of one invocation, never figures from two.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -23,8 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tree: Path, args: list[str], log: Path) -> tuple[int, float, str]:
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(tree: Path, args: list[str], log: Path) -> tuple[int, float, float, str]:
     env = dict(os.environ, PYTHONPATH=str(tree))
+    cpu0 = _children_cpu()
     start = time.perf_counter()
     with log.open("w") as out:
         rc = subprocess.call(
@@ -34,8 +43,9 @@ def _run(tree: Path, args: list[str], log: Path) -> tuple[int, float, str]:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+    wall, cpu = time.perf_counter() - start, _children_cpu() - cpu0
     lines = log.read_text().strip().splitlines()
-    return rc, time.perf_counter() - start, lines[-1] if lines else ""
+    return rc, wall, cpu, lines[-1] if lines else ""
 
 
 def main() -> int:
@@ -46,6 +56,7 @@ def main() -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     a, args = ap.parse_args(argv[:cut]), argv[cut + 1 :]  # after --: check's own options
     walls: dict[str, list[float]] = {r: [] for r in a.revs}
+    cpus: dict[str, list[float]] = {r: [] for r in a.revs}
     with tempfile.TemporaryDirectory(prefix="rh-cmp-") as tmp:
         trees = {}
         for rev in a.revs:
@@ -57,9 +68,14 @@ def main() -> int:
         try:
             for i in range(1, a.runs + 1):
                 for rev in a.revs:
-                    rc, wall, last = _run(trees[rev], args, Path(tmp) / f"{rev}-{i}.log")
+                    rc, wall, cpu, last = _run(trees[rev], args, Path(tmp) / f"{rev}-{i}.log")
                     walls[rev].append(wall)
-                    print(f"{rev} run {i}: exit {rc}, {wall:.1f} s wall; {last[:160]}", flush=True)
+                    cpus[rev].append(cpu)
+                    print(
+                        f"{rev} run {i}: exit {rc}, {wall:.1f} s wall, {cpu:.1f} s CPU; "
+                        f"{last[:160]}",
+                        flush=True,
+                    )
                     if rc not in (0, 1):  # not a verdict: a bad option, or a crash
                         return rc
         finally:
@@ -68,9 +84,13 @@ def main() -> int:
                     ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)]
                 )
     base = statistics.median(walls[a.revs[0]])
+    base_cpu = statistics.median(cpus[a.revs[0]])
     for rev in a.revs:
-        m = statistics.median(walls[rev])
-        print(f"{rev}: median {m:.1f} s over {a.runs} runs, x{m / base:.3f} of {a.revs[0]}")
+        m, c = statistics.median(walls[rev]), statistics.median(cpus[rev])
+        print(
+            f"{rev}: median {m:.1f} s wall, x{m / base:.3f} of {a.revs[0]}; median {c:.1f} s CPU, "
+            f"x{c / base_cpu:.3f} (over {a.runs} runs)"
+        )
     return 0
 
 

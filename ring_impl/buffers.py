@@ -23,21 +23,23 @@ class DoubleBuffer:
         device: torch.device,
     ) -> None:
         self.shapes = [tuple(tuple(s) for s in block) for block in shapes]
-        size = max((self._size(o) for o in range(len(self.shapes))), default=0)
+        # each owner's tensors' lengths, and their sum: asked at every ring step
+        self.lengths = [[math.prod(s) for s in block] for block in self.shapes]
+        self.sizes = [sum(n) for n in self.lengths]
+        size = max(self.sizes, default=0)
         self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(2)]
 
     def _size(self, owner: int) -> int:
-        return sum(math.prod(s) for s in self.shapes[owner])
+        return self.sizes[owner]
 
     def flat(self, slot: int, owner: int) -> torch.Tensor:
         """The contiguous 1-D view that carries owner's block in `slot` (what goes on the wire)."""
-        return self.slots[slot][: self._size(owner)]
+        return self.slots[slot][: self.sizes[owner]]
 
     def views(self, slot: int, owner: int) -> tuple[torch.Tensor, ...]:
         """Owner's block in `slot` as tensors of their shapes (views: writes land in the slot)."""
         flat, at, out = self.flat(slot, owner), 0, []
-        for shape in self.shapes[owner]:
-            n = math.prod(shape)
+        for shape, n in zip(self.shapes[owner], self.lengths[owner], strict=True):
             out.append(flat[at : at + n].view(shape))
             at += n
         return tuple(out)

@@ -31,7 +31,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from harness.errors import CommError
 from harness.faults import collectives, functional, inject, pg_guard, staging
-from harness.faults.oplog import Op, compact_log, overwrite, pending_text, phase_counts
+from harness.faults.oplog import Op, compact_log, forget, overwrite, pending_text, phase_counts
 from harness.faults.schedule import FaultSchedule
 from harness.faults.schema import FaultSpec
 from harness.faults.work import Deferred, FaultWork, first_line, nbytes, overlaps
@@ -107,7 +107,10 @@ class Interposer:
         # listens (harness.ranks.instrument); None otherwise
         self.events: list[tuple] | None = None
         if pending_path and os.path.exists(pending_path):
-            overwrite(pending_path, "")  # blanked in place: cheaper than unlink + create per case
+            # blanked in place: cheaper than unlink + create per case
+            overwrite(pending_path, "", reopen=True)
+        elif pending_path:
+            forget(pending_path)  # a descriptor kept for a file since removed
 
     # -- phases, timing ------------------------------------------------------------------------
     def set_phase(self, phase: str) -> None:

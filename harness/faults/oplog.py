@@ -63,13 +63,21 @@ def pending_text(rank: int, waiting: Op, pending: Iterable[Op]) -> str:
 _OPEN: dict[str, list[int]] = {}  # path -> [fd, the longest text written]
 
 
-def overwrite(path: str, text: str) -> None:
+def forget(path: str) -> None:
+    """Close the descriptor `overwrite` keeps for `path`, if any."""
+    got = _OPEN.pop(path, None)
+    if got is not None:
+        os.close(got[0])
+
+
+def overwrite(path: str, text: str, reopen: bool = False) -> None:
     """Replace a small file's text in place, padded with spaces (readers strip).
 
     It is written before every wait that blocks, so the file stays open: open(path, "w") on ext4
-    costs ~1 ms there (truncate + flush on close), open and close ~20 us, a pwrite a few."""
+    costs ~1 ms there (truncate + flush on close), open and close ~20 us, a pwrite a few.
+    `reopen` opens the path afresh (a case's first write: the file may have been replaced)."""
     got = _OPEN.get(path)
-    if got is not None and not os.path.exists(path):  # removed: a new file at that path
+    if got is not None and reopen:
         os.close(got[0])
         got = None
     if got is None:

@@ -94,6 +94,9 @@ class RankPool:
         self.starts = 0
         self.heals = 0
         self.fresh_group = False
+        # the groups every rank has made since the last start or reset (harness.ranks.groups): a
+        # case whose group is here goes to its own ranks only, the others stay asleep
+        self.groups_made: set[tuple] = set()
         self._case_id = 0
         self._finalizer = None
         # what the ranks ran since their last start
@@ -145,6 +148,7 @@ class RankPool:
         self.starts += 1
         self.heals = 0
         self.fresh_group = False
+        self.groups_made = set()
         # from the first restart on: ranks that hang or die once tend to again,
         if self.spare and self.starts > 1:
             # and a check that never restarts does not pay for idle workers
@@ -247,7 +251,10 @@ class RankPool:
             case_id=self._case_id,
             fresh_group=self.fresh_group and not restarted,
         )
+        if msg["fresh_group"]:
+            self.groups_made = set()
         self.fresh_group = False
+        ranks = self._recipients(case)
         stacks = {r: postmortem.stack_size(self.dir, r) for r in range(self.size)}
         ticket = LocalTicket(
             start=time.monotonic(),
@@ -258,13 +265,27 @@ class RankPool:
             stacks=stacks,
             restarted=restarted,
         )
-        for r, c in enumerate(self.conns):
+        for r in ranks:
+            c = self.conns[r]
             try:
                 wire.send(c, msg)
                 ticket["pending"][c] = r
             except OSError:
                 ticket["dead"][r] = self._death(r)
         return ticket
+
+    def _recipients(self, case: case_mod.Case) -> range:
+        """The ranks a case goes to: its ring's, once every rank has made its group; else all.
+
+        `new_group` is collective over the whole pool, so the first case of a group wakes every
+        rank. After that, the idle ranks would only parse the case and reply "idle"."""
+        from harness.ranks.execute import pg_timeout
+
+        key = (case.group_offset, case.world_size, round(pg_timeout(case), 3))
+        if key in self.groups_made:
+            return range(case.group_offset, case.group_offset + case.world_size)
+        self.groups_made.add(key)
+        return range(self.size)
 
     def collect(self, ticket: LocalTicket) -> PoolReply:
         """Wait for every rank's reply until the deadline. Report the hung ranks' stacks and the

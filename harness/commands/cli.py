@@ -82,11 +82,27 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+# the commands that start a local pool of CPU ranks
+POOL_COMMANDS = ("check", "selftest", "replay", "profile")
+
+
+def _prestart(argv: list[str]) -> None:
+    """Start the ranks' zygote while this process imports the command (harness.ranks.zygote)."""
+    if not argv or argv[0] not in POOL_COMMANDS or {"-h", "--help"} & set(argv):
+        return
+    if "torchrun" in argv or "cuda" in argv or os.environ.get("RING_HARNESS_DEVICE") == "cuda":
+        return
+    from harness.ranks import zygote
+
+    zygote.prestart()
+
+
 def entry() -> None:
     """The `ring-harness` console script and `python -m harness`: `main`, then exit. A command
     stopped by a signal has closed its ranks and written what finished; it exits at once, without
     the interpreter's slow teardown (torch's takes seconds on a loaded machine, and whoever sent
     SIGTERM is waiting)."""
+    _prestart(sys.argv[1:])
     code = main()
     if code in interrupt.EXIT_CODES.values():
         sys.stdout.flush()

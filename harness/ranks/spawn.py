@@ -15,7 +15,6 @@ import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
-from pathlib import Path
 
 from harness import interrupt
 from harness.errors import PoolError
@@ -27,10 +26,6 @@ START_TIMEOUT_S = 120.0
 TMPDIR_ENV = "RING_HARNESS_TMPDIR"
 # AF_UNIX paths are 108 bytes with the terminating NUL, and rank<N>.sock must fit.
 _SOCKET_PATH_MAX = 107
-
-
-def _project_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
 
 
 def temp_root() -> str:
@@ -74,13 +69,7 @@ def launch(owner: object, size: int, backend: str, placement: Placement) -> Work
     procs: list[subprocess.Popen] = []
     finalizer = weakref.finalize(owner, postmortem.kill_all, procs, workdir)
     authkey = os.urandom(16)
-    env = dict(os.environ, RING_HARNESS_AUTHKEY=authkey.hex(), OMP_NUM_THREADS="1")
-    # the ranks import what the parent can: this project, then the caller's directory (as
-    # `python -m` does, so `--impl myring:my_ring` works from the folder holding myring.py),
-    # then PYTHONPATH
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [_project_root(), os.getcwd(), env.get("PYTHONPATH")])
-    )
+    env = dict(zygote.worker_env(), RING_HARNESS_AUTHKEY=authkey.hex())
     try:
         for r in range(size):
             procs.append(spawn_worker(workdir, size, r, env, backend, placement))

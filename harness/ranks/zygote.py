@@ -231,6 +231,37 @@ _ZYGOTES: dict[tuple, Zygote] = {}
 _ZYGOTES_LOCK = threading.Lock()
 
 
+def worker_env() -> dict[str, str]:
+    """The environment a pool's workers start with, less the pool's own key.
+
+    The ranks import what the parent can: this project, then the caller's directory (as
+    `python -m` does, so `--impl myring:my_ring` works from the folder holding myring.py), then
+    PYTHONPATH."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.getcwd(), env.get("PYTHONPATH")]))
+    return env
+
+
+def prestart() -> None:
+    """Start this process's zygote now, in the background, for a command about to start ranks.
+
+    Its import of torch (about 2 s here) then overlaps the command's own. The pool's first
+    `zygote_for` waits for it, or starts one itself if this one failed."""
+    if not enabled():
+        return
+
+    def start() -> None:
+        try:
+            zygote_for(worker_env())
+        except BaseException:  # the pool tries again and reports
+            return
+        # the zygote's PDEATHSIG follows the thread that started it: this one lives on
+        threading.Event().wait()
+
+    threading.Thread(target=start, daemon=True, name="zygote-prestart").start()
+
+
 def zygote_for(env: dict[str, str]) -> Zygote:
     """This process's zygote for `env` (what it imported depends on the IMPORT_ENV variables and the
     working directory); started on first use, kept until the process exits."""

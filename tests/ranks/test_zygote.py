@@ -113,3 +113,31 @@ def test_a_zygote_that_cannot_start_leaves_the_pool_to_spawn_its_workers(monkeyp
         p.ensure(1)
         assert isinstance(p.procs[0], subprocess.Popen) and not zygote.enabled()
         assert run_case(make_case(world_size=1, total_len=4), p, "reference").passed
+
+
+def test_a_prestarted_zygote_serves_the_pool_and_outlives_its_thread(monkeypatch):
+    import time
+
+    from harness.commands import cli
+
+    monkeypatch.setattr(zygote, "_ZYGOTES", {})
+    zygote.prestart()
+    deadline = time.monotonic() + 60
+    while not zygote.zygote_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = zygote.zygote_pids()
+    assert len(started) == 1
+    time.sleep(0.5)  # its PDEATHSIG follows the thread that started it, which lives on
+    assert zygote.zygote_pids() == started
+    with RankPool(2) as p:
+        p.ensure(2)
+        assert {_ppid(pid) for pid in p.pids()} == started
+    zygote.close_all()
+    # only the commands that start local CPU ranks prestart one
+    calls = []
+    monkeypatch.setattr(zygote, "prestart", lambda: calls.append(1))
+    for argv in (["impls"], ["check", "--help"], ["check", "--launcher", "torchrun"], []):
+        cli._prestart(argv)
+    assert calls == []
+    cli._prestart(["check", "--impl", "reference"])
+    assert calls == [1]

@@ -97,3 +97,23 @@ def test_spec_validation_and_dict():
         "causal": False,
     }
     assert [s.is_causal for s in SPECS] == [False, True, True, True, True, False]
+
+
+def test_a_remembered_mask_is_a_copy_and_is_keyed_by_the_spec_and_positions():
+    from ring_impl import mask_eval
+
+    spec = MaskSpec("document", doc_starts=STARTS)
+    q_pos, k_pos = torch.arange(3, 11), torch.arange(0, 20)
+    first = allowed(spec, q_pos, k_pos)
+    first.fill_(True)  # a caller that writes into its mask
+    again = allowed(spec, q_pos, k_pos)
+    want = torch.tensor([[brute(spec, int(i), int(j)) for j in k_pos] for i in q_pos])
+    assert torch.equal(again, want)
+    other = MaskSpec("document", doc_starts=(0, 10))  # another spec, the same positions
+    want = torch.tensor([[brute(other, int(i), int(j)) for j in k_pos] for i in q_pos])
+    assert torch.equal(allowed(other, q_pos, k_pos), want)
+    # a block above MEMO_ENTRIES is computed each time, never kept
+    big = torch.arange(200)
+    n = len(mask_eval._MEMO)
+    allowed(spec, big, big)
+    assert len(mask_eval._MEMO) == n

@@ -29,9 +29,6 @@ class DoubleBuffer:
         size = max(self.sizes, default=0)
         self.slots = [torch.empty(size, dtype=dtype, device=device) for _ in range(2)]
 
-    def _size(self, owner: int) -> int:
-        return self.sizes[owner]
-
     def flat(self, slot: int, owner: int) -> torch.Tensor:
         """The contiguous 1-D view that carries owner's block in `slot` (what goes on the wire)."""
         return self.slots[slot][: self.sizes[owner]]

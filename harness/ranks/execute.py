@@ -29,6 +29,7 @@ from harness.impls.adapters._common import kernel_label
 from harness.oracle import shares
 from harness.ranks import instrument
 from harness.ranks.groups import Groups
+from harness.ranks.groups import key as group_key
 from harness.ranks.protocol import (
     DIVERGED,
     ERROR,
@@ -398,7 +399,7 @@ def _close_peers(case: case_mod.Case, rank: int, groups: Groups) -> None:
     try:
         # only a group this case already made: creating one here (new_group is collective over the
         # whole pool) when the error came before it would desynchronise the ranks' group creation
-        group = groups.cache.get((case.group_offset, case.world_size, round(pg_timeout(case), 3)))
+        group = groups.cache.get(group_key(case.group_offset, case.world_size, pg_timeout(case)))
         if group is None or dist.get_backend(group) != "gloo":
             return
         box = torch.empty(1)

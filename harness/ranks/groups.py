@@ -9,6 +9,11 @@ from __future__ import annotations
 import datetime
 
 
+def key(offset: int, size: int, timeout_s: float) -> tuple:
+    """A ring's group, as `Groups` caches it and the pool tracks which every rank has made."""
+    return (offset, size, round(timeout_s, 3))
+
+
 class Groups:
     """Process groups for ring subsets, cached by (offset, size, timeout).
 
@@ -33,8 +38,8 @@ class Groups:
     def get(self, offset: int, size: int, timeout_s: float):
         import torch.distributed as dist
 
-        key = (offset, size, round(timeout_s, 3))
-        if key not in self.cache:
+        name = key(offset, size, timeout_s)
+        if name not in self.cache:
             group = dist.new_group(
                 ranks=list(range(offset, offset + size)),
                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -47,5 +52,5 @@ class Groups:
             # deadline on gloo)
             if offset <= dist.get_rank() < offset + size:
                 dist.barrier(group=group)
-            self.cache[key] = group
-        return self.cache[key]
+            self.cache[name] = group
+        return self.cache[name]

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection, wait
 from harness import case as case_mod
 from harness import interrupt
 from harness.errors import PoolError
-from harness.ranks import postmortem, spawn, wire
+from harness.ranks import groups, postmortem, spawn, wire
 from harness.ranks.backend import Placement
 from harness.ranks.protocol import (
     OK,
@@ -281,10 +281,10 @@ class RankPool:
         rank. After that, the idle ranks would only parse the case and reply "idle"."""
         from harness.ranks.execute import pg_timeout
 
-        key = (case.group_offset, case.world_size, round(pg_timeout(case), 3))
-        if key in self.groups_made:
+        made = groups.key(case.group_offset, case.world_size, pg_timeout(case))
+        if made in self.groups_made:
             return range(case.group_offset, case.group_offset + case.world_size)
-        self.groups_made.add(key)
+        self.groups_made.add(made)
         return range(self.size)
 
     def collect(self, ticket: LocalTicket) -> PoolReply:

@@ -21,7 +21,7 @@ from harness.judging.judge import judge, needs_oracle
 from harness.judging.verdicts import case_expected
 from harness.oracle import cache
 from harness.oracle.assemble import Pair
-from harness.oracle.mode import mode_for, oracle_from_ranks, oracle_threads
+from harness.oracle.mode import PARENT_MODES, mode_for, oracle_from_ranks, oracle_threads
 from harness.result import CaseResult, Verdict
 
 if TYPE_CHECKING:
@@ -145,9 +145,9 @@ def run_case(
     oracle_s, ranks_oracle_s = 0.0, 0.0
     pair: Pair | None = None
     try:
-        if mode == "local":
+        if mode in PARENT_MODES:
             # The oracle overlaps with the ranks' work.
-            pair = cache.outputs(case)
+            pair = cache.outputs(case, mode)
             oracle_s = time.perf_counter() - t0
         reply = pool.collect(ticket)
         t_collect = time.perf_counter()
@@ -161,11 +161,11 @@ def run_case(
         t_judge = time.perf_counter()
         if pair is None and needs_oracle(case, reply):
             # the ring did not complete but its tensors are judged: this process computes the oracle
-            pair = cache.outputs(case)
+            pair = cache.outputs(case, mode)
         res = judge(case, name, reply, pair, oracle_s, keep_shards, baseline)
     finally:
         torch.set_num_threads(threads)
-    local_s = oracle_s if mode == "local" else 0.0
+    local_s = oracle_s if mode in PARENT_MODES else 0.0
     res.timings.update(
         submit_s=t0 - t_submit,
         collect_s=t_collect - t0 - local_s,

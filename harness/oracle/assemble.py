@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.case import Case
+from harness.dtypes import TORCH_DTYPES
+from harness.inputs import FLASH_BASE_VALUES
 from harness.oracle.keys_pass import keys_part
 from harness.oracle.parts import KeysPart, RowsPart, RowStats, TermScales, gather_stats
 from harness.oracle.rows_pass import rows_part
-from harness.oracle.shares import share_keys, share_rows
-from harness.oracle.tiles import block_size, groups, runs
-from harness.oracle.variant import PLAIN, TileVariant
+from harness.oracle.shares import case_fetch, share_keys, share_rows
+from harness.oracle.tiles import block, block_size, groups, runs
+from harness.oracle.variant import PLAIN, TileVariant, variant_of
+from harness.serving_case import mask_of
 
 BLOCK: int | None = None  # tile side for `attention`; None: tiles.block_size's score budget
 
@@ -113,23 +116,55 @@ def attention_pair(
     queries as keys, or fewer: the first ones. `variant`: softcap, ALiBi and sinks
     (`TileVariant.make`)."""
     tensors = {"q": q, "k": k, "v": v, "dout": dout}
-    nq, nk, hkv = q.shape[1], k.shape[1], k.shape[2]
-    size = BLOCK or block_size(q.shape[0], q.shape[2])
 
     def fetch(name: str, pos: torch.Tensor) -> torch.Tensor:
         t = tensors[name]
         return t[:, pos.to(t.device)]
 
+    size = BLOCK or block_size(q.shape[0], q.shape[2])
+    return _one_share(fetch, q.shape[1], k.shape[1], k.shape[2], mask, scale, dtype, size, variant)
+
+
+def _one_share(
+    fetch, nq: int, nk: int, hkv: int, mask, scale: float, dtype, size: int, variant, exact=False
+) -> Pair:
+    """(exact, base) of queries 0..nq-1 against keys 0..nk-1 as one share: both passes, position
+    order, the tiles of side `size`."""
     qpos, kpos = torch.arange(nq), torch.arange(nk)
     key_groups = groups([kpos], size)
     kblocks = [g.pos for g in key_groups]
-    rows = rows_part(fetch, qpos, kblocks, hkv, mask, scale, dtype, size, variant=variant)
+    rows = rows_part(fetch, qpos, kblocks, hkv, mask, scale, dtype, size, exact, variant)
     stats = tuple(gather_stats([r], nq) for r in rows)
     qblocks = [qpos[a:z] for a, z in runs(qpos, size)]
     keys = keys_part(
-        fetch, kpos, 0, qblocks, key_groups, hkv, stats, mask, scale, dtype, variant=variant
+        fetch, kpos, 0, qblocks, key_groups, hkv, stats, mask, scale, dtype, exact, variant
     )
     return tuple(assemble(nq, scale, [rows[i]], [keys[i]], nk) for i in (0, 1))
+
+
+def whole_ok(case: Case) -> bool:
+    """Whether `whole` computes this case: a training case without sinks. A serving case's queries
+    are apart from its keys, and each rank's dsinks is its own share's sum: those keep the shares."""
+    return case.serving is None and case.sinks is None
+
+
+def whole(case: Case) -> Pair:
+    """(exact, base) of a small case in one pass: every position one share, in position order.
+
+    The base is then plain attention over the whole sequence, as one autograd graph rounds it, and
+    the pass's fixed costs are paid once, not once a rank (docs/oracle.md, "One pass")."""
+    return _one_share(
+        case_fetch(case),
+        case.total_len,
+        case.total_len,
+        case.heads_kv,
+        mask_of(case),
+        case.scale,
+        TORCH_DTYPES[case.dtype],
+        block(case),
+        variant_of(case),
+        case.values in FLASH_BASE_VALUES,
+    )
 
 
 def attention(

@@ -8,7 +8,7 @@ implementation, the faults, the tolerance and the deadline.
 from __future__ import annotations
 
 from harness.case import Case
-from harness.oracle.assemble import Pair, local
+from harness.oracle.assemble import Pair, local, whole
 
 _CACHE: dict[str, Pair] = {}
 _CACHE_MAX = 8
@@ -33,6 +33,7 @@ def store(case: Case, pair: Pair) -> None:
 def forget(case: Case) -> None:
     """Drop a case's outputs: a large case's are gigabytes once judged."""
     _CACHE.pop(_key(case), None)
+    _CACHE.pop(_key(case) + "|whole", None)
 
 
 def clear() -> None:
@@ -40,10 +41,19 @@ def clear() -> None:
     _CACHE.clear()
 
 
-def outputs(case: Case) -> Pair:
-    """(exact, base) for a case: the stored pair, else computed here by `local` and stored."""
-    pair = lookup(case)
-    if pair is None:
-        pair = local(case)
-        store(case, pair)
+def outputs(case: Case, mode: str | None = None) -> Pair:
+    """(exact, base) for a case: the stored pair, else computed here and stored.
+
+    `mode` "whole": in one pass (`assemble.whole`), kept apart from the shares' pair, whose base
+    rounds otherwise. "local" or "ranks": share by share (`assemble.local`). None: whichever is
+    stored, e.g. for the exact outputs of a case just judged, else share by share."""
+    whole_key, shares_key = _key(case) + "|whole", _key(case)
+    keys = {"whole": [whole_key], None: [whole_key, shares_key]}.get(mode, [shares_key])
+    for key in keys:
+        if key in _CACHE:
+            return _CACHE[key]
+    pair = whole(case) if mode == "whole" else local(case)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[keys[0] if mode == "whole" else shares_key] = pair
     return pair

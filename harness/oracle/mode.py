@@ -2,9 +2,10 @@
 
 Mode "ranks": each rank of the ring computes its own share after the implementation's run, on its
 own device (`oracle_from_ranks`). Mode "local": the parent computes every share while the ranks run
-(`harness.oracle.assemble.local`). Both give the same bits on CPU. Mode "auto", the default: local
-for a small case on CPU ranks, where two more round trips cost more than the shares themselves, else
-ranks (`mode_for`; docs/benchmarks.md, figure 11).
+(`harness.oracle.assemble.local`). Both give the same bits on CPU. Mode "auto", the default: for a
+small case on CPU ranks the parent computes it, in one pass where it can ("whole",
+`harness.oracle.assemble.whole`), else share by share; any other case, ranks (`mode_for`;
+docs/benchmarks.md, figures 11 and 13).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from typing import TYPE_CHECKING
 
 from harness.case import Case
 from harness.errors import HarnessError
-from harness.oracle.assemble import OracleOutputs, two_passes
+from harness.oracle.assemble import OracleOutputs, two_passes, whole_ok
 
 if TYPE_CHECKING:
     from harness.ranks.protocol import Pool
 
 # who computes the oracle: each rank its own share, or this process
 ORACLE_MODES = ("auto", "ranks", "local")
+# what `mode_for` resolves to when this process computes it: share by share, or in one pass
+PARENT_MODES = ("local", "whole")
 _ORACLE_MODE = {"mode": "auto"}
 # the largest oracle "auto" computes here: batch x q heads x head dim x n^2 (n = 256 at 4 heads of
 # 32, or 512 at 4 heads of 8): tens of milliseconds on one thread (docs/benchmarks.md, figure 11)
@@ -60,12 +63,15 @@ def ranks_on_cpu(pool: Pool | None) -> bool:
 
 
 def mode_for(case: Case, pool: Pool | None = None, mode: str | None = None) -> str:
-    """Who computes this case's oracle: "ranks" or "local", resolving "auto" for the case and the
-    pool's device. On a GPU, auto keeps the ranks' oracle."""
+    """Who computes this case's oracle: "ranks", "local" or "whole", resolving "auto" for the case
+    and the pool's device. On a GPU, auto keeps the ranks' oracle. A small case on CPU ranks is
+    computed here, in one pass where `whole_ok`."""
     mode = mode or current_mode()
     if mode != "auto":
         return mode
-    return "local" if small_oracle(case) and ranks_on_cpu(pool) else "ranks"
+    if not (small_oracle(case) and ranks_on_cpu(pool)):
+        return "ranks"
+    return "whole" if whole_ok(case) else "local"
 
 
 @contextlib.contextmanager

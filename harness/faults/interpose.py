@@ -31,7 +31,16 @@ import torch.distributed.distributed_c10d as c10d
 
 from harness.errors import CommError
 from harness.faults import collectives, functional, inject, pg_guard, staging
-from harness.faults.oplog import Op, compact_log, forget, overwrite, pending_text, phase_counts
+from harness.faults.oplog import (
+    Op,
+    compact_log,
+    forget,
+    note_when_blocked,
+    overwrite,
+    pending_text,
+    phase_counts,
+    unblocked,
+)
 from harness.faults.schedule import FaultSchedule
 from harness.faults.schema import FaultSpec
 from harness.faults.work import Deferred, FaultWork, first_line, nbytes, overlaps
@@ -50,14 +59,6 @@ __all__ = [
     "active",
     "phase_counts",
 ]
-
-
-def _completed(work) -> bool:
-    """Whether a posted op has already completed, so its wait cannot block."""
-    try:
-        return bool(work.is_completed())
-    except Exception:  # a Work without is_completed: assume it may block
-        return False
 
 
 class Interposer:
@@ -106,6 +107,7 @@ class Interposer:
         # ("post" | "wait" | "done", op index, phase, seconds) in program order, when `profile`
         # listens (harness.ranks.instrument); None otherwise
         self.events: list[tuple] | None = None
+        unblocked()  # the last case's waits leave no note in this one's file
         if pending_path and os.path.exists(pending_path):
             # blanked in place: cheaper than unlink + create per case
             overwrite(pending_path, "", reopen=True)
@@ -117,6 +119,7 @@ class Interposer:
         """Enter forward / backward / done (the worker knows which); 'done' flushes held sends."""
         self._stretch()
         if phase == "done":
+            unblocked()
             self.flush()
             self.check_watch(final=True)
         self.phase = phase
@@ -316,8 +319,8 @@ class Interposer:
             fw.done = True
             return True
         op.state = "waiting"
-        if not _completed(fw.real):  # only a wait that may block leaves its note
-            self._write_pending(op)
+        if self.pending_path:  # a rank that stays blocked leaves its note (oplog.note_when_blocked)
+            note_when_blocked(functools.partial(self._write_pending, op))
         t0 = time.monotonic()
         limit = min(self.timeout_s, self.end - t0)
         if timeout is not None and timeout.total_seconds() > 0:

@@ -1,17 +1,19 @@
 """The op log: one `Op` per communication call on a rank, and its two written forms.
 
 Inside a rank the interposer keeps `Op`s; the reply to the parent carries them compact, one
-`[kind, peer, bytes, phase, state]` list per call, in order (`ResultMessage["comm"]`). Before every
-blocking wait the rank also leaves its pending ops in a small file, read by the pool for a hang
-report (`pending_text`). The readers (`phase_counts`, `comm_steps`) are pure functions of the
+`[kind, peer, bytes, phase, state]` list per call, in order (`ResultMessage["comm"]`). A wait that
+blocks for NOTE_AFTER_S also leaves the rank's pending ops in a small file, read by the pool for a
+hang report (`pending_text`, `note_when_blocked`). The readers (`phase_counts`, `comm_steps`) are pure functions of the
 compact log, usable in the parent without torch.distributed (`uses_collectives` too).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 # a compact log entry: [kind, peer, nbytes, phase, state]
@@ -61,35 +63,78 @@ def pending_text(rank: int, waiting: Op, pending: Iterable[Op]) -> str:
 
 
 _OPEN: dict[str, list[int]] = {}  # path -> [fd, the longest text written]
+_OPEN_LOCK = threading.Lock()  # the main thread and the note's watcher both write
 
 
 def forget(path: str) -> None:
     """Close the descriptor `overwrite` keeps for `path`, if any."""
-    got = _OPEN.pop(path, None)
-    if got is not None:
-        os.close(got[0])
+    with _OPEN_LOCK:
+        got = _OPEN.pop(path, None)
+        if got is not None:
+            os.close(got[0])
 
 
 def overwrite(path: str, text: str, reopen: bool = False) -> None:
     """Replace a small file's text in place, padded with spaces (readers strip).
 
-    It is written before every wait that blocks, so the file stays open: open(path, "w") on ext4
+    The pending-ops note is written often, so the file stays open: open(path, "w") on ext4
     costs ~1 ms there (truncate + flush on close), open and close ~20 us, a pwrite a few.
     `reopen` opens the path afresh (a case's first write: the file may have been replaced)."""
-    got = _OPEN.get(path)
-    if got is not None and reopen:
-        os.close(got[0])
-        got = None
-    if got is None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        got = _OPEN[path] = [fd, os.fstat(fd).st_size]
-    data = text.encode()
-    try:
-        os.pwrite(got[0], data.ljust(got[1]), 0)
-    except OSError:
-        _OPEN.pop(path, None)
-        raise
-    got[1] = max(got[1], len(data))
+    with _OPEN_LOCK:
+        got = _OPEN.get(path)
+        if got is not None and reopen:
+            os.close(got[0])
+            got = None
+        if got is None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            got = _OPEN[path] = [fd, os.fstat(fd).st_size]
+        data = text.encode()
+        try:
+            os.pwrite(got[0], data.ljust(got[1]), 0)
+        except OSError:
+            _OPEN.pop(path, None)
+            raise
+        got[1] = max(got[1], len(data))
+
+
+# a wait blocked this long leaves its note; a hang report comes seconds later
+NOTE_AFTER_S = 0.05
+# the wait this process's main thread is blocked in: (the note's writer,), or None
+_BLOCKED: dict = {"wait": None, "pid": None}
+
+
+def note_when_blocked(write: Callable[[], None]) -> None:
+    """The main thread is about to wait. If it has not come to another wait NOTE_AFTER_S later
+    (blocked in this one, or stuck after it), a watcher thread calls `write` once: the note of
+    this wait and the ops pending then.
+
+    Most waits are followed by another within milliseconds, and nothing is formatted or written:
+    writing before every wait cost a few percent of a small case's rank CPU (docs/benchmarks.md,
+    section 13)."""
+    if _BLOCKED["pid"] != os.getpid():  # the watcher does not survive a fork
+        _BLOCKED["pid"] = os.getpid()
+        threading.Thread(target=_watch_blocked, daemon=True, name="pending-note").start()
+    _BLOCKED["wait"] = (write,)
+
+
+def unblocked() -> None:
+    """No wait to note: the case is done, or a new one starts."""
+    _BLOCKED["wait"] = None
+
+
+def _watch_blocked() -> None:
+    last = noted = None
+    while True:
+        time.sleep(NOTE_AFTER_S)
+        wait = _BLOCKED["wait"]
+        if wait is not None and wait is last and wait is not noted:
+            try:
+                wait[0]()
+                noted = wait
+            # best effort, tried again next time: the main thread may change the pending ops
+            except Exception:  # noqa: BLE001
+                pass
+        last = wait
 
 
 # -- readers of the compact log (parent side)

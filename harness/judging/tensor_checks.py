@@ -13,6 +13,7 @@ evidence.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -51,21 +52,22 @@ GRID_FLOOR = 2.0**-6  # values below this fraction of their summed terms' scale 
 def coarse_grid(t: torch.Tensor, dtype: str, floor: float = 0.0) -> tuple[str, int]:
     """(the coarsest dtype narrower than `dtype` on whose grid every normal value of `t` at least
     `floor` in magnitude lies, or '' when there is none or fewer than GRID_MIN_VALUES distinct
-    values to tell; the number of distinct values looked at)."""
+    values to tell; the number of distinct values looked at, 0 when on no grid).
+
+    The distinct values are counted only for a grid every value lies on: a correct ring's values
+    lie on none, and counting them sorts the tensor."""
     narrower = NARROWER.get(dtype, ())
     if not narrower or t.dtype != TORCH_DTYPES[dtype] or not t.is_floating_point():
         return "", 0
     x = t.reshape(-1)
-    # distinct values: one value repeated (e.g. every query's output under a uniform softmax) is one
-    # sample
-    x = torch.unique(x[torch.isfinite(x) & (x.abs() >= max(torch.finfo(t.dtype).tiny, floor))])
-    n = x.numel()
-    if n < GRID_MIN_VALUES:
-        return "", n
+    x = x[torch.isfinite(x) & (x.abs() >= max(torch.finfo(t.dtype).tiny, floor))]
     for name in narrower:
         if bool((x.to(TORCH_DTYPES[name]).to(t.dtype) == x).all()):
-            return name, n
-    return "", n
+            # distinct values: one value repeated (e.g. every query's output under a uniform
+            # softmax) is one sample
+            n = torch.unique(x).numel()
+            return (name if n >= GRID_MIN_VALUES else ""), n
+    return "", 0
 
 
 def _same_infinity(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -130,44 +132,66 @@ def check_tensors(
             case.sinks is not None,
         )
         pos_all = keys_all if name in ("dk", "dv") else rows_all
-        for rank, tensors in sorted(shards.items()):
-            if name not in tensors:
-                continue
-            got = _as_bnhd(tensors[name], name).to(torch.float64)
-            want = r64.index_select(1, pos_all[rank])
-            diff = _diff(got, want)
-            bad_values = ~torch.isfinite(got) & ~_same_infinity(got, want)
-            nonfinite = int(bad_values.sum())
-            if diff.numel() == 0:
-                checks.append(TensorCheck(name, rank, 0.0, allowed, 0, {}, True))
-                continue
-            diff = diff.nan_to_num(nan=float("inf"))
-            if maps is not None:
-                m = maps.setdefault(name, torch.zeros(r64.shape[:3], dtype=torch.float32))
-                m[:, pos_all[rank]] = diff.amax(dim=3).float()
-            flat = int(diff.argmax())
-            bi, li, hi = _unravel(flat, diff.shape)  # torch.unravel_index: same result, 5x the cost
-            err = float(diff.max())
-            position = {"batch": int(bi), "token": int(pos_all[rank][li]), "head": int(hi)}
-            kinds = _kinds(got[bad_values]) if nonfinite else ""
-            grid, looked = (
-                ("", 0) if name == "lse" else coarse_grid(tensors[name], case.dtype, grid_floor)
-            )
-            checks.append(
-                TensorCheck(
-                    name,
-                    rank,
-                    err,
-                    allowed,
-                    nonfinite,
-                    position,
-                    passed=nonfinite == 0 and err <= allowed and not grid,
-                    nonfinite_kinds=kinds,
-                    grid=grid,
-                    grid_values=looked if grid else 0,
-                )
-            )
+        checks += _rank_checks(case, name, shards, r64, pos_all, allowed, grid_floor, maps)
     return checks + check_dsinks(case, shards, exact, base, lse_max)
+
+
+def _rank_checks(
+    case: Case,
+    name: str,
+    shards: dict[int, dict[str, torch.Tensor]],
+    r64: torch.Tensor,
+    pos_all: list[torch.Tensor],
+    allowed: float,
+    grid_floor: float,
+    maps: dict[str, torch.Tensor] | None,
+) -> list[TensorCheck]:
+    """Every rank's check of tensor `name`. The ranks' shards are compared in one piece, along the
+    tokens, and each rank's worst error is read from its slice: a few tensor ops a rank, not a
+    dozen (issue #55)."""
+    ranks = [r for r, t in sorted(shards.items()) if name in t]
+    parts = [_as_bnhd(shards[r][name], name) for r in ranks]
+    if not parts:
+        return []
+    got = torch.cat(parts, 1).to(torch.float64)
+    pos = torch.cat([pos_all[r] for r in ranks])
+    want = r64.index_select(1, pos)
+    bad_values = ~torch.isfinite(got) & ~_same_infinity(got, want)
+    diff = _diff(got, want).nan_to_num(nan=float("inf"))
+    if maps is not None and diff.numel():
+        m = maps.setdefault(name, torch.zeros(r64.shape[:3], dtype=torch.float32))
+        m[:, pos] = diff.amax(dim=3).float()
+    bad_tokens = bad_values.sum(dim=(0, 2, 3)).tolist()
+    checks, ends = [], itertools.accumulate(p.shape[1] for p in parts)
+    for rank, part, z in zip(ranks, parts, ends, strict=True):
+        a = z - part.shape[1]  # this rank's tokens in the joined tensors: a .. z
+        d = diff[:, a:z]
+        if d.numel() == 0:
+            checks.append(TensorCheck(name, rank, 0.0, allowed, 0, {}, True))
+            continue
+        nonfinite = int(sum(bad_tokens[a:z]))
+        bi, li, hi = _unravel(int(d.argmax()), d.shape)  # the first worst, as on a contiguous copy
+        err = float(d.max())
+        position = {"batch": int(bi), "token": int(pos_all[rank][li]), "head": int(hi)}
+        kinds = _kinds(got[:, a:z][bad_values[:, a:z]]) if nonfinite else ""
+        grid, looked = (
+            ("", 0) if name == "lse" else coarse_grid(shards[rank][name], case.dtype, grid_floor)
+        )
+        checks.append(
+            TensorCheck(
+                name,
+                rank,
+                err,
+                allowed,
+                nonfinite,
+                position,
+                passed=nonfinite == 0 and err <= allowed and not grid,
+                nonfinite_kinds=kinds,
+                grid=grid,
+                grid_values=looked if grid else 0,
+            )
+        )
+    return checks
 
 
 LN2 = math.log(2.0)

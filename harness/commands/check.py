@@ -72,8 +72,9 @@ def _add_ranks(p: argparse.ArgumentParser) -> None:
         choices=ORACLES,
         default=S,
         help="who computes the float64 oracle: ranks (each rank its own query rows, "
-        "after its run), local (this process, while the ranks run) or auto (local for a "
-        "small case on CPU ranks, else ranks)" + hint(CheckOptions, "oracle"),
+        "after its run), local (this process, while the ranks run) or auto (this process "
+        "for a small case on CPU ranks, in one pass where it can; else ranks)"
+        + hint(CheckOptions, "oracle"),
     )
     p.add_argument(
         "--launcher",

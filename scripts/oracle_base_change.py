@@ -153,6 +153,17 @@ def _bounds(case, exact, base) -> dict[str, float]:
     return out
 
 
+def _exact_moved(new, old) -> float:
+    """The largest |new - old| / max|old| of the exact outputs over every tensor."""
+    worst = 0.0
+    for t in TENSORS:
+        x, y = getattr(new, t), getattr(old, t)
+        fin = torch.isfinite(y)
+        if fin.any():
+            worst = max(worst, float(((x - y).abs()[fin] / y.abs().max()).max()))
+    return worst
+
+
 def _whole() -> int:
     """Every small battery case `whole` computes: its bounds in one pass against share by
     share."""
@@ -163,11 +174,7 @@ def _whole() -> int:
     worst_exact = 0.0
     for c in cases:
         (oexact, obase), (nexact, nbase) = assemble.local(c), assemble.whole(c)
-        for t in TENSORS:
-            x, y = getattr(nexact, t), getattr(oexact, t)
-            fin = torch.isfinite(y)
-            if fin.any():
-                worst_exact = max(worst_exact, float(((x - y).abs()[fin] / y.abs().max()).max()))
+        worst_exact = max(worst_exact, _exact_moved(nexact, oexact))
         bo, bn = _bounds(c, oexact, obase), _bounds(c, nexact, nbase)
         for t in TENSORS:
             ratios[t].append(bn[t] / bo[t])
@@ -216,11 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         oexact = old.attention(*args, compute=torch.float64)
         obase = old.attention(*args, compute=TORCH_DTYPES[c.dtype])
         nexact, nbase = assemble.local(c)
-        for t in TENSORS:
-            x, y = getattr(nexact, t), getattr(oexact, t)
-            fin = torch.isfinite(y)
-            if fin.any():
-                worst_exact = max(worst_exact, float(((x - y).abs()[fin] / y.abs().max()).max()))
+        worst_exact = max(worst_exact, _exact_moved(nexact, oexact))
         bo, bn = _bounds(c, oexact, obase), _bounds(c, nexact, nbase)
         # an oracle older than #16: NaN on rows that see no key
         if not all(map(math.isfinite, bo.values())):

@@ -5,7 +5,7 @@ own device (`oracle_from_ranks`). Mode "local": the parent computes every share 
 (`harness.oracle.assemble.local`). Both give the same bits on CPU. Mode "auto", the default: for a
 small case on CPU ranks the parent computes it, in one pass where it can ("whole",
 `harness.oracle.assemble.whole`), else share by share; any other case, ranks (`mode_for`;
-docs/benchmarks.md, figures 11 and 13).
+docs/benchmarks.md, sections 11 and 14).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from harness.oracle.keys_pass import keys_part
 from harness.oracle.parts import KeysPart, RowsPart, RowStats, TermScales, gather_stats
 from harness.oracle.rows_pass import rows_part
 from harness.oracle.shares import case_fetch, share_keys, share_rows
+from harness.oracle.tile_store import TileStore
 from harness.oracle.tiles import block, block_size, groups, runs
 from harness.oracle.variant import PLAIN, TileVariant, variant_of
 from harness.serving_case import mask_of
@@ -133,11 +134,12 @@ def _one_share(
     qpos, kpos = torch.arange(nq), torch.arange(nk)
     key_groups = groups([kpos], size)
     kblocks = [g.pos for g in key_groups]
-    rows = rows_part(fetch, qpos, kblocks, hkv, mask, scale, dtype, size, exact, variant)
+    store = TileStore()  # the rows pass's tiles, for the keys pass
+    rows = rows_part(fetch, qpos, kblocks, hkv, mask, scale, dtype, size, exact, variant, store)
     stats = tuple(gather_stats([r], nq) for r in rows)
     qblocks = [qpos[a:z] for a, z in runs(qpos, size)]
     keys = keys_part(
-        fetch, kpos, 0, qblocks, key_groups, hkv, stats, mask, scale, dtype, exact, variant
+        fetch, kpos, 0, qblocks, key_groups, hkv, stats, mask, scale, dtype, exact, variant, store
     )
     return tuple(assemble(nq, scale, [rows[i]], [keys[i]], nk) for i in (0, 1))
 

@@ -29,6 +29,7 @@ from harness.oracle.numerics import (
     rounder,
 )
 from harness.oracle.parts import Fetch, KeysPart, RowStats
+from harness.oracle.tile_store import Kept, TileStore
 from harness.oracle.tiles import Group, trimmer, visible_tiles
 from harness.oracle.variant import PLAIN, TileVariant
 from ring_impl.masks import MaskSpec
@@ -52,6 +53,7 @@ class _KeysSweep:
     sr: ScoreRounding
     variant: TileVariant = PLAIN
     others: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    store: TileStore | None = None  # one pass: the rows pass's tiles
 
     def group_kv(self, i: int, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
         """Key group `i`'s k and v (one tile side): a slice of the share's own, or fetched once."""
@@ -89,6 +91,7 @@ def keys_part(
     dtype: torch.dtype,
     exact_scores: bool = False,
     variant: TileVariant = PLAIN,
+    store: TileStore | None = None,
 ) -> tuple[KeysPart, KeysPart]:
     """The keys pass of share `share` against every query, float64 and the base in `dtype`.
 
@@ -100,6 +103,7 @@ def keys_part(
     every row's statistics."""
     t0 = time.perf_counter()
     sweep = _keys_sweep(fetch, keys, share, stats, scale, dtype, exact_scores, variant)
+    sweep.store = store
     k, v = sweep.k, sweep.v
     b, hkv, c, d = k.shape
     n = sum(qp.numel() for qp in query_blocks)
@@ -167,25 +171,46 @@ def _keys_tile(
     tile: Work,
 ) -> None:
     """Add one tile to the keys pass's sums: the base's dk and dv, then float64's and the column
-    sums. The tile is the rows pass's tile, whole; only this share's columns u0:u1 are kept."""
+    sums. The tile is the rows pass's tile, whole; only this share's columns u0:u1 are kept. In
+    one pass the rows pass may have kept the tile (`TileStore`): it is used as it is."""
+    i, g, qa, qz, ka, kz, m, u0, u1, o = tile
+    b, hkv, _, d = sweep.k.shape
+    at = qpos[qa:qz].to(sweep.k.device)
+    qt, dt = (operands(t, sweep.dtype) for t in (q[..., qa:qz, :], dout[..., qa:qz, :]))
+    kept = None
+    if sweep.store is not None and u0 == 0 and u1 == kz - ka:
+        kept = sweep.store.take((at, g.pos[ka:kz]))
+    pb, drawb, p, ds, draw = kept or _form_tile(sweep, qt, dt, at, tile)
+    w = u1 - u0
+    rows_q = qt[0].reshape(b, hkv, -1, d)  # (B, Hkv, g q, D)
+    rows_dout = dt[0].reshape(b, hkv, -1, dt[0].shape[-1])
+    sums.dkb[:, :, o : o + w] += torch.matmul(keys_side(drawb), rows_q.float())
+    sums.dvb[:, :, o : o + w] += torch.matmul(keys_side(pb), rows_dout.float())
+    del pb, drawb
+    sums.dk[:, :, o : o + w] += torch.matmul(keys_side(draw), rows_q)
+    sums.dv[:, :, o : o + w] += torch.matmul(keys_side(p), rows_dout)
+    cols = sums.cols
+    cols["ds"][..., o : o + w] += ds.sum(dim=(2, 3))
+    cols["p"][..., o : o + w] += p.sum(dim=(2, 3))
+    cols["pa"][..., o : o + w] += p.mul_(_tile_rows(sweep.stats.amp, at, b, hkv).unsqueeze(-1)).sum(
+        dim=(2, 3)
+    )
+
+
+def _form_tile(sweep: _KeysSweep, qt: tuple, dt: tuple, at: torch.Tensor, tile: Work) -> Kept:
+    """A tile's (base P, base s dS, float64 P, |dS|, s dS) on this share's columns u0:u1, formed
+    as the rows pass forms them. `qt`, `dt`: the tile's (float64, base operand) q and dout."""
     i, g, qa, qz, ka, kz, m, u0, u1, o = tile
     k, v, dtype, scale = sweep.k, sweep.v, sweep.dtype, sweep.scale
     b, hkv, _, d = k.shape
-    at = qpos[qa:qz].to(k.device)
     kg, vg = sweep.group_kv(i, g)
-    (qt, qlo), (dt, dlo), (_, klo), (_, vlo) = (
-        operands(t, dtype)
-        for t in (q[..., qa:qz, :], dout[..., qa:qz, :], kg[:, :, ka:kz], vg[:, :, ka:kz])
-    )
+    (_, klo), (_, vlo) = (operands(t, dtype) for t in (kg[:, :, ka:kz], vg[:, :, ka:kz]))
     mo = None if m is None else m[:, u0:u1]
     if mo is not None and bool(mo.all()):
         mo = None
-    w = u1 - u0
-    kt, vt = k[:, :, o : o + w], v[:, :, o : o + w]
-    rows_q = qt.reshape(b, hkv, -1, d)  # (B, Hkv, g q, D)
-    rows_dout = dt.reshape(b, hkv, -1, dt.shape[-1])
-    sb, tb = _base_scores(sweep, qlo, klo, mo, (at, g.pos[ka:kz]), (u0, u1))
-    dp = lo_matmul(dtype, dlo, keys_t(vlo))[..., u0:u1]
+    kt, vt = k[:, :, o : o + u1 - u0], v[:, :, o : o + u1 - u0]
+    sb, tb = _base_scores(sweep, qt[1], klo, mo, (at, g.pos[ka:kz]), (u0, u1))
+    dp = lo_matmul(dtype, dt[1], keys_t(vlo))[..., u0:u1]
     pb, drawb = sweep.variant.base_backward(
         sb,
         tb,
@@ -196,26 +221,16 @@ def _keys_tile(
         scale,
         sweep.sr.scores(),
     )
-    sums.dkb[:, :, o : o + w] += torch.matmul(keys_side(drawb), rows_q.float())
-    sums.dvb[:, :, o : o + w] += torch.matmul(keys_side(pb), rows_dout.float())
-    del pb, drawb
     p, ds, draw = sweep.variant.backward(
-        torch.matmul(qt, keys_t(kt)),
-        torch.matmul(dt, keys_t(vt)),
+        torch.matmul(qt[0], keys_t(kt)),
+        torch.matmul(dt[0], keys_t(vt)),
         mo,
         scale,
         tuple(_tile_rows(t, at, b, hkv) for t in sweep.norm),
         _tile_rows(sweep.stats.delta, at, b, hkv),
         (at, g.pos[ka + u0 : ka + u1]),
     )
-    sums.dk[:, :, o : o + w] += torch.matmul(keys_side(draw), rows_q)
-    sums.dv[:, :, o : o + w] += torch.matmul(keys_side(p), rows_dout)
-    cols = sums.cols
-    cols["ds"][..., o : o + w] += ds.abs_().sum(dim=(2, 3))
-    cols["p"][..., o : o + w] += p.sum(dim=(2, 3))
-    cols["pa"][..., o : o + w] += p.mul_(_tile_rows(sweep.stats.amp, at, b, hkv).unsqueeze(-1)).sum(
-        dim=(2, 3)
-    )
+    return pb, drawb, p, ds.abs_(), draw
 
 
 def _base_scores(

@@ -31,6 +31,7 @@ from harness.oracle.numerics import (
     ungroup_heads,
 )
 from harness.oracle.parts import Fetch, RowsPart
+from harness.oracle.tile_store import TileStore
 from harness.oracle.tiles import runs, trimmer, visible_tiles
 from harness.oracle.variant import PLAIN, TileVariant, sink_grads
 from ring_impl.masks import MaskSpec
@@ -50,6 +51,7 @@ class _RowsSweep:
     sr: ScoreRounding
     trim: Callable[[int], int]
     variant: TileVariant = PLAIN
+    store: TileStore | None = None  # one pass: the gradient sweep's tiles, for the keys pass
 
     def tiles(self, q: torch.Tensor, dout: torch.Tensor) -> Iterator[tuple]:
         """Every tile in which some query sees some key: queries a:z, mask, the tile's global
@@ -93,20 +95,24 @@ def rows_part(
     size: int,
     exact_scores: bool = False,
     variant: TileVariant = PLAIN,
+    store: TileStore | None = None,
 ) -> tuple[RowsPart, RowsPart]:
     """The rows pass of query rows `rows` (a share's global positions) against every key group
     (`key_blocks`: their positions), float64 and the base in `dtype`. Three sweeps over the key
     blocks some row sees, each block fetched once per sweep: (1) the softmax's max and sum, and the
     float64 out by an online softmax; then the sink, once; (2) the base's out and D (P is
     normalised before it is rounded); (3) dq, and the share's dsinks. `exact_scores`: the base keeps
-    its scores in float32 (`ScoreRounding`). `variant`: the score function and the sink."""
+    its scores in float32 (`ScoreRounding`). `variant`: the score function and the sink. `store`:
+    where sweep (3) leaves its tiles for the keys pass of one pass (`TileStore`)."""
     t0 = time.perf_counter()
     sr = ScoreRounding(dtype, exact_scores)
     q, dout = (group_heads(load(fetch(name, rows), dtype), heads_kv) for name in ("q", "dout"))
     b, hkv, g, r, _ = q.shape
     trim = trimmer(b * hkv * g * r * sum(kp.numel() for kp in key_blocks))
     qblocks = runs(rows, size)
-    sweep = _RowsSweep(fetch, rows, qblocks, key_blocks, mask, scale, dtype, sr, trim, variant)
+    sweep = _RowsSweep(
+        fetch, rows, qblocks, key_blocks, mask, scale, dtype, sr, trim, variant, store
+    )
     mx, total, mxb, totalb, out, pv = _softmax_sweep(sweep, q, dout)  # (1)
     alpha = variant.fold_sink(mx, total)
     if alpha is not None:  # the sink: a key of logit sink_h and value 0
@@ -202,7 +208,7 @@ def _gradient_sweep(
     ds_rows = torch.zeros((b, hkv, g, r), dtype=torch.float64, device=q.device)
     for a, z, m, pos, (qt, qlo), (dt, dlo), (kt, klo), (vt, vlo) in sweep.tiles(q, dout):
         sb, tb = var.base(sr.qk(qlo, keys_t(klo)), srnd, scale, m, pos)
-        _, drawb = var.base_backward(
+        pb, drawb = var.base_backward(
             sb,
             tb,
             lo_matmul(dtype, dlo, keys_t(vlo)),
@@ -213,7 +219,7 @@ def _gradient_sweep(
             srnd,
         )
         dqb[..., a:z, :] += torch.matmul(drawb, kt.float().unsqueeze(2))
-        _, ds, draw = var.backward(
+        p, ds, draw = var.backward(
             torch.matmul(qt, keys_t(kt)),
             torch.matmul(dt, keys_t(vt)),
             m,
@@ -224,7 +230,9 @@ def _gradient_sweep(
         )
         dq[..., a:z, :] += torch.matmul(draw, kt.unsqueeze(2))
         ds_rows[..., a:z] += ds.abs_().sum(dim=-1)
-        del ds, draw, drawb
+        if sweep.store is not None:
+            sweep.store.put(pos, (pb, drawb, p, ds, draw))
+        del p, ds, draw, pb, drawb
     return dq, dqb, ds_rows
 
 

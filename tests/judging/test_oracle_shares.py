@@ -425,3 +425,35 @@ def test_the_one_pass_oracle_is_the_shares_oracle_in_float64_and_a_plain_base():
         for t, classes in exact.term_scale.items():
             for k, v in classes.items():
                 assert wexact.term_scale[t][k] == pytest.approx(v, rel=1e-12), (c.summary(), t, k)
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 14])
+def test_the_keys_pass_of_one_pass_reads_the_rows_pass_tiles_bit_for_bit(monkeypatch, budget):
+    """Issue #55: in one pass the keys pass takes the gradient sweep's tiles (`TileStore`) instead
+    of forming them again. Every output and term scale keeps its bits, on battery cases with every
+    variant, GQA and the three dtypes; a store too small for some tiles forms those again."""
+    from harness.oracle import tile_store
+
+    training = [c for c in default_battery(4) if c.serving is None]
+    cases = training[:60:4] + [c for c in training if c.softcap or c.alibi or c.sinks is not None]
+    assert {c.dtype for c in cases} == {"fp32", "fp16", "bf16"}
+    assert any(c.sinks is not None for c in cases) and any(c.alibi for c in cases)
+    assert any(c.dim_v != c.head_dim for c in cases) and any(c.softcap for c in cases)
+    taken = []
+    real = tile_store.TileStore.take
+
+    def take(self, pos):
+        got = real(self, pos)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(tile_store.TileStore, "take", take)
+    monkeypatch.setattr(assemble, "block", lambda case: 16)  # several tiles a case
+    for c in cases:
+        kept = assemble.whole(c)
+        with monkeypatch.context() as m:
+            m.setattr(tile_store, "BUDGET_BYTES", budget)
+            formed = assemble.whole(c)
+        for a, b in zip(kept, formed, strict=True):
+            _same_outputs(a, b, c.summary())
+    assert any(taken) and not all(taken)

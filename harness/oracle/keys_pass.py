@@ -29,7 +29,7 @@ from harness.oracle.numerics import (
     rounder,
 )
 from harness.oracle.parts import Fetch, KeysPart, RowStats
-from harness.oracle.tile_store import Kept, TileStore
+from harness.oracle.tile_store import TileStore
 from harness.oracle.tiles import Group, trimmer, visible_tiles
 from harness.oracle.variant import PLAIN, TileVariant
 from ring_impl.masks import MaskSpec
@@ -179,7 +179,7 @@ def _keys_tile(
     qt, dt = (operands(t, sweep.dtype) for t in (q[..., qa:qz, :], dout[..., qa:qz, :]))
     kept = None
     if sweep.store is not None and u0 == 0 and u1 == kz - ka:
-        kept = sweep.store.take((at, g.pos[ka:kz]))
+        kept = sweep.store.take("grad", (at, g.pos[ka:kz]))
     pb, drawb, p, ds, draw = kept or _form_tile(sweep, qt, dt, at, tile)
     w = u1 - u0
     rows_q = qt[0].reshape(b, hkv, -1, d)  # (B, Hkv, g q, D)
@@ -197,7 +197,7 @@ def _keys_tile(
     )
 
 
-def _form_tile(sweep: _KeysSweep, qt: tuple, dt: tuple, at: torch.Tensor, tile: Work) -> Kept:
+def _form_tile(sweep: _KeysSweep, qt: tuple, dt: tuple, at: torch.Tensor, tile: Work) -> tuple:
     """A tile's (base P, base s dS, float64 P, |dS|, s dS) on this share's columns u0:u1, formed
     as the rows pass forms them. `qt`, `dt`: the tile's (float64, base operand) q and dout."""
     i, g, qa, qz, ka, kz, m, u0, u1, o = tile

@@ -161,10 +161,13 @@ def _softmax_sweep(sweep: _RowsSweep, q: torch.Tensor, dout: torch.Tensor) -> tu
     out = torch.zeros_like(dout, dtype=torch.float64)  # v's head dim
     pv = torch.zeros_like(out)  # the term scale sum_j p_ij |v_jd|
     for a, z, m, pos, (qt, qlo), _, (kt, klo), (vt, _) in sweep.tiles(q, dout):
-        online(mxb, totalb, var.base(sweep.sr.qk(qlo, keys_t(klo)), srnd, scale, m, pos)[0], a, z)
-        p, alpha = online(
-            mx, total, var.exact(torch.matmul(qt, keys_t(kt)), scale, m, pos)[0], a, z
-        )
+        base = var.base(sweep.sr.qk(qlo, keys_t(klo)), srnd, scale, m, pos)
+        exact = var.exact(torch.matmul(qt, keys_t(kt)), scale, m, pos)
+        if sweep.store is not None:  # kept for sweeps (2) and (3)
+            sweep.store.put("base", pos, base, copy=True)
+            sweep.store.put("exact", pos, exact, copy=True)
+        online(mxb, totalb, base[0], a, z)
+        p, alpha = online(mx, total, exact[0], a, z)
         out[..., a:z, :] = out[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(p, vt.unsqueeze(2))
         pv[..., a:z, :] = pv[..., a:z, :] * alpha.unsqueeze(-1) + torch.matmul(
             p, vt.abs().unsqueeze(2)
@@ -183,11 +186,16 @@ def _base_out_sweep(
     outb = torch.zeros_like(dout, dtype=torch.float32)
     deltab = torch.zeros((b, hkv, g, r), dtype=torch.float32, device=q.device)
     for a, z, m, pos, (_, qlo), (_, dlo), (_, klo), (vt, vlo) in sweep.tiles(q, dout):
-        scores, _ = sweep.variant.base(sr.qk(qlo, keys_t(klo)), srnd, sweep.scale, m, pos)
+        scores, _ = _kept(sweep, "base", pos, True) or sweep.variant.base(
+            sr.qk(qlo, keys_t(klo)), srnd, sweep.scale, m, pos
+        )
         p = rnd(probs(scores, norm_rows(normb, a, z)))
         outb[..., a:z, :] += torch.matmul(p, vt.float().unsqueeze(2))
-        deltab[..., a:z] += p.mul_(lo_matmul(dtype, dlo, keys_t(vlo))).sum(dim=-1)
-        del p
+        dp = lo_matmul(dtype, dlo, keys_t(vlo))
+        if sweep.store is not None:  # kept for sweep (3)
+            sweep.store.put("dp", pos, (dp,))
+        deltab[..., a:z] += p.mul_(dp).sum(dim=-1)
+        del p, dp
     return rnd(outb), deltab
 
 
@@ -207,11 +215,12 @@ def _gradient_sweep(
     dq, dqb = torch.zeros_like(q), torch.zeros_like(q, dtype=torch.float32)
     ds_rows = torch.zeros((b, hkv, g, r), dtype=torch.float64, device=q.device)
     for a, z, m, pos, (qt, qlo), (dt, dlo), (kt, klo), (vt, vlo) in sweep.tiles(q, dout):
-        sb, tb = var.base(sr.qk(qlo, keys_t(klo)), srnd, scale, m, pos)
+        sb, tb = _kept(sweep, "base", pos) or var.base(sr.qk(qlo, keys_t(klo)), srnd, scale, m, pos)
+        (dpb,) = _kept(sweep, "dp", pos) or (lo_matmul(dtype, dlo, keys_t(vlo)),)
         pb, drawb = var.base_backward(
             sb,
             tb,
-            lo_matmul(dtype, dlo, keys_t(vlo)),
+            dpb,
             rnd,
             norm_rows(normb, a, z),
             deltab[..., a:z],
@@ -219,21 +228,21 @@ def _gradient_sweep(
             srnd,
         )
         dqb[..., a:z, :] += torch.matmul(drawb, kt.float().unsqueeze(2))
-        p, ds, draw = var.backward(
-            torch.matmul(qt, keys_t(kt)),
-            torch.matmul(dt, keys_t(vt)),
-            m,
-            scale,
-            norm_rows(norm, a, z),
-            delta[..., a:z],
-            pos,
+        exact = _kept(sweep, "exact", pos) or var.exact(torch.matmul(qt, keys_t(kt)), scale, m, pos)
+        p, ds, draw = var.backward_of(
+            exact, torch.matmul(dt, keys_t(vt)), scale, norm_rows(norm, a, z), delta[..., a:z]
         )
         dq[..., a:z, :] += torch.matmul(draw, kt.unsqueeze(2))
         ds_rows[..., a:z] += ds.abs_().sum(dim=-1)
         if sweep.store is not None:
-            sweep.store.put(pos, (pb, drawb, p, ds, draw))
+            sweep.store.put("grad", pos, (pb, drawb, p, ds, draw))
         del p, ds, draw, pb, drawb
     return dq, dqb, ds_rows
+
+
+def _kept(sweep: _RowsSweep, kind: str, pos, again: bool = False) -> tuple | None:
+    """A tile an earlier sweep kept (`TileStore`), or None: form it again."""
+    return None if sweep.store is None else sweep.store.take(kind, pos, again)
 
 
 def _rows_part(

@@ -92,7 +92,12 @@ class TileVariant:
         """(p, dS c, s dS c) of a float64 tile from q.k and dP = dout.v, both consumed.
 
         dS = p (dP - D), times softcap's factor c on its way to dq and dk."""
-        s, c = self.exact(raw, scale, m, pos)
+        return self.backward_of(self.exact(raw, scale, m, pos), dpr, scale, norm, delta)
+
+    @staticmethod
+    def backward_of(scores: tuple, dpr: torch.Tensor, scale: float, norm: Norm, delta):
+        """`backward` from the tile's (scores, c) as `exact` made them, consumed."""
+        s, c = scores
         p = probs(s, norm)
         ds = dpr.sub_(delta.unsqueeze(-1)).mul_(p)
         if c is not None:

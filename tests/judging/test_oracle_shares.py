@@ -428,10 +428,11 @@ def test_the_one_pass_oracle_is_the_shares_oracle_in_float64_and_a_plain_base():
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 14])
-def test_the_keys_pass_of_one_pass_reads_the_rows_pass_tiles_bit_for_bit(monkeypatch, budget):
-    """Issue #55: in one pass the keys pass takes the gradient sweep's tiles (`TileStore`) instead
-    of forming them again. Every output and term scale keeps its bits, on battery cases with every
-    variant, GQA and the three dtypes; a store too small for some tiles forms those again."""
+def test_kept_tiles_give_the_oracle_the_same_bits(monkeypatch, budget):
+    """Issue #55: a rows pass keeps each tile's scores and base dP for its later sweeps, and one
+    pass hands the gradient sweep's tiles to the keys pass (`TileStore`). Every output and term
+    scale keeps its bits, one pass and share by share, on battery cases with every variant, GQA and
+    the three dtypes. A store too small for some tiles forms those again."""
     from harness.oracle import tile_store
 
     training = [c for c in default_battery(4) if c.serving is None]
@@ -442,18 +443,22 @@ def test_the_keys_pass_of_one_pass_reads_the_rows_pass_tiles_bit_for_bit(monkeyp
     taken = []
     real = tile_store.TileStore.take
 
-    def take(self, pos):
-        got = real(self, pos)
-        taken.append(got is not None)
+    def take(self, kind, pos, again=False):
+        got = real(self, kind, pos, again)
+        taken.append((kind, got is not None))
         return got
 
     monkeypatch.setattr(tile_store.TileStore, "take", take)
     monkeypatch.setattr(assemble, "block", lambda case: 16)  # several tiles a case
+    monkeypatch.setattr(tiles, "block", lambda case: 16)
     for c in cases:
-        kept = assemble.whole(c)
+        kept = (assemble.whole(c), assemble.local(c))
         with monkeypatch.context() as m:
             m.setattr(tile_store, "BUDGET_BYTES", budget)
-            formed = assemble.whole(c)
-        for a, b in zip(kept, formed, strict=True):
-            _same_outputs(a, b, c.summary())
-    assert any(taken) and not all(taken)
+            formed = (assemble.whole(c), assemble.local(c))
+        for pair_kept, pair_formed in zip(kept, formed, strict=True):
+            for a, b in zip(pair_kept, pair_formed, strict=True):
+                _same_outputs(a, b, c.summary())
+    for kind in ("base", "exact", "dp", "grad"):
+        got = [hit for k, hit in taken if k == kind]
+        assert any(got) and not all(got), kind

@@ -27,9 +27,10 @@ ORACLE_MODES = ("auto", "ranks", "local")
 # what `mode_for` resolves to when this process computes it: share by share, or in one pass
 PARENT_MODES = ("local", "whole")
 _ORACLE_MODE = {"mode": "auto"}
-# the largest oracle "auto" computes here: batch x q heads x head dim x n^2 (n = 256 at 4 heads of
-# 32, or 512 at 4 heads of 8): tens of milliseconds on one thread (docs/benchmarks.md, figure 11)
-SMALL_ORACLE = 2**23
+# the largest oracle "auto" computes here: batch x q heads x head dim x n^2 (n = 512 at 4 heads of
+# 32, or 1024 at 4 heads of 8): at most ~100 ms on one thread in one pass (docs/benchmarks.md,
+# sections 11 and 15)
+SMALL_ORACLE = 2**25
 # flop/s a rank reaches at worst: 1/50 of one core's float64 rate here (~1e10): the deadline
 ORACLE_FLOPS_FLOOR = 2e8
 ORACLE_DEADLINE_MIN_S = 120.0

@@ -20,7 +20,7 @@ from harness.oracle import tiles
 from harness.oracle.keys_pass import keys_part
 from harness.oracle.parts import Fetch, KeysPart, RowsPart, RowStats
 from harness.oracle.rows_pass import rows_part
-from harness.oracle.tile_store import TileStore
+from harness.oracle.tile_store import rows_store
 from harness.oracle.tiles import key_positions, positions, trimmer
 from harness.oracle.variant import variant_of
 from harness.serving_case import mask_of
@@ -77,7 +77,7 @@ def share_rows(case: Case, index: int, device="cpu") -> tuple[RowsPart, RowsPart
         tiles.block(case),
         case.values in FLASH_BASE_VALUES,
         variant_of(case),
-        TileStore(handover=False),  # the keys pass runs later, on every share's rows
+        rows_store(_work(case)),  # no gradient tiles: the keys pass runs later, on every share
     )
     return tuple(p.cpu() for p in parts)
 

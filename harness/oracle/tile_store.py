@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-# a small case keeps every tile (~48 bytes a score entry); a long share, its first tiles
+# a small case keeps every tile (~48 bytes a score entry); a long one, its first tiles
 BUDGET_BYTES = 256 << 20
+# what a rows pass keeps a score entry at most: both scores, softcap's tanh and factor, base dP
+ROWS_BYTES = 32
 
 # kinds: "base" (the base's scores and tanh), "exact" (float64 scores and softcap's factor),
 # "dp" (the base's dP), "grad" (base P, base s dS, float64 P, |dS|, s dS: for the keys pass)
@@ -63,3 +65,9 @@ class TileStore:
             return got
         got = self.tiles.get(key)
         return None if got is None else tuple(None if t is None else t.clone() for t in got)
+
+
+def rows_store(entries: int) -> TileStore | None:
+    """A store for a share's rows pass of `entries` score entries, if all of them fit. A long
+    share keeps none: its memory stays that of its tiles (docs/long-sequences.md)."""
+    return TileStore(handover=False) if entries * ROWS_BYTES <= BUDGET_BYTES else None

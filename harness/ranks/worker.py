@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection, Listener
 import torch
 
 from harness.kernels import flash_standin
-from harness.ranks import wire
+from harness.ranks import gloo_device, wire
 from harness.ranks.backend import Placement, choose_backend, device_for, rank_device
 from harness.ranks.execute import handle_case, handle_oracle
 from harness.ranks.groups import Groups
@@ -154,6 +154,8 @@ def serve(
     # CPU ranks: flash-attn's CPU stand-in, only where no real flash-attn is importable
     if device.type == "cpu":
         flash_standin.install()
+    if backend == "gloo":
+        gloo_device.share_one_device()  # one loop thread for all of this rank's groups
     dist.init_process_group(
         backend,
         store=dist.FileStore(os.path.join(workdir, "store"), size),

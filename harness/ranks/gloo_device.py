@@ -1,0 +1,54 @@
+"""One gloo transport device for every gloo group of a pool rank.
+
+torch gives each gloo process group a transport device of its own. Each device runs a loop thread
+that wakes every 10 ms (gloo's epoll timeout), busy or not. A pool rank holds a group per ring
+shape it has run: 6 to 18 of them, about 100 loop threads over 8 ranks. Their wakeups took ~10% of
+the 2 cores during a default check (docs/benchmarks.md, section 15). gloo lets groups share a
+device, so `share_one_device` makes every gloo group this process builds use one: one loop thread,
+whatever the number of groups. Each group keeps its own pairs, timeout and work threads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+_INSTALLED: dict = {}
+
+
+def share_one_device() -> bool:
+    """From now on, every gloo group of this process uses one transport device.
+
+    The device is made here, in the process that uses it (a loop thread does not survive a fork).
+    It is torch's default device: the interfaces in GLOO_SOCKET_IFNAME, else the host's. A group
+    built with explicit options keeps them. Returns False where this torch lacks the API (private:
+    `ProcessGroupGloo._Options`); its groups then keep a device each."""
+    if _INSTALLED:
+        return True
+    try:
+        from torch._C._distributed_c10d import ProcessGroupGloo as gloo
+
+        options_cls = gloo._Options
+        names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+        devices = (
+            [gloo.create_device(interface=n) for n in names]
+            if names
+            else [gloo.create_default_device()]
+        )
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+    init = gloo.__init__
+
+    def __init__(self, store, rank, size, *args, **kwargs):
+        given = args[0] if args else kwargs.get("options", kwargs.get("timeout"))
+        if isinstance(given, options_cls):
+            return init(self, store, rank, size, given)
+        options = options_cls()
+        options._devices = devices
+        options._timeout = given if given is not None else datetime.timedelta(minutes=30)
+        options._threads = 2 * len(devices)  # what torch gives a group of its own device(s)
+        return init(self, store, rank, size, options)
+
+    gloo.__init__ = __init__
+    _INSTALLED.update(init=init, devices=devices)
+    return True

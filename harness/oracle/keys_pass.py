@@ -202,7 +202,7 @@ def _form_tile(sweep: _KeysSweep, qt: tuple, dt: tuple, at: torch.Tensor, tile: 
     as the rows pass forms them. `qt`, `dt`: the tile's (float64, base operand) q and dout."""
     i, g, qa, qz, ka, kz, m, u0, u1, o = tile
     k, v, dtype, scale = sweep.k, sweep.v, sweep.dtype, sweep.scale
-    b, hkv, _, d = k.shape
+    b, hkv = k.shape[:2]
     kg, vg = sweep.group_kv(i, g)
     (_, klo), (_, vlo) = (operands(t, dtype) for t in (kg[:, :, ka:kz], vg[:, :, ka:kz]))
     mo = None if m is None else m[:, u0:u1]

@@ -49,6 +49,9 @@ def share_one_device() -> bool:
         options._threads = 2 * len(devices)  # what torch gives a group of its own device(s)
         return init(self, store, rank, size, options)
 
-    gloo.__init__ = __init__
+    try:
+        gloo.__init__ = __init__
+    except (TypeError, AttributeError):  # a binding that refuses new attributes
+        return False
     _INSTALLED.update(init=init, devices=devices)
     return True

@@ -102,8 +102,7 @@ def keys_part(
     once. `exact_scores` and `variant`: as in `rows_part`. The sink needs nothing here: it is in
     every row's statistics."""
     t0 = time.perf_counter()
-    sweep = _keys_sweep(fetch, keys, share, stats, scale, dtype, exact_scores, variant)
-    sweep.store = store
+    sweep = _keys_sweep(fetch, keys, share, stats, scale, dtype, exact_scores, variant, store)
     k, v = sweep.k, sweep.v
     b, hkv, c, d = k.shape
     n = sum(qp.numel() for qp in query_blocks)
@@ -143,6 +142,7 @@ def _keys_sweep(
     dtype: torch.dtype,
     exact_scores: bool,
     variant: TileVariant,
+    store: TileStore | None,
 ) -> _KeysSweep:
     """A keys pass's inputs: the share's k and v, fetched, and every row's statistics moved to
     their device."""
@@ -150,7 +150,9 @@ def _keys_sweep(
     st, stb = (s.to(k.device) for s in stats)
     norm, normb = normaliser(st.mx, st.total), normaliser(stb.mx, stb.total)
     sr = ScoreRounding(dtype, exact_scores)
-    return _KeysSweep(fetch, share, k, v, st, stb, norm, normb, scale, dtype, sr, variant)
+    return _KeysSweep(
+        fetch, share, k, v, st, stb, norm, normb, scale, dtype, sr, variant, store=store
+    )
 
 
 def _tile_rows(t: torch.Tensor, at: torch.Tensor, b: int, hkv: int) -> torch.Tensor:

@@ -197,3 +197,28 @@ def test_a_tensor_rounded_through_bf16_fails_within_the_error_bound():
     assert {(ch.tensor, ch.grid) for ch in bad} == {("dq", "bf16")} and len(bad) == 2
     # the bound alone passes it
     assert all(ch.error <= ch.allowed and 64 <= ch.grid_values <= 512 for ch in bad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_judge_s_short_paths_give_the_long_paths_values(seed):
+    """`_diff` without infinities in the oracle, and `_finite_max` with a finite top, skip passes
+    over the tensor (issue #55). They must give the very values of the long paths, NaN and infinity
+    in the ranks' tensor included."""
+    from harness.judging import tensor_checks as tc
+
+    g = torch.Generator().manual_seed(seed)
+    want = torch.randn(2, 37, 3, 8, generator=g, dtype=torch.float64)
+    got = want + 1e-3 * torch.randn(want.shape, generator=g, dtype=torch.float64)
+    flat = got.view(-1)
+    idx = torch.randperm(flat.numel(), generator=g)[:6]
+    flat[idx[:2]], flat[idx[2:4]], flat[idx[4:]] = float("nan"), float("inf"), float("-inf")
+    assert not tc._has_inf(want)
+    long_path = tc._diff(got, want)
+    assert torch.equal(
+        tc._diff(got, want, want_inf=False).nan_to_num(nan=7.0), long_path.nan_to_num(nan=7.0)
+    )
+    for t in (want, got, torch.empty(0), torch.full((3,), float("-inf")), -want):
+        a = t.abs()
+        finite = a[torch.isfinite(a)]
+        expected = float(finite.max()) if finite.numel() else 0.0
+        assert tc._finite_max(t) == expected

@@ -41,6 +41,34 @@ def test_every_group_of_a_pool_rank_shares_one_gloo_loop_thread(pool):
         assert _threads(proc.pid, "pt_gloo_runloop") >= 2 * 4  # each group's own work threads
 
 
+def _policies(pid: int, name: str) -> list[int]:
+    """The scheduling policies of a process's threads called `name`."""
+    task = f"/proc/{pid}/task"
+    out = []
+    for t in os.listdir(task):
+        try:
+            with open(f"{task}/{t}/comm") as f:
+                if f.read().strip() == name:
+                    out.append(os.sched_getscheduler(int(t)))
+        except OSError:  # the thread ended
+            pass
+    return out
+
+
+@needs_proc
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="no SCHED_BATCH here")
+def test_the_gloo_loop_thread_runs_as_a_batch_thread(pool):
+    """The loop thread spins while a busy rank holds a pair's lock; as a batch thread it no longer
+    preempts the holder (docs/benchmarks.md, section 16). The rank's other threads keep the
+    default policy."""
+    res = run_case(make_case(world_size=POOL_SIZE, total_len=4 * POOL_SIZE), pool)
+    assert res.verdict.value == "pass", res.detail
+    for proc in pool.procs:
+        assert _policies(proc.pid, "gloo_tcp_loop") == [os.SCHED_BATCH]
+        assert set(_policies(proc.pid, "pt_gloo_runloop")) == {os.SCHED_OTHER}
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+
+
 @needs_proc
 def test_a_group_on_the_shared_device_keeps_its_timeout(tmp_path):
     """A group built after `share_one_device` has its own timeout and two work threads, on the one

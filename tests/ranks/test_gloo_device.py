@@ -17,16 +17,22 @@ POOL_SIZE = 4
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
 
 
-def _threads(pid: int, name: str) -> int:
+def _thread_ids(pid: int, name: str) -> list[int]:
+    """The ids of a process's threads called `name`."""
     task = f"/proc/{pid}/task"
-    count = 0
+    out = []
     for t in os.listdir(task):
         try:
             with open(f"{task}/{t}/comm") as f:
-                count += f.read().strip() == name
+                if f.read().strip() == name:
+                    out.append(int(t))
         except OSError:  # the thread ended
             pass
-    return count
+    return out
+
+
+def _threads(pid: int, name: str) -> int:
+    return len(_thread_ids(pid, name))
 
 
 @needs_proc
@@ -43,16 +49,7 @@ def test_every_group_of_a_pool_rank_shares_one_gloo_loop_thread(pool):
 
 def _policies(pid: int, name: str) -> list[int]:
     """The scheduling policies of a process's threads called `name`."""
-    task = f"/proc/{pid}/task"
-    out = []
-    for t in os.listdir(task):
-        try:
-            with open(f"{task}/{t}/comm") as f:
-                if f.read().strip() == name:
-                    out.append(os.sched_getscheduler(int(t)))
-        except OSError:  # the thread ended
-            pass
-    return out
+    return [os.sched_getscheduler(t) for t in _thread_ids(pid, name)]
 
 
 @needs_proc
